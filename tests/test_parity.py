@@ -1,0 +1,211 @@
+"""fastbert's PyTorch path against transformers' own BertModel (eager and sdpa), fp32 and bf16, on CPU.
+
+The bar (DESIGN.md): fp32 max |fastbert - HF| <= 1e-5 on every real token of last_hidden_state and of every hidden
+state, and on pooler_output; padded positions of live rows within 1e-4; bf16 error against an fp32 reference at most
+2x HF's own bf16 error.
+"""
+import pytest
+import torch
+
+import fastbert
+from conftest import random_hf_bert
+
+CONFIGS = {  # hidden, heads, layers, intermediate, act  (head dims 16, 32, 64; intermediates not multiples of 64)
+    "h32-nh1-L1-gelu": (32, 1, 1, 37, "gelu"),
+    "h64-nh4-L2-gelu_new": (64, 4, 2, 100, "gelu_new"),
+    "h128-nh8-L2-tanh": (128, 8, 2, 200, "gelu_pytorch_tanh"),
+    "h96-nh3-L4-relu": (96, 3, 4, 130, "relu"),
+    "h384-nh12-L2-gelu": (384, 12, 2, 1000, "gelu"),
+    "h768-nh12-L1-gelu": (768, 12, 1, 3000, "gelu"),
+}
+
+
+def make_inputs(kind, B=3, S=11, vocab=99, types=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (B, S), generator=g)
+    tt = torch.randint(0, types, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    if kind == "right":
+        for b, n in enumerate([S, 5, 1][:B]):
+            mask[b, n:] = 0
+    elif kind == "left":
+        for b, n in enumerate([S, 4, 2][:B]):
+            mask[b, : S - n] = 0
+    elif kind == "fully_padded_row":
+        mask[1, 6:] = 0
+        mask[2] = 0
+    return ids, tt, mask
+
+
+def assert_close_on(actual, expected, mask, real_tol=1e-5, pad_tol=1e-4):
+    """Real tokens within real_tol; padded positions of rows that have real tokens within pad_tol."""
+    assert torch.isfinite(actual).all()
+    real = mask.bool()
+    live_rows = real.any(1)
+    d = (actual.float() - expected.float()).abs().amax(-1)  # [B, S]
+    assert d[real].max() <= real_tol, f"real tokens: max |delta| {d[real].max():.3g} > {real_tol}"
+    pad = ~real & live_rows[:, None]
+    if pad.any():
+        assert d[pad].max() <= pad_tol, f"padded positions: max |delta| {d[pad].max():.3g} > {pad_tol}"
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def pair(request):
+    hidden, heads, layers, inter, act = CONFIGS[request.param]
+    hf = random_hf_bert(hidden, heads, layers, inter, act)
+    return hf, fastbert.BertModel.from_hf(hf, kernels="torch")
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left", "fully_padded_row"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_random_configs_match_hf(pair, padding, attn):
+    hf, fb = pair
+    hf.config._attn_implementation = attn
+    ids, tt, mask = make_inputs(padding)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        out = fb(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref.hidden_states) == hf.config.num_hidden_layers + 1
+    for h_out, h_ref in zip(out.hidden_states, ref.hidden_states):
+        assert_close_on(h_out, h_ref, mask)
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    live = mask.bool().any(1)
+    assert (out.pooler_output - ref.pooler_output)[live].abs().max() <= 1e-5
+
+
+def test_fully_padded_row_is_finite_uniform_and_isolated(pair):
+    """A row with no real token attends uniformly to all its keys (HF eager's answer), stays finite, and leaves the
+    other rows exactly as they are without it."""
+    hf, fb = pair
+    ids, tt, mask = make_inputs("fully_padded_row")
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        out = fb(ids, attention_mask=mask, token_type_ids=tt)
+        alone = fb(ids[:2], attention_mask=mask[:2], token_type_ids=tt[:2])
+        eager = hf(ids, attention_mask=mask, token_type_ids=tt)
+    assert torch.isfinite(out.last_hidden_state).all() and torch.isfinite(out.pooler_output).all()
+    assert (out.last_hidden_state[:2] - alone.last_hidden_state).abs().max() <= 1e-6
+    assert (out.last_hidden_state[2] - eager.last_hidden_state[2]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("S", [1, 64])  # 64 = max_position_embeddings of the random configs
+def test_seq_len_extremes(pair, S):
+    hf, fb = pair
+    ids = torch.randint(1, 99, (2, S), generator=torch.Generator().manual_seed(S))
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1, S // 2 + 1:] = 0
+    with torch.no_grad():
+        ref, out = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
+
+
+def test_position_ids_inputs_embeds_and_attentions(pair):
+    hf, fb = pair
+    hf.config._attn_implementation = "eager"  # the path that returns attention probabilities
+    ids, tt, mask = make_inputs("right")
+    pos = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]).expand(3, -1).contiguous()
+    embeds = hf.embeddings.word_embeddings(ids).detach()
+    with torch.no_grad():
+        ref = hf(inputs_embeds=embeds, attention_mask=mask, token_type_ids=tt, position_ids=pos,
+                 output_attentions=True)
+        out = fb(inputs_embeds=embeds, attention_mask=mask, token_type_ids=tt, position_ids=pos,
+                 output_attentions=True)
+        ref_ids = hf(ids, attention_mask=mask, position_ids=pos[:1])  # a [1, S] position_ids broadcasts
+        out_ids = fb(ids, attention_mask=mask, position_ids=pos[:1])
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    assert_close_on(out_ids.last_hidden_state, ref_ids.last_hidden_state, mask)
+    assert len(out.attentions) == len(ref.attentions)
+    for a, r in zip(out.attentions, ref.attentions):
+        assert a.shape == r.shape
+        assert (a - r).abs().max() <= 1e-6
+
+
+def test_return_dict_false_orders_like_hf(pair):
+    hf, fb = pair
+    ids, tt, mask = make_inputs("right")
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, return_dict=False)
+        out = fb(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, return_dict=False)
+    assert isinstance(out, tuple) and len(out) == len(ref)
+    assert_close_on(out[0], ref[0], mask)
+    assert (out[1] - ref[1]).abs().max() <= 1e-5
+    for o, r in zip(out[2:], ref[2:]):
+        assert type(o) is type(r) and len(o) == len(r)
+    for o, r in zip(out[2], ref[2]):  # hidden states
+        assert_close_on(o, r, mask)
+
+
+def test_bf16_error_at_most_twice_hf():
+    hf = random_hf_bert(384, 12, 2, 1000, "gelu")
+    ids, tt, mask = make_inputs("right", S=33)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, token_type_ids=tt).last_hidden_state
+        hf16 = random_hf_bert(384, 12, 2, 1000, "gelu").to(torch.bfloat16)
+        hf_err = (hf16(ids, attention_mask=mask, token_type_ids=tt).last_hidden_state.float() - ref)
+        fb = fastbert.BertModel.from_hf(hf16, kernels="torch")
+        fb_err = (fb(ids, attention_mask=mask, token_type_ids=tt).last_hidden_state.float() - ref)
+    real = mask.bool()
+    hf_max, fb_max = hf_err[real].abs().max(), fb_err[real].abs().max()
+    assert torch.isfinite(fb_err).all()
+    assert 0 < hf_max and fb_max <= 2 * hf_max, (fb_max, hf_max)
+
+
+def test_empty_batch_returns_empty_outputs(pair):
+    """B = 0 gives empty outputs of the right shapes (transformers 5.24's own BertModel raises on this input)."""
+    hf, fb = pair
+    ids = torch.zeros(0, 7, dtype=torch.long)
+    H = hf.config.hidden_size
+    with torch.no_grad():
+        out = fb(ids, attention_mask=torch.ones(0, 7), output_hidden_states=True)
+    assert out.last_hidden_state.shape == (0, 7, H) and out.pooler_output.shape == (0, H)
+    assert all(h.shape == (0, 7, H) for h in out.hidden_states)
+
+
+# ---- the real model: all-MiniLM-L6-v2, its tokenizer, real sentences --------------------------------------------------
+SENTENCES = ["A man is eating food.", "The new movie is awesome, I would watch it again tomorrow night.",
+             "Hi", "Two dogs are playing in the snow while children build a snowman in the garden next door."]
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_path):
+    import transformers
+    hf = {a: transformers.BertModel.from_pretrained(minilm_path, attn_implementation=a).eval() for a in ("eager", "sdpa")}
+    return hf, fastbert.BertModel.from_pretrained(minilm_path, kernels="torch")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", ["one_sentence", "ragged_right", "ragged_left", "pairs"])
+def test_minilm_matches_hf(minilm, tokenizer, attn, case):
+    hf, fb = minilm
+    tokenizer.padding_side = "left" if case == "ragged_left" else "right"
+    try:
+        if case == "one_sentence":
+            enc = tokenizer(SENTENCES[1:2], return_tensors="pt")
+        elif case == "pairs":
+            enc = tokenizer(SENTENCES[:2], SENTENCES[2:], padding=True, return_tensors="pt")
+            assert enc["token_type_ids"].any()
+        else:
+            enc = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = "right"
+    with torch.no_grad():
+        ref = hf[attn](**enc, output_hidden_states=True)
+        out = fb(**enc, output_hidden_states=True)
+    for h_out, h_ref in zip(out.hidden_states, ref.hidden_states):
+        assert_close_on(h_out, h_ref, enc["attention_mask"])
+    assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
+
+
+def test_minilm_max_length_and_fully_padded_row(minilm, tokenizer):
+    hf, fb = minilm
+    S = fb.config.max_position_embeddings
+    ids = torch.randint(1000, 30000, (2, S), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1] = 0
+    with torch.no_grad():
+        ref = hf["eager"](ids, attention_mask=mask).last_hidden_state
+        out = fb(ids, attention_mask=mask).last_hidden_state
+    assert_close_on(out, ref, mask)
+    assert torch.isfinite(out).all() and (out[1] - ref[1]).abs().max() <= 1e-4
