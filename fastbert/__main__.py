@@ -68,9 +68,13 @@ def default_model() -> str:
 
 def parse_kernels(text: str):
     """'triton' -> all ops; 'attention=torch,bias_gelu=triton' -> per op."""
-    if "=" not in text:
-        return text
-    return dict(item.split("=", 1) for item in text.split(","))
+    choice = text if "=" not in text else dict(item.split("=", 1) for item in text.split(","))
+    for op, backend in (choice.items() if isinstance(choice, dict) else [(ops.OPS[0], choice)]):
+        try:
+            ops.check_backend(op, backend)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+    return choice
 
 
 def mean_pool(last_hidden_state, attention_mask):
@@ -102,7 +106,8 @@ def run(model, encodings, repeats):
             for _, enc in encodings:
                 model(**enc)
         sync()
-        return outs, real_tokens * repeats / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return outs, real_tokens * repeats / elapsed if repeats else float("nan")
 
 
 def check(args) -> int:
@@ -113,7 +118,8 @@ def check(args) -> int:
     dtype = DTYPES[args.dtype]
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     max_length = transformers.AutoConfig.from_pretrained(path).max_position_embeddings
-    encodings = list(batches(tokenizer, SENTENCES, args.batch_size, device, max_length))
+    sentences = SENTENCES[:args.limit] if args.limit else SENTENCES
+    encodings = list(batches(tokenizer, sentences, args.batch_size, device, max_length))
 
     def hf_model(d):
         return transformers.BertModel.from_pretrained(path, attn_implementation="sdpa", dtype=d).to(device).eval()
@@ -138,7 +144,7 @@ def check(args) -> int:
         backends.append(("triton", "triton") if reason is None else ("triton", reason))
 
     model = BertModel.from_pretrained(path, dtype=dtype, device=device)
-    print(f"model: {path}\ndevice: {device}  dtype: {args.dtype}  sentences: {len(SENTENCES)}  "
+    print(f"model: {path}\ndevice: {device}  dtype: {args.dtype}  sentences: {len(sentences)}  "
           f"batch size: {args.batch_size}  torch {torch.__version__}  transformers {transformers.__version__}")
     print(f"parity bar (max |delta| vs HF on real tokens): {bar:.1e}"
           + ("" if dtype == torch.float32 else f"  (2x HF's own {args.dtype} error {hf_err:.1e})"))
@@ -197,6 +203,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", type=parse_kernels, default=None,
                         help="auto, torch, triton, or op=backend,... (default: every available backend in turn)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over the sentences (check only)")
+    parser.add_argument("--limit", type=int, default=0, help="use only the first N built-in sentences (check only)")
     parser.add_argument("--input", help="encode: a text file, one text per line")
     parser.add_argument("--output", help="encode: where to write the .npy of embeddings")
     args = parser.parse_args(argv)

@@ -158,6 +158,23 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self._kernels = {op: "auto" for op in OPS}
         self.set_kernels(kernels)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        """HF's initialisation, for models built from a config (loading overwrites it; on meta it costs nothing)."""
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                nn.init.zeros_(module.weight[module.padding_idx])
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        if isinstance(module, BertSelfAttention):
+            nn.init.normal_(module.qkv_weight, std=std)
+            nn.init.zeros_(module.qkv_bias)
 
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
