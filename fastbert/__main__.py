@@ -163,8 +163,9 @@ def check(args) -> int:
                   for o, r, (_, enc) in zip(out, hf_out, encodings))
         ok = delta <= bar and cos == cos
         failed |= not ok
-        print(f"{name:<8} {device.type:<7} {args.dtype:<9} {delta:>18.2e} {cos:>21.7f} {hf_tps:>10.0f} {tps:>15.0f}"
-              f"  {'ok' if ok else 'FAIL'}")
+        rate = (lambda r: "-" if r != r else f"{r:.0f}")  # NaN when --repeats 0: nothing was timed
+        print(f"{name:<8} {device.type:<7} {args.dtype:<9} {delta:>18.2e} {cos:>21.7f} {rate(hf_tps):>10} "
+              f"{rate(tps):>15}  {'ok' if ok else 'FAIL'}")
     return 1 if failed else 0
 
 
