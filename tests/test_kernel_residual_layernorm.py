@@ -1,0 +1,222 @@
+"""residual_layernorm: LN(y @ W^T + b + residual), cuBLAS/torch GEMM + one Triton row kernel (bias+residual+LN).
+
+Checked against the torch twin (fastbert/ops.py), an fp64 reference from the same rounded inputs, and transformers'
+BertSelfOutput / BertOutput with the weights shared. fp32 <= 1e-5 absolute (LayerNorm outputs are O(1); the GEMM
+part is the same torch matmul as the twin's, the row statistics are fp32 either way); fp16/bf16 <= 2x the twin's
+own max error against fp64 (+1e-6). The row kernel has no tl.dot, so bf16 runs in the interpreter too.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastbert import ops
+from fastbert.kernels import residual_layernorm as rln_mod
+from fastbert.kernels.residual_layernorm import residual_layernorm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FP32_TOL = 1e-5
+
+
+def make(shape, dtype, scale=1.0, shift=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype).to(DEVICE)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def inputs(T, K, H, dtype, bias=True):
+    y = make((T, K), dtype)
+    w = make((H, K), dtype, scale=K ** -0.5, seed=1)
+    b = make((H,), dtype, scale=0.5, seed=2) if bias else None
+    res = make((T, H), dtype, seed=3)
+    gamma = make((H,), dtype, scale=0.2, shift=1.0, seed=4)
+    beta = make((H,), dtype, scale=0.2, seed=5)
+    return y, w, b, res, gamma, beta
+
+
+def reference64(y, w, b, res, gamma, beta, eps):
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    h = F.linear(d(y), d(w), d(b)) + d(res)
+    return F.layer_norm(h, (h.shape[-1],), d(gamma), d(beta), eps)
+
+
+def assert_matches(out, twin, ref64, dtype):
+    assert out.shape == twin.shape == ref64.shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel output (an unwritten element keeps its NaN poison)"
+    err = (out.double() - ref64).abs().max().item()
+    if dtype == torch.float32:
+        assert (out.double() - twin.double()).abs().max().item() <= FP32_TOL
+        assert err <= FP32_TOL
+    else:
+        twin_err = (twin.double() - ref64).abs().max().item()
+        assert err <= 2 * twin_err + 1e-6, f"kernel error {err:.3g} vs twin error {twin_err:.3g} against fp64"
+
+
+CASES = [  # (T, K, H): attention-out (K = H) and FFN-out (K = I) shapes, I = 1536 and a non-multiple of 64
+    (1, 384, 384),
+    (7, 1536, 384),
+    (13, 100, 384),
+    (131, 384, 384),
+    (7, 768, 768),
+    (13, 100, 768),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,K,H", CASES, ids=[f"T{t}-K{k}-H{h}" for t, k, h in CASES])
+def test_residual_layernorm(T, K, H, dtype):
+    y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
+    eps = 1e-12
+    out = poisoned((T, H), dtype)
+    got = residual_layernorm(y, w, b, res, gamma, beta, eps, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, eps)
+    assert_matches(got, twin, reference64(y, w, b, res, gamma, beta, eps), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("eps", [1e-5, 0.5])
+def test_strided_inputs_no_bias_and_eps(dtype, eps):
+    """y and residual as strided views (y = big[:, :K], residual = big[::2]); no dense bias; an eps large enough
+    (0.5) that using it wrongly shows."""
+    T, K, H = 13, 384, 384
+    y = make((T, K + 40), dtype)[:, :K]
+    res = make((2 * T, H), dtype, seed=3)[::2]
+    _, w, _, _, gamma, beta = inputs(T, K, H, dtype)
+    assert not y.is_contiguous() and not res.is_contiguous()
+    got = residual_layernorm(y, w, None, res, gamma, beta, eps, out=poisoned((T, H), dtype))
+    twin = ops.residual_layernorm_torch(y, w, None, res, gamma, beta, eps)
+    assert_matches(got, twin, reference64(y, w, None, res, gamma, beta, eps), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("H", [100, 1023, 1024])
+def test_row_widths(H, dtype):
+    """Row widths around the BLOCK_N choices: 100 (128 lanes, 28 masked), 1023 (one masked lane), 1024 (BERT-large)."""
+    T, K = 7, 64
+    y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
+    got = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, out=poisoned((T, H), dtype))
+    twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12)
+    assert_matches(got, twin, reference64(y, w, b, res, gamma, beta, 1e-12), dtype)
+
+
+def test_in_place_over_residual_and_default_out():
+    """out=residual updates the residual stream in place; without out the result reuses the GEMM buffer."""
+    T, K, H = 13, 384, 384
+    dtype = torch.float32
+    y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
+    want = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12)
+    fresh = residual_layernorm(y, w, b, res, gamma, beta, 1e-12)
+    assert fresh.is_contiguous() and (fresh - want).abs().max().item() <= FP32_TOL
+    stream = res.clone()
+    got = residual_layernorm(y, w, b, stream, gamma, beta, 1e-12, out=stream)
+    assert got.data_ptr() == stream.data_ptr() and (got - want).abs().max().item() <= FP32_TOL
+
+
+def test_zero_tokens():
+    y, w, b, res, gamma, beta = inputs(0, 384, 384, torch.float32)
+    assert residual_layernorm(y, w, b, res, gamma, beta, 1e-12).shape == (0, 384)
+
+
+@pytest.mark.parametrize("module_name,K", [("BertSelfOutput", 384), ("BertOutput", 1536)])
+def test_matches_transformers(module_name, K):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert import modeling_bert
+
+    config = transformers.BertConfig(hidden_size=384, intermediate_size=1536, num_attention_heads=6,
+                                     layer_norm_eps=1e-12)
+    torch.manual_seed(0)
+    module = getattr(modeling_bert, module_name)(config).to(DEVICE).eval()
+    with torch.no_grad():  # non-trivial LayerNorm parameters, so gamma/beta mix-ups show
+        module.LayerNorm.weight.normal_(1.0, 0.2)
+        module.LayerNorm.bias.normal_(0.0, 0.2)
+    T = 13
+    y, res = make((T, K), torch.float32), make((T, 384), torch.float32, seed=3)
+    with torch.no_grad():
+        want = module(y[None], res[None])[0]
+        got = residual_layernorm(y, module.dense.weight, module.dense.bias, res, module.LayerNorm.weight,
+                                 module.LayerNorm.bias, config.layer_norm_eps, out=poisoned((T, 384), torch.float32))
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() <= FP32_TOL
+
+
+def test_through_dispatch():
+    y, w, b, res, gamma, beta = inputs(7, 384, 384, torch.float32)
+    got = ops.residual_layernorm(y, w, b, res, gamma, beta, 1e-12, backend="triton")
+    want = ops.residual_layernorm(y, w, b, res, gamma, beta, 1e-12, backend="torch")
+    assert (got - want).abs().max().item() <= FP32_TOL
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case,exc,match", [
+    ("y_1d", ValueError, r"y must be 2-D"),
+    ("k_mismatch", ValueError, r"y.shape\[1\]=384 must match weight.shape\[1\]=383"),
+    ("bias_shape", ValueError, r"bias must be \[384\]"),
+    ("residual_shape", ValueError, r"residual.shape=\(7, 383\) must be \(7, 384\)"),
+    ("residual_column_stride", ValueError, r"residual must have a unit-stride last dimension"),
+    ("gamma_shape", ValueError, r"ln_weight.shape=\(383,\) must be \(384,\)"),
+    ("beta_strided", ValueError, r"ln_bias must be contiguous"),
+    ("dtype_mismatch", TypeError, r"share one dtype.*ln_weight.dtype=torch.float16"),
+    ("eps_negative", ValueError, r"eps must be a non-negative float; got eps=-1e-05"),
+    ("eps_string", ValueError, r"eps must be a non-negative float"),
+    ("too_wide", ValueError, r"hidden size H=16385 exceeds 16384"),
+    ("device_mismatch", ValueError, r"one device.*residual on meta"),
+    ("out_shape", ValueError, r"out.shape=\(7, 385\) must be \(7, 384\)"),
+    ("out_dtype", TypeError, r"out.dtype=torch.float64 must be"),
+])
+def test_bad_inputs(case, exc, match):
+    y, w, b, res, gamma, beta = inputs(7, 384, 384, torch.float32)
+    eps, out = 1e-12, None
+    if case == "y_1d":
+        y = y[0]
+    elif case == "k_mismatch":
+        w = w[:, :383]
+    elif case == "bias_shape":
+        b = b[:-1]
+    elif case == "residual_shape":
+        res = res[:, :383]
+    elif case == "residual_column_stride":
+        res = make((384, 7), torch.float32).t()
+    elif case == "gamma_shape":
+        gamma = gamma[:-1]
+    elif case == "beta_strided":
+        beta = make((768,), torch.float32)[::2]
+    elif case == "dtype_mismatch":
+        gamma = gamma.half()
+    elif case == "eps_negative":
+        eps = -1e-5
+    elif case == "eps_string":
+        eps = "1e-12"
+    elif case == "too_wide":
+        y, w, b, res, gamma, beta = inputs(1, 1, 16385, torch.float32)
+    elif case == "device_mismatch":
+        res = torch.empty(res.shape, device="meta")
+    elif case == "out_shape":
+        out = torch.empty((7, 385), device=DEVICE)
+    elif case == "out_dtype":
+        out = torch.empty((7, 384), dtype=torch.float64, device=DEVICE)
+    with pytest.raises(exc, match=match):
+        residual_layernorm(y, w, b, res, gamma, beta, eps, out=out)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    y, w, b, res, gamma, beta = (t.cpu() for t in inputs(7, 384, 384, torch.float32))
+    with pytest.raises(ValueError, match=r"tensors are on cpu; the Triton kernels need CUDA tensors"):
+        residual_layernorm(y, w, b, res, gamma, beta, 1e-12)
+
+
+def test_aot_specs():
+    specs = rln_mod.aot_specs()
+    names = [s["name"] for s in specs]
+    assert len(set(names)) == len(names) == 3 * 2  # fp32/fp16/bf16 x BLOCK_N 512 (H=384), 1024 (H=768, 1024)
+    params = set(rln_mod.bias_residual_layernorm_kernel.arg_names)
+    for s in specs:
+        assert s["fn"] is rln_mod.bias_residual_layernorm_kernel
+        assert set(s["signature"]) | set(s["constexprs"]) == params and not set(s["signature"]) & set(s["constexprs"])
+        assert (s["constexprs"]["BLOCK_N"], s["num_warps"]) == rln_mod.row_config(s["constexprs"]["BLOCK_N"])
