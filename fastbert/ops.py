@@ -107,6 +107,13 @@ def attention_torch(qkv: torch.Tensor, mask: AttentionMask, scale: float, dropou
     else:
         probs = None
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive, dropout_p=dropout_p, scale=scale)
+    if mask.kv_end is not None:
+        # Fully padded rows: HF eager's uniform attention over all S keys, stated outright. Adding finfo.min only
+        # equalises the scores when it swamps them; sdpa adds fp16's -65504 in fp32, where it does not.
+        empty = (mask.kv_end == 0)[:, None, None, None]                                  # [B, 1, 1, 1]
+        ctx = torch.where(empty, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
+        if probs is not None:
+            probs = torch.where(empty, torch.full_like(probs, 1.0 / S), probs)
     return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]
 
 
@@ -211,6 +218,8 @@ def _common_unsupported(*tensors: torch.Tensor, dropout_p: float = 0.0) -> str |
     dtype = tensors[0].dtype
     if dtype not in TRITON_DTYPES:
         return f"dtype {dtype} is not one of float32, float16, bfloat16"
+    if tensors[0].dim() and tensors[0].stride(-1) != 1:
+        return f"the input's last dimension has stride {tensors[0].stride(-1)} (the kernels read unit-stride rows)"
     return None
 
 

@@ -209,3 +209,22 @@ def test_minilm_max_length_and_fully_padded_row(minilm, tokenizer):
         out = fb(ids, attention_mask=mask).last_hidden_state
     assert_close_on(out, ref, mask)
     assert torch.isfinite(out).all() and (out[1] - ref[1]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("return_probs", [False, True])
+def test_twin_fully_padded_row_is_uniform_in_every_dtype(dtype, return_probs):
+    """fp16's finfo.min (-65504) does not swamp large scores once sdpa adds it in fp32: the twin states the
+    uniform answer outright rather than relying on the additive mask."""
+    from fastbert import ops
+    B, S, nh, hd = 2, 9, 2, 16
+    qkv = (torch.randn(B * S, 3, nh, hd, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
+    keep = torch.ones(B, S, dtype=torch.long)
+    keep[1] = 0
+    mask = ops.AttentionMask.build(keep, B, S, dtype)
+    ctx, probs = ops.attention_torch(qkv, mask, hd ** -0.5, return_probs=return_probs)
+    v = qkv.view(B, S, 3, nh, hd)[1, :, 2].float()                           # [S, nh, hd]
+    want = v.mean(0).reshape(1, nh * hd).expand(S, -1)
+    assert (ctx.view(B, S, -1)[1].float() - want).abs().max() <= (1e-6 if dtype == torch.float32 else 0.05)
+    if return_probs:
+        assert torch.allclose(probs[1].float(), torch.full((nh, S, S), 1 / S), atol=1e-3)

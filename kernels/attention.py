@@ -1,0 +1,376 @@
+"""Masked flash attention (forward) over BERT's packed qkv: softmax(q k^T * scale + mask) v -> [T, nh*hd].
+
+Why it pays. HF's eager BERT attention, per layer, for B sequences of S tokens, nh heads of hd (H = nh*hd), 2-byte
+dtype: the matmul on transposed q/k views writes the scores [B, nh, S, S]; the scaling, the mask add and the
+softmax each read and rewrite them; probs @ v reads them once more; the context is transposed back into a [T, H]
+copy. At B=32, S=512, BERT-base the score tensor is 32*12*512*512*2 B = 200 MB and makes ~8 passes, ~1.6 GB of
+traffic, for work a fused kernel does reading qkv once (T*3H*2 B = 75 MB) and writing the context once (25 MB).
+Flash attention keeps a [BLOCK_M, BLOCK_N] tile of scores in registers, folds the softmax into a running max and
+running sum (the "online softmax"), and never forms S x S.
+
+Masking. BERT batches are padded. `key_valid[b, j]` says whether key j of row b is a real token, `kv_end[b]` is
+1 + the index of row b's last real key. Key blocks at or past kv_end[b] are never loaded (right padding costs
+nothing); any other 0/1 pattern (left padding, holes) is masked inside the loop: those scores become -inf, so a
+masked key gets probability exactly 0, as HF's finfo.min additive mask gives whenever the row has a real key.
+A fully padded row (kv_end == 0) is HF eager's corner case: every score is finfo.min, softmax of equal numbers is
+uniform, so each query of that row attends uniformly to all S keys (its output is the mean of the row's values).
+The kernel reproduces that explicitly: for such a row it treats all S keys as valid and zeroes the query, so every
+score is exactly 0. It stays finite and touches no other row. Padded *query* positions of live rows are computed
+like any other query (HF computes them too: they attend to the real keys).
+
+Layout. qkv is [T, 3, nh, hd], T = B*S row-major (batch, seq): the natural view of the QKV GEMM's [T, 3H] output.
+It is read through its strides (only hd must be unit-stride), so no transpose or .contiguous() copy is made. The
+output is written as [T, nh*hd], exactly what the attention output dense reads.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fastbert.ops import TRITON_HEAD_DIMS, interpreting
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _attention_fwd_kernel(
+    # pointers
+    qkv_ptr,  # [T, 3, nh, hd], hd unit-stride
+    key_valid_ptr,  # [B, S] int8 (a bool tensor viewed as int8), 1 = real key; unread when HAS_MASK is False
+    kv_end_ptr,  # [B] int32, 1 + index of the last real key, 0 = fully padded row; unread when HAS_MASK is False
+    out_ptr,  # [T, nh*hd], hd unit-stride
+    # sizes
+    seq_len,  # S
+    qk_scale,  # softmax scale * log2(e)
+    # strides (in elements)
+    stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, q/k/v selector, head
+    stride_mask_b, stride_mask_s,
+    stride_kv_end,
+    stride_out_t,
+    seq_bucket,  # next_power_of_2(S): only an autotune key (so a new length reuses the tuned config), not read
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    HAS_MASK: tl.constexpr,  # False: every key is real, no mask loads at all
+    INPUT_PRECISION: tl.constexpr,  # "tf32" or "ieee" for fp32 inputs (torch's allow_tf32); fp16/bf16 ignore it
+    BLOCK_M: tl.constexpr,  # queries per program
+    BLOCK_N: tl.constexpr,  # keys per loop iteration
+):
+    # Grid: (query blocks, heads, batch). x varies fastest, so the programs that run together share one head's K/V.
+    pid_m = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions within the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_nb = tl.arange(0, BLOCK_N)
+    row_start = batch * seq_len  # the sequence's first token in T (int64)
+    head_base = qkv_ptr + head * stride_qkv_h
+
+    if HAS_MASK:
+        kv_end = tl.load(kv_end_ptr + batch * stride_kv_end)
+        # HF eager on a fully padded row (kv_end == 0): all S keys, equal scores. Run it as all S keys valid with
+        # a zero query (every score exactly 0). (Written with tl.where on scalars, not `block & scalar_bool`,
+        # which Triton 3.9's interpreter turns into an int32 mask it then refuses.)
+        n_end = tl.where(kv_end == 0, seq_len, kv_end)
+        q_end = tl.where(kv_end == 0, 0, seq_len)
+    else:
+        n_end = seq_len
+        q_end = seq_len
+    q_mask = offs_m < q_end
+
+    # The Q tile is loaded once and stays in registers for the whole key loop.
+    q_ptrs = head_base + (row_start + offs_m)[:, None] * stride_qkv_t + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask[:, None], other=0.0)
+    k_base = head_base + stride_qkv_which  # K^T tile [HEAD_DIM, BLOCK_N] is read straight from the [T, ...] layout
+    v_base = head_base + 2 * stride_qkv_which
+
+    # Online softmax state, fp32, in the log2 domain. m starts finite (not -inf) so that a block whose keys are all
+    # masked (scores -inf) gives alpha = exp2(m - m_new) = 1 and p = exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Key blocks at or past n_end (the row's last real key, or S) are never visited.
+    for start_n in range(0, n_end, BLOCK_N):
+        offs_n = start_n + offs_nb
+        in_range = offs_n < n_end
+        k = tl.load(k_base + (row_start + offs_n)[None, :] * stride_qkv_t + offs_d[:, None],
+                    mask=in_range[None, :], other=0.0)
+        scores = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], fp32
+        if HAS_MASK:
+            # Only keys before kv_end are read; the rest (all keys of a fully padded row) default to valid.
+            key_valid = tl.load(key_valid_ptr + batch * stride_mask_b + offs_n * stride_mask_s,
+                                mask=offs_n < kv_end, other=1)
+            keep = (key_valid != 0) & in_range
+        else:
+            keep = in_range
+        scores = tl.where(keep[None, :], scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.math.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + (row_start + offs_n)[:, None] * stride_qkv_t + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    # l_i >= 1 for every live row (its max score contributes exp2(0)); 0 only if kv_end and key_valid disagree
+    # (a kv_end > 0 with no real key before it). Divide by 1 there: zeros, not NaN.
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + (row_start + offs_m)[:, None] * stride_out_t + head * HEAD_DIM + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Autotune configs
+# --------------------------------------------------------------------------------------------------------------------
+def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
+
+
+def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee") -> list[triton.Config]:
+    """The tiles worth trying for one dtype / head dim / fp32 input precision. Each compiles for sm_90 and sm_80,
+    masked and unmasked, without register spills (cuobjdump STACK 0; tests/test_aot.py checks it via aot_specs()).
+
+    fp16/bf16: 128x64 with 8 warps is the throughput tile for long sequences and big batches (the Triton tutorial's
+    choice; REG <= 186 on sm_90, 244 on sm_80 at hd 128). A 64-query tile with 4 warps doubles the program count,
+    which BERT's usual short sequences and small batches need (1 x 128 tokens x 12 heads makes 12 programs of 128
+    queries for 132 SMs): 64x64 up to hd 64, 64x32 at hd 128, where 64x64 spills on sm_80 (REG 255, STACK 8-24).
+    Two stages: the key loop of a BERT-length sequence is 2-8 iterations, and 3 stages spilled (hd 32, sm_80).
+    fp32: not autotuned, one tile (it is the accuracy path, not the fast one). "tf32" runs on tensor cores;
+    "ieee" (torch's default, allow_tf32 off) runs tl.dot on FMAs, which hold whole hd-long operand rows per thread:
+    every 128-query tile and 64x64 spill at hd 64/128 (STACK 600+ on sm_90). 64x32 with 8 warps fits up to hd 64
+    (REG <= 152); at hd 128 "ieee" only 32x16 with 4 warps fits both variants on both archs (64x32 and 64x16 at
+    8 warps each spill on sm_80 in one of the two mask variants).
+    """
+    if dtype == torch.float32:
+        if input_precision == "ieee" and head_dim > 64:
+            return [_config(32, 16, 4, 2)]
+        return [_config(64, 32, 8, 2)]
+    return [_config(128, 64, 8, 2), _config(64, 64, 4, 2) if head_dim <= 64 else _config(64, 32, 4, 2)]
+
+
+def _key(config: triton.Config) -> tuple:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def _all_configs() -> list[triton.Config]:
+    unique = {}
+    for dtype in _DTYPES:
+        for precision in ("ieee", "tf32"):
+            for head_dim in TRITON_HEAD_DIMS:
+                for config in attention_configs(dtype, head_dim, precision):
+                    unique.setdefault(_key(config), config)
+    return list(unique.values())
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep the configs of this call's dtype and head dim; drop 128-query tiles for sequences of <= 64 tokens
+    (half of such a tile would be masked-off work, and it halves the program count)."""
+    dtype, head_dim, precision = named_args["qkv_ptr"].dtype, kwargs["HEAD_DIM"], kwargs["INPUT_PRECISION"]
+    wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision)}
+    kept = [c for c in configs if _key(c) in wanted]
+    short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(64, named_args["seq_bucket"])]
+    return short or kept
+
+
+_attention_fwd = triton.autotune(
+    configs=_all_configs(),
+    # The autotuner adds the tensor dtypes to the key itself. seq_bucket (a power of two) rather than seq_len, so a
+    # new length re-uses the tuned config; the mask variant shares its unmasked twin's choice.
+    key=["HEAD_DIM", "INPUT_PRECISION", "seq_bucket"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_attention_fwd_kernel)
+
+# Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
+# per shape, measuring nothing real), so the launcher uses this one fixed tile instead. 64x32 is the smallest
+# 64-row tile of the menu: it runs the most key-loop iterations and hits the query and key tails at the short
+# lengths tests afford (tests/test_kernel_attention.py runs every other tile once through `config=`).
+_INTERPRETER_CONFIG = _config(64, 32, 4, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The launcher
+# --------------------------------------------------------------------------------------------------------------------
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A typed stand-in for key_valid / kv_end when there is no mask (never read: HAS_MASK=False), so the unmasked
+    launch has the same argument types as its ahead-of-time spec. One tiny tensor per device, made once."""
+    key = (str(device), dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    """fp32 follows torch's matmul switch; fp16/bf16 products are exact either way, so they always get "ieee"
+    (one compile, whatever the flag says)."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but qkv is on {device}; they must be on the same device")
+
+
+def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Tensor | None = None,
+              kv_end: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
+              config: triton.Config | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for packed qkv [T, 3, nh, hd] (T = B*seq_len) -> out [T, nh*hd].
+
+    key_valid: [B, S] bool, True where key j of row b is a real token; None = no padding.
+    kv_end:    [B] int32, 1 + index of row b's last real key (0 = fully padded row); computed from key_valid when
+               None. Keys at or past kv_end[b] are ignored, so it must agree with key_valid.
+    out:       optional [T, nh*hd] output (last dim unit-stride), same dtype and device as qkv.
+    config:    force one triton.Config (BLOCK_M, BLOCK_N, warps, stages) instead of autotuning; for tests.
+    """
+    # ---- validate
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be [T, 3, num_heads, head_dim], got shape {tuple(qkv.shape)}")
+    if qkv.dtype not in _DTYPES:
+        raise TypeError(f"qkv.dtype={qkv.dtype} is not supported; use float32, float16 or bfloat16")
+    T, _, num_heads, head_dim = qkv.shape
+    if head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported by the Triton attention kernel; "
+                         f"supported head dims are {TRITON_HEAD_DIMS}")
+    if qkv.stride(-1) != 1:
+        raise ValueError(f"qkv's last dim must be unit-stride, got strides {tuple(qkv.stride())}")
+    device = qkv.device
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"qkv is on {device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if T % seq_len != 0:
+        raise ValueError(f"qkv has T={T} tokens, not a multiple of seq_len={seq_len} (T must be batch*seq_len)")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    B = T // seq_len
+    if B > 65535 or num_heads > 65535:  # CUDA's limit on grid dims y and z
+        raise ValueError(f"batch={B} and num_heads={num_heads} must each be <= 65535")
+
+    if key_valid is not None:
+        if not isinstance(key_valid, torch.Tensor):
+            raise TypeError(f"key_valid must be a torch.Tensor or None, got {type(key_valid).__name__}")
+        if key_valid.dtype != torch.bool:
+            raise TypeError(f"key_valid.dtype={key_valid.dtype}; it must be torch.bool (True = real key)")
+        _check_device("key_valid", key_valid, device)
+        if tuple(key_valid.shape) != (B, seq_len):
+            raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, "
+                             f"expected (batch, seq_len)=({B}, {seq_len})")
+    if kv_end is not None:
+        if key_valid is None:
+            raise ValueError("kv_end was given without key_valid; pass both (or neither, when nothing is padded)")
+        if not isinstance(kv_end, torch.Tensor):
+            raise TypeError(f"kv_end must be a torch.Tensor or None, got {type(kv_end).__name__}")
+        if kv_end.dtype != torch.int32:
+            raise TypeError(f"kv_end.dtype={kv_end.dtype}; it must be torch.int32")
+        _check_device("kv_end", kv_end, device)
+        if tuple(kv_end.shape) != (B,):
+            raise ValueError(f"kv_end has shape {tuple(kv_end.shape)}, expected (batch,)=({B},)")
+
+    hidden = num_heads * head_dim
+    if out is None:
+        out = torch.empty((T, hidden), dtype=qkv.dtype, device=device)
+    else:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if tuple(out.shape) != (T, hidden):
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected (T, num_heads*head_dim)=({T}, {hidden})")
+        if out.dtype != qkv.dtype:
+            raise TypeError(f"out.dtype={out.dtype} does not match qkv.dtype={qkv.dtype}")
+        _check_device("out", out, device)
+        if out.stride(-1) != 1:
+            raise ValueError(f"out's last dim must be unit-stride, got strides {tuple(out.stride())}")
+    if T == 0:
+        return out
+
+    # ---- mask operands
+    has_mask = key_valid is not None
+    if has_mask:
+        if kv_end is None:  # 1 + index of the last True per row, 0 for an all-False row (as AttentionMask.build)
+            positions = torch.arange(1, seq_len + 1, device=device, dtype=torch.int32)
+            kv_end = (key_valid.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+        mask_i8 = key_valid.view(torch.int8)  # same bytes; Triton loads it as int8
+        stride_mask_b, stride_mask_s = mask_i8.stride()
+        stride_kv_end = kv_end.stride(0)
+    else:
+        mask_i8, kv_end = _placeholder(device, torch.int8), _placeholder(device, torch.int32)
+        # Never read; 1s so the unmasked kernel is the same specialisation as its AOT spec (see aot_specs).
+        stride_mask_b = stride_mask_s = stride_kv_end = 1
+
+    # ---- launch
+    args = (qkv, mask_i8, kv_end, out,
+            seq_len, float(scale) * _LOG2E,
+            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            stride_mask_b, stride_mask_s,
+            stride_kv_end,
+            out.stride(0),
+            triton.next_power_of_2(seq_len))
+    meta = dict(HEAD_DIM=head_dim, HAS_MASK=has_mask, INPUT_PRECISION=_input_precision(qkv.dtype))
+    if config is None and interpreting():
+        config = _INTERPRETER_CONFIG
+    if config is None:
+        grid = lambda META: (triton.cdiv(seq_len, META["BLOCK_M"]), num_heads, B)  # noqa: E731
+        _attention_fwd[grid](*args, **meta)
+    else:
+        grid = (triton.cdiv(seq_len, config.kwargs["BLOCK_M"]), num_heads, B)
+        _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                    num_stages=config.num_stages)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs (tests/test_aot.py compiles each for sm_90 and sm_80 and rejects spills)
+# --------------------------------------------------------------------------------------------------------------------
+def aot_specs() -> list[dict]:
+    """One spec per dtype (x input precision for fp32) x head dim x mask variant x config of attention_configs():
+    48 kernels, each the specialisation the JIT builds at run time for BERT's tensors:
+    - the unit strides of key_valid [B, S] and kv_end [B] are the constant 1 (Triton specialises an int argument
+      equal to 1; the launcher passes 1 for them in the unmasked variant too, where they are not read);
+    - qkv/out pointers and strides get the default divisibility-16 hint (torch allocations; 3H, H, hd and nh*hd are
+      multiples of 16 for every supported head dim), which is what lets loads vectorise and go through cp.async;
+    - seq_len and the key_valid row stride (= S) are arbitrary at run time: no hint.
+    """
+    specs = []
+    for dtype, tag in _DTYPES.items():
+        precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
+        for precision in precisions:
+            for head_dim in TRITON_HEAD_DIMS:
+                for has_mask in (True, False):
+                    for config in attention_configs(dtype, head_dim, precision):
+                        bm, bn, warps, stages = _key(config)
+                        name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
+                                        [f"hd{head_dim}", "mask" if has_mask else "nomask",
+                                         f"{bm}x{bn}-w{warps}-s{stages}"])
+                        specs.append({
+                            "name": name,
+                            "fn": _attention_fwd_kernel,
+                            "signature": {
+                                "qkv_ptr": f"*{tag}", "key_valid_ptr": "*i8", "kv_end_ptr": "*i32",
+                                "out_ptr": f"*{tag}", "seq_len": "i32", "qk_scale": "fp32",
+                                "stride_qkv_t": "i32", "stride_qkv_which": "i32", "stride_qkv_h": "i32",
+                                "stride_mask_b": "i32", "stride_out_t": "i32", "seq_bucket": "i32",
+                            },
+                            "constexprs": {"stride_mask_s": 1, "stride_kv_end": 1, "HEAD_DIM": head_dim,
+                                           "HAS_MASK": has_mask, "INPUT_PRECISION": precision,
+                                           "BLOCK_M": bm, "BLOCK_N": bn},
+                            "hints": {"seq_len": None, "stride_mask_b": None, "seq_bucket": None},
+                            "num_warps": warps,
+                            "num_stages": stages,
+                        })
+    return specs

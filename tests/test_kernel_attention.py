@@ -1,0 +1,458 @@
+"""The masked flash-attention kernel (kernels/attention.py) against its torch twin, fp64 and HF's BertSelfAttention.
+
+References. `attention_torch` (fastbert/ops.py) is the definition; `reference64` is HF eager's math in float64
+(finfo.min masking, so a fully padded row attends uniformly to all of its keys); HF's own BertSelfAttention in eager
+mode, with its weights copied into the packed qkv projection, closes the loop. Every position is compared, including
+padded query positions of live rows (HF computes those too) and fully padded rows.
+Tolerances: fp32 <= 1e-5 absolute (outputs are convex combinations of O(1) values; fp32 softmax rounding is ~1e-7);
+fp16/bf16 <= 2x the twin's own max error against fp64 (+1e-6), flash-attention's rule. Outputs are poisoned with NaN
+first, and NaN never passes.
+
+Without CUDA this runs Triton's interpreter (tests/conftest.py) with the launcher's fixed interpreter tile (64x32);
+`test_every_tile` runs each tile of the autotune menu once. The interpreter cannot run bf16 tl.dot
+(triton-lang/triton#11584: it multiplies the bit patterns), so bf16 cases are skipped on CPU and run on CUDA.
+"""
+import math
+
+import pytest
+import torch
+
+from fastbert import ops
+from fastbert.ops import AttentionMask, attention_torch, qkv_projection_torch
+from fastbert.kernels import attention as attention_module
+from fastbert.kernels.attention import attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16_ON_CPU = pytest.mark.skipif(
+    DEVICE == "cpu", reason="Triton's interpreter cannot run bf16 tl.dot (triton-lang/triton#11584); runs on CUDA")
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_ON_CPU)]
+FP32_TOL = 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------------------------
+def make_qkv(B, S, nh, hd, dtype, layout="contiguous", seed=0, q_gain=1.0):
+    """qkv [B*S, 3, nh, hd] in one of several memory layouts, values ~ N(0, 1) (q scaled by q_gain).
+
+    contiguous:   the view of a contiguous [T, 3H] GEMM output (what qkv_projection returns)
+    slice:        columns 8..8+3H of a wider buffer (row stride 3H+24, base offset 8 elements)
+    strided_rows: every other row of a [2T, 3H] buffer
+    heads_major:  a permuted view of [T, nh, 3, hd] memory (q/k/v stride hd, head stride 3*hd)
+    """
+    T, H = B * S, nh * hd
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(T, 3, nh, hd, generator=g, dtype=torch.float64)
+    values[:, 0] *= q_gain
+    values = values.to(dtype)
+    if layout == "contiguous":
+        qkv = values.reshape(T, 3 * H).to(DEVICE).view(T, 3, nh, hd)
+    elif layout == "slice":
+        big = torch.zeros(T, 3 * H + 24, dtype=dtype, device=DEVICE)
+        big[:, 8:8 + 3 * H] = values.reshape(T, 3 * H)
+        qkv = big[:, 8:8 + 3 * H].view(T, 3, nh, hd)
+    elif layout == "strided_rows":
+        big = torch.zeros(2 * T, 3 * H, dtype=dtype, device=DEVICE)
+        big[::2] = values.reshape(T, 3 * H)
+        qkv = big[::2].view(T, 3, nh, hd)
+    elif layout == "heads_major":
+        qkv = values.permute(0, 2, 1, 3).contiguous().to(DEVICE).permute(0, 2, 1, 3)
+    else:
+        raise ValueError(layout)
+    assert torch.equal(qkv.cpu(), values) and qkv.stride(-1) == 1
+    assert (layout == "contiguous") == qkv.is_contiguous()
+    return qkv
+
+
+def make_padding(B, S, padding, seed=0):
+    """attention_mask [B, S] of 0/1 (1 = real token), HF's convention.
+
+    none:         all real
+    right:        ragged right padding, lengths S, ~2S/3, ~S/4 ... (>= 1)
+    left:         left padding, the last key of each row is real
+    holes:        random holes, including key 0 and (in row 0) the last key; >= 1 real key per row
+    fully_padded: row 1 has no real token at all; the others are right-ragged with a hole
+    """
+    mask = torch.ones(B, S, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    if padding == "right":
+        for b in range(B):
+            mask[b, max(1, S - (b * S) // 3):] = 0
+    elif padding == "left":
+        for b in range(B):
+            mask[b, :min(S - 1, (b * S) // 3 + b)] = 0
+    elif padding == "holes":
+        mask = (torch.rand(B, S, generator=g) < 0.6).long()
+        mask[:, 0] = 0
+        mask[0, -1] = 0
+        for b in range(B):
+            if mask[b].sum() == 0:
+                mask[b, S // 2] = 1
+    elif padding == "fully_padded":
+        for b in range(B):
+            mask[b, max(1, S - b * 5):] = 0
+        mask[1] = 0
+        if S > 3:
+            mask[0, 2] = 0
+    elif padding != "none":
+        raise ValueError(padding)
+    return mask.to(DEVICE)
+
+
+def reference64(qkv, attention_mask, scale):
+    """HF eager attention in float64: scores * scale, finfo.min on masked keys, softmax, @ v -> [T, nh*hd]."""
+    T, _, nh, hd = qkv.shape
+    B, S = attention_mask.shape
+    q, k, v = qkv.double().view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(attention_mask[:, None, None, :] == 0, torch.finfo(torch.float64).min)
+    return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(T, nh * hd)
+
+
+def poisoned(T, H, dtype):
+    return torch.full((T, H), float("nan"), dtype=dtype, device=DEVICE)
+
+
+def assert_matches(out, twin, ref64, dtype, live_rows):
+    """live_rows [T] bool: tokens of sequences with at least one real key. In fp16 the twin's SDPA adds the
+    finfo(fp16).min mask in fp32, where -65504 does not swamp the scores, so on a fully padded row it returns a
+    softmax over the raw scores instead of HF eager's uniform average (fp32/bf16 minima do swamp them). There the
+    twin is no yardstick: the kernel's error on those rows is held to the bound the twin sets on live rows."""
+    assert out.shape == twin.shape == ref64.shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel output (an unwritten element keeps its NaN poison)"
+    err = (out.double() - ref64).abs().max().item()
+    if dtype == torch.float32:
+        twin_diff = (out.double() - twin.double()).abs().max().item()
+        assert twin_diff <= FP32_TOL, f"kernel vs torch twin: {twin_diff:.3g}"
+        assert err <= FP32_TOL, f"kernel vs fp64: {err:.3g}"
+    else:
+        twin_err = (twin.double() - ref64)[live_rows].abs().max().item() if live_rows.any() else 0.0
+        assert err <= 2 * twin_err + 1e-6, f"kernel error {err:.3g} vs twin error {twin_err:.3g} against fp64"
+
+
+def run_case(B, S, nh, hd, dtype, padding, layout, pass_kv_end=True, config=None, q_gain=1.0, seed=0):
+    qkv = make_qkv(B, S, nh, hd, dtype, layout, seed=seed, q_gain=q_gain)
+    attention_mask = make_padding(B, S, padding, seed=seed)
+    mask = AttentionMask.build(attention_mask, B, S, dtype)
+    assert (mask.key_valid is None) == (padding == "none")
+    scale = ops.default_scale(hd)
+    out = poisoned(B * S, nh * hd, dtype)
+    result = attention(qkv, S, scale, key_valid=mask.key_valid, kv_end=mask.kv_end if pass_kv_end else None,
+                       out=out, config=config)
+    assert result.data_ptr() == out.data_ptr()
+    twin, _ = attention_torch(qkv, mask, scale)
+    live_rows = attention_mask.bool().any(dim=1).repeat_interleave(S)
+    assert_matches(out, twin, reference64(qkv, attention_mask, scale), dtype, live_rows)
+    return qkv, attention_mask, out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parity: twin, fp64
+# --------------------------------------------------------------------------------------------------------------------
+CASES = [  # (B, S, nh, hd, padding, layout)
+    (2, 1, 2, 32, "none", "contiguous"),
+    (3, 1, 2, 64, "fully_padded", "slice"),
+    (2, 7, 2, 32, "right", "slice"),
+    (3, 7, 2, 64, "left", "contiguous"),
+    (2, 7, 3, 32, "holes", "strided_rows"),
+    (3, 7, 2, 32, "fully_padded", "heads_major"),
+    (2, 65, 2, 64, "none", "slice"),
+    (3, 65, 2, 32, "right", "contiguous"),
+    (2, 65, 2, 64, "holes", "heads_major"),
+    (3, 65, 1, 32, "left", "strided_rows"),
+    (3, 65, 2, 64, "fully_padded", "slice"),
+    (2, 130, 1, 64, "right", "contiguous"),
+    (2, 130, 2, 32, "holes", "slice"),
+    (3, 130, 1, 32, "fully_padded", "contiguous"),
+    (2, 130, 2, 64, "left", "heads_major"),
+    (2, 130, 1, 32, "none", "strided_rows"),
+    (2, 33, 2, 16, "holes", "contiguous"),
+    (2, 40, 1, 128, "right", "slice"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,S,nh,hd,padding,layout", CASES, ids=[f"B{c[0]}-S{c[1]}-nh{c[2]}-hd{c[3]}-{c[4]}-{c[5]}"
+                                                                 for c in CASES])
+def test_matches_twin_and_fp64(B, S, nh, hd, padding, layout, dtype):
+    run_case(B, S, nh, hd, dtype, padding, layout)
+
+
+def test_fully_padded_row_is_mean_of_values():
+    """HF eager's corner case, stated directly: every query of an all-padding row returns the mean of that row's V
+    over all S keys, and the other rows are exactly what they are without that row."""
+    B, S, nh, hd = 3, 37, 2, 32
+    qkv, attention_mask, out = run_case(B, S, nh, hd, torch.float32, "fully_padded", "contiguous")
+    assert attention_mask[1].sum() == 0
+    v_mean = qkv[S:2 * S, 2].reshape(S, nh * hd).double().mean(dim=0)
+    assert (out[S:2 * S].double() - v_mean).abs().max().item() <= FP32_TOL
+    # Rows 0 and 2 alone (batch of one each) give bit-identical results: the padded row disturbs nothing.
+    for b in (0, 2):
+        rows = slice(b * S, (b + 1) * S)
+        single = AttentionMask.build(attention_mask[b:b + 1], 1, S, torch.float32)
+        alone = attention(qkv[rows], S, ops.default_scale(hd), single.key_valid, single.kv_end)
+        assert torch.equal(alone, out[rows])
+
+
+def test_kv_end_computed_from_key_valid():
+    """kv_end=None: the launcher derives it from key_valid (0 for the fully padded row) with the same result."""
+    B, S, nh, hd = 3, 65, 2, 32
+    qkv = make_qkv(B, S, nh, hd, torch.float32)
+    mask = AttentionMask.build(make_padding(B, S, "fully_padded"), B, S, torch.float32)
+    scale = ops.default_scale(hd)
+    with_end = attention(qkv, S, scale, mask.key_valid, mask.kv_end)
+    without = attention(qkv, S, scale, mask.key_valid)
+    assert torch.equal(with_end, without)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_peaked_scores(dtype):
+    """Large scores (q * 6): the running max jumps between key blocks, so the online-softmax rescaling matters."""
+    run_case(2, 97, 2, 32, dtype, "holes", "contiguous", q_gain=6.0, seed=3)
+
+
+def test_fp32_tf32():
+    """allow_tf32 on: fp32 tl.dot runs as tf32 (10-bit mantissa inputs, like torch.matmul under the same flag), so
+    the bar is tf32's ~1e-3 relative rounding at O(1) outputs, not 1e-5. (The interpreter computes in full fp32.)"""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        B, S, nh, hd, dtype = 2, 65, 2, 64, torch.float32
+        qkv = make_qkv(B, S, nh, hd, dtype)
+        attention_mask = make_padding(B, S, "holes")
+        mask = AttentionMask.build(attention_mask, B, S, dtype)
+        out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, mask.kv_end, out=poisoned(B * S, nh * hd, dtype))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    err = (out.double() - reference64(qkv, attention_mask, ops.default_scale(hd))).abs().max().item()
+    assert torch.isfinite(out).all() and err <= 5e-3, err
+
+
+def _tiles():
+    seen = {}
+    for config in attention_module._all_configs():
+        seen.setdefault((config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]), config)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("config", _tiles(), ids=lambda c: f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}")
+def test_every_tile(config):
+    """Each tile of the autotune menu on ragged, holed and fully padded rows with query and key tails."""
+    run_case(3, 70, 1, 32, torch.float32, "fully_padded", "slice", config=config)
+    run_case(2, 70, 1, 64, torch.float16, "holes", "contiguous", config=config, seed=1)
+
+
+def test_dispatch_through_ops():
+    """fastbert.ops.attention(backend="triton") reaches this kernel with the AttentionMask fields."""
+    B, S, nh, hd = 2, 19, 2, 32
+    qkv = make_qkv(B, S, nh, hd, torch.float32)
+    mask = AttentionMask.build(make_padding(B, S, "right"), B, S, torch.float32)
+    ctx, probs = ops.attention(qkv, mask, ops.default_scale(hd), backend="triton")
+    assert probs is None
+    twin, _ = attention_torch(qkv, mask, ops.default_scale(hd))
+    assert (ctx - twin).abs().max().item() <= FP32_TOL
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parity: transformers' BertSelfAttention (eager), weights copied into the packed projection
+# --------------------------------------------------------------------------------------------------------------------
+HF_CASES = [  # (B, S, nh, hd, padding)
+    (2, 7, 2, 32, "right"),
+    (3, 65, 2, 32, "fully_padded"),
+    (2, 65, 2, 64, "left"),
+    (2, 130, 1, 64, "holes"),
+    (2, 9, 2, 64, "none"),
+]
+
+
+@pytest.mark.parametrize("B,S,nh,hd,padding", HF_CASES, ids=[f"B{c[0]}-S{c[1]}-hd{c[3]}-{c[4]}" for c in HF_CASES])
+def test_matches_hf_bert_self_attention(B, S, nh, hd, padding):
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+
+    H = nh * hd
+    config = BertConfig(hidden_size=H, num_attention_heads=nh, intermediate_size=4 * H,
+                        attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = BertSelfAttention(config).to(DEVICE).eval()
+    x = torch.randn(B, S, H, device=DEVICE)
+    attention_mask = make_padding(B, S, padding)
+    mask = AttentionMask.build(attention_mask, B, S, torch.float32)
+    # HF's extended mask: [B, 1, 1, S], 0 where attended, finfo.min where padded (None when nothing is padded).
+    additive = mask.additive
+    with torch.no_grad():
+        expected = hf(x, attention_mask=additive)[0].reshape(B * S, H)
+        weight = torch.cat([hf.query.weight, hf.key.weight, hf.value.weight])
+        bias = torch.cat([hf.query.bias, hf.key.bias, hf.value.bias])
+        qkv = qkv_projection_torch(x.reshape(B * S, H), weight, bias, nh)
+    out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, mask.kv_end, out=poisoned(B * S, H, torch.float32))
+    assert torch.isfinite(out).all()
+    assert (out - expected).abs().max().item() <= FP32_TOL
+    if padding == "fully_padded":  # HF eager's uniform attention over all S keys of the dead row
+        v = qkv[S:2 * S, 2].reshape(S, H)
+        assert (out[S:2 * S] - v.mean(dim=0)).abs().max().item() <= FP32_TOL
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launcher plumbing: precision flag, autotune pruning, AOT specs
+# --------------------------------------------------------------------------------------------------------------------
+def test_input_precision_follows_allow_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert attention_module._input_precision(torch.float32) == "tf32"
+        assert attention_module._input_precision(torch.float16) == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert attention_module._input_precision(torch.float32) == "ieee"
+        assert attention_module._input_precision(torch.bfloat16) == "ieee"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("seq_bucket", [8, 64, 512])
+def test_prune_keeps_only_compiled_tiles(dtype, head_dim, seq_bucket):
+    """The autotuner only ever runs tiles that have an AOT spec (so none of them spills), and no 128-query tile for
+    sequences of <= 64 tokens."""
+    configs = attention_module._all_configs()
+    precision = "ieee"
+    kept = attention_module._prune(configs, {"qkv_ptr": torch.empty(0, dtype=dtype), "seq_bucket": seq_bucket},
+                                   HEAD_DIM=head_dim, INPUT_PRECISION=precision, HAS_MASK=True)
+    allowed = {attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision)}
+    assert kept and {attention_module._key(c) for c in kept} <= allowed
+    if seq_bucket <= 64:
+        assert all(c.kwargs["BLOCK_M"] <= 64 for c in kept)
+
+
+def test_aot_specs_well_formed():
+    """Spec format only (tests/test_aot.py compiles them): unique names, every kernel argument typed or constant,
+    every (dtype, precision, head dim, mask variant, tile) the launcher can run is present, and the count stays
+    small."""
+    specs = attention_module.aot_specs()
+    names = [s["name"] for s in specs]
+    assert len(names) == len(set(names)) and len(specs) <= 60
+    arg_names = set(attention_module._attention_fwd_kernel.arg_names)  # JITFunction or, here, InterpretedFunction
+    for spec in specs:
+        assert not set(spec["signature"]) & set(spec["constexprs"]), spec["name"]
+        assert set(spec["signature"]) | set(spec["constexprs"]) == arg_names, spec["name"]
+        assert set(spec["hints"]) <= set(spec["signature"]), spec["name"]
+    covered = {(s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
+                s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"],
+                s["num_stages"]) for s in specs}
+    for dtype, tag in attention_module._DTYPES.items():
+        for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
+            for head_dim in ops.TRITON_HEAD_DIMS:
+                for has_mask in (True, False):
+                    for config in attention_module.attention_configs(dtype, head_dim, precision):
+                        assert (f"*{tag}", precision, head_dim, has_mask) + attention_module._key(config) in covered
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------------------------------
+def _good(B=2, S=5, nh=2, hd=32, dtype=torch.float32):
+    qkv = make_qkv(B, S, nh, hd, dtype)
+    mask = AttentionMask.build(make_padding(B, S, "right"), B, S, dtype)
+    return qkv, mask
+
+
+@pytest.mark.parametrize("shape", [(10, 3, 64), (10, 2, 2, 32), (10, 3, 2, 32, 1)], ids=str)
+def test_rejects_bad_qkv_shape(shape):
+    with pytest.raises(ValueError, match=r"\[T, 3, num_heads, head_dim\]"):
+        attention(torch.zeros(shape, device=DEVICE), 5, 0.125)
+
+
+def test_rejects_t_not_multiple_of_seq_len():
+    qkv, _ = _good()
+    with pytest.raises(ValueError, match="T=10.*seq_len=3"):
+        attention(qkv, 3, 0.125)
+
+
+@pytest.mark.parametrize("seq_len", [0, -1, 2.5, True])
+def test_rejects_bad_seq_len(seq_len):
+    qkv, _ = _good()
+    with pytest.raises(ValueError, match="seq_len"):
+        attention(qkv, seq_len, 0.125)
+
+
+def test_rejects_unsupported_head_dim():
+    qkv = make_qkv(2, 5, 2, 24, torch.float32)
+    with pytest.raises(ValueError, match="head_dim=24"):
+        attention(qkv, 5, 24 ** -0.5)
+
+
+def test_rejects_unsupported_dtype():
+    with pytest.raises(TypeError, match="float64"):
+        attention(make_qkv(2, 5, 2, 32, torch.float64), 5, 0.125)
+
+
+def test_rejects_non_unit_stride_head_dim():
+    qkv = torch.zeros(10, 3, 2, 64, device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match="unit-stride"):
+        attention(qkv, 5, 0.125)
+
+
+def test_rejects_key_valid_wrong_dtype():
+    qkv, mask = _good()
+    with pytest.raises(TypeError, match="key_valid.dtype=torch.int64"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid.long(), kv_end=mask.kv_end)
+
+
+def test_rejects_key_valid_wrong_shape():
+    qkv, mask = _good()
+    with pytest.raises(ValueError, match=r"key_valid has shape \(2, 4\)"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid[:, :4], kv_end=mask.kv_end)
+    with pytest.raises(ValueError, match=r"key_valid has shape \(10,\)"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid.reshape(-1))
+
+
+def test_rejects_key_valid_wrong_device():
+    qkv, mask = _good()
+    other = "meta"
+    with pytest.raises(ValueError, match="key_valid is on meta"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid.to(other), kv_end=mask.kv_end)
+
+
+def test_rejects_bad_kv_end():
+    qkv, mask = _good()
+    with pytest.raises(TypeError, match="kv_end.dtype=torch.int64"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=mask.kv_end.long())
+    with pytest.raises(ValueError, match=r"kv_end has shape \(1,\)"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=mask.kv_end[:1])
+    with pytest.raises(ValueError, match="kv_end is on meta"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=mask.kv_end.to("meta"))
+    with pytest.raises(ValueError, match="without key_valid"):
+        attention(qkv, 5, 0.125, kv_end=mask.kv_end)
+
+
+def test_rejects_bad_out():
+    qkv, _ = _good()
+    with pytest.raises(ValueError, match=r"out has shape \(10, 32\)"):
+        attention(qkv, 5, 0.125, out=torch.empty(10, 32, device=DEVICE))
+    with pytest.raises(TypeError, match="out.dtype=torch.float16"):
+        attention(qkv, 5, 0.125, out=torch.empty(10, 64, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="out's last dim"):
+        attention(qkv, 5, 0.125, out=torch.empty(64, 10, device=DEVICE).t())
+    with pytest.raises(ValueError, match="out is on meta"):
+        attention(qkv, 5, 0.125, out=torch.empty(10, 64, device="meta"))
+
+
+def test_rejects_non_finite_scale():
+    qkv, _ = _good()
+    with pytest.raises(ValueError, match="scale"):
+        attention(qkv, 5, math.nan)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU-without-interpreter refusal")
+def test_rejects_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    qkv, _ = _good()
+    with pytest.raises(ValueError, match="CUDA"):
+        attention(qkv, 5, 0.125)
+
+
+def test_empty_batch():
+    qkv = torch.zeros(0, 3, 2, 32, device=DEVICE)
+    assert attention(qkv, 5, 0.125).shape == (0, 64)
