@@ -148,13 +148,17 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     Two stages: the key loop of a BERT-length sequence is 2-8 iterations, and 3 stages spilled (hd 32, sm_80).
     fp32: not autotuned, one tile (it is the accuracy path, not the fast one). "tf32" runs on tensor cores;
     "ieee" (torch's default, allow_tf32 off) runs tl.dot on FMAs, which hold whole hd-long operand rows per thread:
-    every 128-query tile and 64x64 spill at hd 64/128 (STACK 600+ on sm_90). 64x32 with 8 warps fits up to hd 64
-    (REG <= 152); at hd 128 "ieee" only 32x16 with 4 warps fits both variants on both archs (64x32 and 64x16 at
-    8 warps each spill on sm_80 in one of the two mask variants).
+    every 128-query tile and 64x64 spill at hd 64/128 (STACK 600+ on sm_90). 64x32 with 8 warps fits up to hd 32;
+    at hd 64 "ieee" it spills 8 bytes on sm_90 with Triton 3.6 (the GPU image's version; 3.9 does not), and so do
+    64x32 at 4 warps and 32x32, so hd 64 takes 64x16 with 4 warps (REG <= 152, no stack on 3.6 and 3.9); at hd 128
+    "ieee" only 32x16 with 4 warps fits both variants on both archs (64x32 and 64x16 at 8 warps each spill on sm_80
+    in one of the two mask variants).
     """
     if dtype == torch.float32:
         if input_precision == "ieee" and head_dim > 64:
             return [_config(32, 16, 4, 2)]
+        if input_precision == "ieee" and head_dim == 64:
+            return [_config(64, 16, 4, 2)]
         return [_config(64, 32, 8, 2)]
     return [_config(128, 64, 8, 2), _config(64, 64, 4, 2) if head_dim <= 64 else _config(64, 32, 4, 2)]
 

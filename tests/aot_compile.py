@@ -1,0 +1,453 @@
+"""Ahead-of-time compilation of fastbert's Triton kernels for real GPUs, on any Linux machine (no GPU needed).
+
+Each op module in fastbert.kernels exposes `aot_specs()`: one dict per kernel x dtype x autotune config,
+    {"name", "fn" (the raw @triton.jit JITFunction), "signature" {arg: "*fp16" | "i32" | "fp32" ...},
+     "constexprs" {arg: value}, "num_warps", "num_stages"}
+(optional: "hints" {arg: 16 | None}, see `_hints`; "maxnreg", "num_ctas", passed to the compiler as options).
+This module compiles every spec with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` for sm_90
+(H100/H200) and sm_80 (A100) with the ptxas shipped in the Triton wheel, then reads what a GPU would tell us:
+shared memory (metadata.shared), tensor-core instructions in the PTX (wgmma / mma.sync), and the cubin's registers
+and spill stack (`cuobjdump -res-usage`, also shipped in the wheel) and target architecture (`cuobjdump -elf`).
+
+Why a subprocess. tests/conftest.py sets TRITON_INTERPRET=1 on a machine without CUDA, and then @triton.jit builds
+InterpretedFunctions, which the compiler cannot take. So the compile runs in a child process with TRITON_INTERPRET
+unset (`compile_module`), which imports the op module afresh, compiles its specs and streams one JSON line per
+(spec, arch); the same path runs unchanged on a CUDA machine. Run it by hand for a table:
+    python tests/aot_compile.py fastbert.kernels.bias_gelu [more modules] [--arch 90]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ARCHS = (90, 80)
+# Largest dynamic shared memory one block may opt into: H100/H200 227 KB, A100 163 KB (228/164 KB per SM minus the
+# 1 KB the hardware reserves per block, which cuobjdump lists as SHARED:1024 on sm_90).
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+# The harness fails a spec whose compile takes longer than this (the whole AOT suite has to stay a few minutes).
+CHILD_TIMEOUT_S = float(os.environ.get("FASTBERT_AOT_TIMEOUT", "1800"))
+_TENSOR_CORE_DTYPES = {"f16", "bf16"}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tools
+# --------------------------------------------------------------------------------------------------------------------
+def tool_path(name: str) -> str:
+    """A binary of the CUDA toolchain that ships inside the Triton wheel (backends/nvidia/bin)."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def missing_tools() -> str | None:
+    """Why AOT compilation cannot run here (a precise reason for pytest.skip), or None when it can."""
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001 - any import failure means the same: nothing to compile with
+        return f"triton does not import ({type(exc).__name__}: {exc})"
+    if platform.system() != "Linux":
+        return f"Triton's wheel ships ptxas/cuobjdump for Linux only (this is {platform.system()})"
+    for name in ("ptxas", "cuobjdump"):
+        path = tool_path(name)
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            return f"{name} not found at {path} (triton {triton.__version__} wheel without the NVIDIA toolchain)"
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        return f"triton {triton.__version__} lacks ASTSource/GPUTarget ({exc})"
+    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
+        return (f"triton {triton.__version__}: ASTSource{inspect.signature(ASTSource.__init__)} predates the 3.3 API "
+                "(constexprs=..., attrs keyed by argument index) that this harness targets")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The adapter: a spec -> triton.compile arguments, for Triton 3.3 .. 3.9 (the GPU image has 3.6, this machine 3.9)
+# --------------------------------------------------------------------------------------------------------------------
+# What changed across versions, and what this code relies on:
+# - Triton <= 3.2: ASTSource(fn, signature, constants=..., attrs=AttrsDescriptor) with integer-keyed signatures
+#   that leave constexprs out. Not supported (missing_tools() says so).
+# - Triton >= 3.3 (3.6 and 3.9 alike): ASTSource(fn, signature, constexprs=None, attrs=None). `signature` is keyed
+#   by argument *name*; 3.3/3.4's ast_to_ttir walks it in declaration order next to the constants, so it must list
+#   every argument, with "constexpr" for the constant ones (what JITFunction._pack_args builds). Constexprs may be
+#   keyed by name (converted with fn.arg_names.index) or by path tuple (i,); we pass (i,) tuples, which every
+#   3.3+ version takes as is. attrs maps (i,) -> [["tt.divisibility", 16]], the JIT's "D" specialisation.
+# - The JIT specialises an integer argument equal to 1 into the constant 1 (("constexpr", 1) from specialize_impl);
+#   a spec mirrors that by listing such an argument (e.g. a unit stride) under "constexprs" with the value 1.
+def _hints(spec: dict, arg: str, ty: str) -> int | None:
+    """Divisibility the JIT would see at run time for BERT shapes, unless the spec says otherwise.
+
+    Pointers: torch allocations (and the views fastbert launches on) start 16-byte aligned, which the JIT marks.
+    Integers: hidden sizes, head dims, row strides, S=128-style sequence buckets and B*128 token counts are all
+    multiples of 16 in BERT, so the JIT's common specialisation marks them divisible by 16; without that hint the
+    compiler cannot vectorise loads or pipeline them through cp.async, and would check a different (and much
+    worse) kernel than the one that runs. A spec overrides per argument with "hints": {arg: None or 16}.
+    """
+    overrides = spec.get("hints") or {}
+    if arg in overrides:
+        return overrides[arg]
+    if ty.startswith("*") or ty in ("i32", "i64", "u32", "u64"):
+        return 16
+    return None
+
+
+def spec_problems(spec: dict) -> list[str]:
+    """What is wrong with a spec's format, checked against the kernel's own parameter list."""
+    problems = []
+    for key in ("name", "fn", "signature", "constexprs", "num_warps", "num_stages"):
+        if key not in spec:
+            problems.append(f"missing key {key!r}")
+    if problems:
+        return problems
+    fn = spec["fn"]
+    if not hasattr(fn, "arg_names") or not hasattr(fn, "params"):
+        inner = getattr(fn, "fn", None)
+        hint = " (an Autotuner/Heuristics wrapper: pass its .fn)" if inner is not None else ""
+        return [f"fn is a {type(fn).__name__}, not a triton JITFunction{hint}"]
+    signature, constexprs = spec["signature"], spec["constexprs"]
+    for param in fn.params:
+        name = param.name
+        if name in signature and name in constexprs:
+            problems.append(f"argument {name!r} is in both signature and constexprs")
+        elif param.is_constexpr and name not in constexprs and param.default is inspect.Parameter.empty:
+            problems.append(f"tl.constexpr argument {name!r} has no value in constexprs")
+        elif not param.is_constexpr and name not in signature and name not in constexprs:
+            problems.append(f"argument {name!r} has no type in signature")
+        elif param.is_constexpr and name in signature:
+            problems.append(f"tl.constexpr argument {name!r} must go in constexprs, not signature")
+    unknown = sorted((set(signature) | set(constexprs)) - set(fn.arg_names))
+    if unknown:
+        problems.append(f"{fn.__name__} has no arguments {unknown}")
+    for key in ("num_warps", "num_stages"):
+        if not isinstance(spec[key], int) or spec[key] < 1:
+            problems.append(f"{key}={spec[key]!r} must be a positive int")
+    if isinstance(spec["num_warps"], int) and spec["num_warps"] & (spec["num_warps"] - 1):
+        problems.append(f"num_warps={spec['num_warps']} must be a power of two")
+    return problems
+
+
+def make_source(spec: dict):
+    """The ASTSource the JIT would build for this spec (see the version notes above)."""
+    from triton.compiler import ASTSource
+
+    fn, signature, constexprs = spec["fn"], spec["signature"], spec["constexprs"]
+    full_signature, constants, attrs = {}, {}, {}
+    for index, param in enumerate(fn.params):
+        name = param.name
+        if name in constexprs or param.is_constexpr:
+            value = constexprs[name] if name in constexprs else param.default
+            full_signature[name] = "constexpr"
+            constants[(index,)] = value
+            continue
+        ty = signature[name]
+        full_signature[name] = ty
+        # Arguments the kernel marks do_not_specialize(_on_alignment) never get the JIT's divisibility hint.
+        unhinted = getattr(param, "do_not_specialize", False) or (
+            ty.startswith("*") and getattr(param, "do_not_specialize_on_alignment", False))
+        if _hints(spec, name, ty) == 16 and not unhinted:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn, full_signature, constexprs=constants, attrs=attrs)
+
+
+def compile_spec(spec: dict, arch: int):
+    """triton.compile for one GPU architecture; returns the CompiledKernel (asm: ttir/ttgir/ptx/cubin, metadata)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+    for key in ("maxnreg", "num_ctas"):
+        if key in spec:
+            options[key] = spec[key]
+    return triton.compile(make_source(spec), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading the compiled kernel
+# --------------------------------------------------------------------------------------------------------------------
+def res_usage(cubin: bytes) -> dict:
+    """REG / STACK / SHARED / LOCAL of the cubin's kernel function(s) from `cuobjdump -res-usage`, plus its sm."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([tool_path("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        elf = subprocess.run([tool_path("cuobjdump"), "-elf", path], capture_output=True, text=True,
+                             check=True).stdout
+    functions = re.findall(r"Function ([^:\s]+):\s*\n\s*(.*)", usage)
+    if not functions:
+        raise RuntimeError(f"no 'Function' entry in cuobjdump -res-usage output:\n{usage}")
+    out = {"functions": []}
+    for fname, line in functions:
+        fields = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", line))
+        out["functions"].append({"function": fname, **{k: int(v) for k, v in fields.items()}})
+    # The kernel is the function with the largest register count (device-side helpers are inlined by Triton).
+    main = max(out["functions"], key=lambda f: f.get("REG", 0))
+    out["reg"], out["local"] = main.get("REG", 0), main.get("LOCAL", 0)
+    out["stack"] = max(f.get("STACK", 0) for f in out["functions"])
+    # Static shared memory (on sm_90 the 1 KB the hardware reserves); Triton's own buffers are dynamic (`shared`).
+    out["static_shared"] = main.get("SHARED", 0)
+    # "64-bit ELF: ... sm=90a, ..." (CUDA 13 cuobjdump) or "64bit elf: ... sm=80, ..." (older header format).
+    match = re.search(r"\bsm\s*=\s*(\d+[a-z]?)", elf)
+    out["sm"] = match.group(1) if match else None
+    return out
+
+
+# The operand types of a tt.dot in Triton IR, e.g. (3.6 and 3.9 print the same form)
+#   %acc = tt.dot %a, %b, %acc, inputPrecision = tf32 : tensor<128x64xf16> * tensor<64x128xf16> -> tensor<128x128xf32>
+_DOT_TYPES_RE = re.compile(r"tensor<(?P<m>\d+)x(?P<k>\d+)x(?P<a>\w+)>\s*\*\s*tensor<(?P<k2>\d+)x(?P<n>\d+)x(?P<b>\w+)>")
+
+
+def dots(ttir: str) -> list[dict]:
+    """The tl.dot ops of the kernel (from its Triton IR): tile M x N x K, operand dtype, input precision."""
+    found = []
+    for line in ttir.splitlines():
+        if not re.search(r"=\s*tt\.dot\s", line):
+            continue
+        match = _DOT_TYPES_RE.search(line)
+        if match is None:
+            found.append({"unparsed": line.strip()[:200]})
+            continue
+        precision = re.search(r"inputPrecision\s*=\s*(\w+)", line)
+        found.append({"m": int(match.group("m")), "n": int(match.group("n")), "k": int(match.group("k")),
+                      "dtype": match.group("a"), "precision": precision.group(1) if precision else "ieee"})
+    return found
+
+
+def expects_wgmma(dot: dict, num_warps: int) -> bool:
+    """Hopper's wgmma serves a dot on fp16/bf16 (or fp32 as tf32) when a warpgroup (4 warps) owns 64-row slabs."""
+    if "unparsed" in dot or num_warps % 4:
+        return False
+    tensor_core = dot["dtype"] in _TENSOR_CORE_DTYPES or (dot["dtype"] == "f32" and dot["precision"] == "tf32")
+    return tensor_core and dot["m"] % 64 == 0 and dot["n"] % 8 == 0 and dot["k"] % 16 == 0
+
+
+def expects_tensor_cores(dot: dict) -> bool:
+    """fp16/bf16/tf32 dots run on tensor cores (mma.sync on sm_80; wgmma or mma.sync on sm_90)."""
+    if "unparsed" in dot:
+        return False
+    return dot["dtype"] in _TENSOR_CORE_DTYPES or (dot["dtype"] == "f32" and dot["precision"] == "tf32")
+
+
+def analyse(spec: dict, arch: int, kernel) -> dict:
+    ptx = kernel.asm["ptx"]
+    record = {"shared": int(kernel.metadata.shared), "dots": dots(kernel.asm["ttir"]),
+              "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)), "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+              "ptx_target": (re.search(r"^\.target\s+(\S+)", ptx, re.M) or [None, None])[1]}
+    record.update(res_usage(kernel.asm["cubin"]))
+    return record
+
+
+def problems(record: dict) -> list[str]:
+    """Every reason a compiled (spec, arch) is not fit to ship; empty when it is."""
+    arch = record["arch"]
+    if record.get("error"):
+        return [record["error"]]
+    found = []
+    limit = SHARED_LIMIT[arch]
+    if record["shared"] > limit:
+        found.append(f"shared memory {record['shared']} B ({record['shared'] / 1024:.1f} KB) > sm_{arch} limit "
+                     f"{limit} B ({limit // 1024} KB)")
+    if record["stack"] > 0:
+        found.append(f"register spills: cuobjdump STACK={record['stack']} B (REG={record['reg']}, "
+                     f"LOCAL={record['local']})")
+    if record["sm"] is None or not record["sm"].startswith(str(arch)):
+        found.append(f"cubin is for sm={record['sm']}, expected sm_{arch}")
+    dot_list = record["dots"]
+    unparsed = [d["unparsed"] for d in dot_list if "unparsed" in d]
+    if unparsed:
+        found.append(f"harness cannot read the operand types of tt.dot {unparsed} (Triton IR format changed?)")
+    if arch == 90 and any(expects_wgmma(d, record["num_warps"]) for d in dot_list) and record["wgmma"] == 0:
+        found.append(f"sm_90 PTX has no wgmma although dots {dot_list} qualify (num_warps={record['num_warps']})")
+    if any(expects_tensor_cores(d) for d in dot_list) and record["wgmma"] + record["mma_sync"] == 0:
+        found.append(f"sm_{arch} PTX has no tensor-core MMA (wgmma/mma.sync) for dots {dot_list}")
+    return found
+
+
+def mma_kind(record: dict) -> str:
+    if record.get("error"):
+        return "?"
+    if not record["dots"]:
+        return "-"
+    if record["wgmma"]:
+        return "wgmma"
+    if record["mma_sync"]:
+        return "mma.sync"
+    return "fma"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Driving it: the child process (compiles) and the parent side (starts it, reads its JSON lines)
+# --------------------------------------------------------------------------------------------------------------------
+def _child(module_name: str, specs_fn: str, archs: list[int], out_path: str, only: list[str] | None,
+           shard: tuple[int, int] = (0, 1)) -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    with open(out_path, "w") as out:
+        def emit(obj):
+            out.write(json.dumps(obj) + "\n")
+            out.flush()
+
+        try:
+            module = importlib.import_module(module_name)
+            specs = list(getattr(module, specs_fn)())
+        except Exception:  # noqa: BLE001 - reported to the parent verbatim
+            emit({"module_error": traceback.format_exc(limit=8)})
+            return 0
+        if shard[0] == 0:
+            import triton
+
+            emit({"specs": [s.get("name") for s in specs], "triton": triton.__version__})
+        for index, spec in enumerate(specs):
+            if index % shard[1] != shard[0] or (only is not None and spec.get("name") not in only):
+                continue
+            spec_errors = spec_problems(spec)
+            for arch in archs:
+                record = {"name": spec.get("name"), "arch": arch, "num_warps": spec.get("num_warps"),
+                          "num_stages": spec.get("num_stages")}
+                start = time.perf_counter()
+                if spec_errors:
+                    record["error"] = "bad spec: " + "; ".join(spec_errors)
+                else:
+                    try:
+                        kernel = compile_spec(spec, arch)
+                        record.update(analyse(spec, arch, kernel))
+                    except Exception as exc:  # noqa: BLE001 - a compile error is a result to report
+                        text = str(exc).strip() or repr(exc)
+                        record["error"] = f"compile failed: {type(exc).__name__}: {text[-3000:]}"
+                record["seconds"] = round(time.perf_counter() - start, 2)
+                emit(record)
+    return 0
+
+
+def default_jobs() -> int:
+    """Child processes compiling at once: FASTBERT_AOT_JOBS, else one per CPU core (at most 8).
+
+    Each compile is single-threaded (Triton's frontend, then ptxas), so N children on N cores finish ~N times
+    sooner; the specs are dealt round-robin to the children, every spec is still compiled for every arch."""
+    env = os.environ.get("FASTBERT_AOT_JOBS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def compile_module(module_name: str, specs_fn: str = "aot_specs", archs=ARCHS, only=None,
+                   timeout: float = CHILD_TIMEOUT_S, jobs: int | None = None) -> dict:
+    """Compile every spec of `module_name` in child processes without TRITON_INTERPRET.
+
+    Returns {"module_error": str | None, "specs": [names], "records": {(name, arch): record}, "seconds": float,
+    "crash": str | None}.
+    """
+    jobs = default_jobs() if jobs is None else jobs
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for shard in range(jobs):
+            out_path = os.path.join(tmp, f"records{shard}.jsonl")
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", module_name, "--specs-fn", specs_fn,
+                   "--json", out_path, "--shard", str(shard), str(jobs), "--arch", *[str(a) for a in archs]]
+            if only is not None:
+                cmd += ["--only", *only]
+            err = open(os.path.join(tmp, f"stderr{shard}.txt"), "w+")
+            procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err), out_path, err))
+        crashes = []
+        for proc, out_path, err in procs:
+            try:
+                proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                crashes.append(f"timed out after {timeout:.0f} s")
+            err.seek(0)
+            if proc.returncode not in (0, None) and not crashes:
+                crashes.append(f"exit code {proc.returncode}: {err.read()[-3000:]}")
+            err.close()
+        lines = []
+        for _, out_path, _ in procs:
+            if os.path.exists(out_path):
+                lines += open(out_path).read().splitlines()
+    crash = "; ".join(crashes) or None
+    result = {"module_error": None, "specs": None, "triton": None, "records": {},
+              "seconds": time.perf_counter() - start, "crash": crash}
+    for line in lines:
+        obj = json.loads(line)
+        if "module_error" in obj:
+            result["module_error"] = obj["module_error"]
+        elif "specs" in obj:
+            result["specs"], result["triton"] = obj["specs"], obj.get("triton")
+        else:
+            result["records"][(obj["name"], obj["arch"])] = obj
+    if result["specs"] is None and result["module_error"] is None:
+        result["module_error"] = f"the compile process produced no spec list ({crash})"
+    # Keep the spec order (the children finish interleaved).
+    order = {name: i for i, name in enumerate(result["specs"] or [])}
+    result["records"] = dict(sorted(result["records"].items(), key=lambda kv: (order.get(kv[0][0], 1 << 30),
+                                                                                 -kv[0][1])))
+    return result
+
+
+def format_table(records: list[dict]) -> str:
+    """One line per (spec, arch): registers, spill stack, shared memory, MMA instructions, verdict."""
+    header = (f"{'spec':<58} {'arch':>5} {'warps':>5} {'REG':>4} {'STACK':>6} {'smem KB':>8} {'mma':>8} {'sec':>5}"
+              "  status")
+    lines = [header, "-" * len(header)]
+    for r in records:
+        bad = problems(r)
+        if r.get("error"):
+            status = "ERROR " + r["error"].splitlines()[0][:80] if r["error"].strip() else "ERROR"
+            lines.append(f"{r['name']:<58} {'sm' + str(r['arch']):>5} {r.get('num_warps', '?')!s:>5} {'':>4} {'':>6} "
+                         f"{'':>8} {'':>8} {r.get('seconds', 0):>5.1f}  {status}")
+            continue
+        status = "ok" if not bad else "FAIL " + " | ".join(b.split(":")[0] for b in bad)
+        lines.append(f"{r['name']:<58} {'sm' + str(r['arch']):>5} {r['num_warps']:>5} {r['reg']:>4} {r['stack']:>6} "
+                     f"{r['shared'] / 1024:>8.1f} {mma_kind(r):>8} {r['seconds']:>5.1f}  {status}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("modules", nargs="*", help="modules with aot_specs(), e.g. fastbert.kernels.bias_gelu")
+    parser.add_argument("--arch", nargs="+", type=int, default=list(ARCHS))
+    parser.add_argument("--specs-fn", default="aot_specs")
+    parser.add_argument("--only", nargs="+", default=None, help="compile only these spec names")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--shard", nargs=2, type=int, default=(0, 1), help=argparse.SUPPRESS)
+    parser.add_argument("--jobs", type=int, default=None, help="child processes (default: FASTBERT_AOT_JOBS or CPUs)")
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.specs_fn, args.arch, args.json, args.only, tuple(args.shard))
+    reason = missing_tools()
+    if reason:
+        print(f"cannot compile ahead of time: {reason}")
+        return 2
+    status = 0
+    for name in args.modules:
+        result = compile_module(name, args.specs_fn, tuple(args.arch), args.only, jobs=args.jobs)
+        if result["module_error"]:
+            print(f"{name}: {result['module_error']}")
+            status = 1
+            continue
+        records = list(result["records"].values())
+        print(f"{name}: {len(result['specs'])} specs, {len(records)} compiles in {result['seconds']:.0f} s "
+              f"(triton {result['triton']})")
+        print(format_table(records))
+        status |= any(problems(r) for r in records)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

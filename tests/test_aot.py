@@ -1,0 +1,319 @@
+"""Ahead-of-time compile proof of every fastbert Triton kernel for real GPUs (sm_90 H100/H200, sm_80 A100).
+
+No GPU needed: `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` runs Triton's whole pipeline and
+the ptxas shipped in the Triton wheel (tests/aot_compile.py does the work, in child processes). For every spec of
+every op module's `aot_specs()` and each arch we assert:
+  - it compiles (Triton frontend, LLVM, ptxas) and the cubin is for that sm;
+  - its shared memory fits one block's opt-in maximum (227 KB on sm_90, 163 KB on sm_80);
+  - no register spills: `cuobjdump -res-usage` reports STACK == 0;
+  - dots on fp16/bf16 (and fp32 as tf32) use tensor cores: wgmma on sm_90 whenever a warpgroup owns 64-row slabs
+    (BLOCK_M % 64 == 0, num_warps % 4 == 0), else mma.sync; fp32 "ieee" dots are FMA loops (nothing asserted).
+A table of every (spec, arch) with REG / STACK / shared memory / MMA kind goes to $FASTBERT_AOT_TABLE (default
+<tmp>/fastbert_aot_table.txt) and is printed at the end of the module (visible with `pytest -s`).
+
+The toy kernels below (a GEMM with a bias/erf-GELU epilogue and a residual+LayerNorm row kernel) test the harness
+itself: good configs must pass, and deliberately bad ones must be caught (a config that spills, one whose shared
+memory overflows, a kernel that does not compile, a malformed spec), so a green run means something.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux only): nothing to compile")
+import triton.language as tl  # noqa: E402
+
+import aot_compile  # noqa: E402
+
+REQUIRED_OPS = ("qkv_projection", "attention", "bias_gelu", "residual_layernorm")
+TOY = "toy"  # this file's own specs, compiled from the module named below
+TOY_MODULE = __name__ if __name__ != "__main__" else "test_aot"
+TABLE_PATH = os.environ.get("FASTBERT_AOT_TABLE", os.path.join(tempfile.gettempdir(), "fastbert_aot_table.txt"))
+SKIP_REASON = aot_compile.missing_tools()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Toy kernels: the harness's own test subjects
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _toy_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GELU: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    # out[M, N] = act(x[M, K] @ w[N, K]^T + b[N]); unit-stride last dims
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                    mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + kk[:, None],
+                    mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+    acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if GELU:  # exact erf GELU: the epilogue that makes a 128x128 tile at 4 warps spill
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _toy_row_kernel(y_ptr, res_ptr, gamma_ptr, beta_ptr, out_ptr, N, stride_y, stride_res, stride_out, eps,
+                    BLOCK_N: tl.constexpr):
+    # out[row] = LayerNorm(y[row] + res[row]) * gamma + beta, fp32 statistics, one program per row
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    v = tl.load(y_ptr + row * stride_y + offs_n, mask=mask, other=0.0).to(tl.float32)
+    v += tl.load(res_ptr + row * stride_res + offs_n, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(v, axis=0) / N
+    centered = tl.where(mask, v - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / N + eps)
+    gamma = tl.load(gamma_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs_n, (centered * rstd * gamma + beta).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _toy_broken_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    # tl.dot needs every tile dimension >= 16: with BLOCK = 8 this must fail to compile
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs[:, None] * BLOCK + offs[None, :])
+    tl.store(out_ptr + offs[:, None] * BLOCK + offs[None, :], tl.dot(x, x))
+
+
+def _toy_gemm_spec(dtype, bm, bn, bk, warps, stages, gelu=True, precision="ieee", suffix=""):
+    ptr = f"*{dtype}"
+    return {
+        "name": f"toy_gemm-{dtype}{'-' + precision if dtype == 'fp32' else ''}-{'gelu-' if gelu else ''}"
+                f"{bm}x{bn}x{bk}-w{warps}-s{stages}{suffix}",
+        "fn": _toy_gemm_kernel,
+        "signature": {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "out_ptr": ptr, "M": "i32", "N": "i32", "K": "i32",
+                      "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"},
+        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GELU": gelu, "INPUT_PRECISION": precision},
+        "num_warps": warps, "num_stages": stages,
+    }
+
+
+def _toy_row_spec(dtype):
+    ptr = f"*{dtype}"
+    return {
+        "name": f"toy_row_layernorm-{dtype}-1024-w4",
+        "fn": _toy_row_kernel,
+        "signature": {"y_ptr": ptr, "res_ptr": ptr, "gamma_ptr": ptr, "beta_ptr": ptr, "out_ptr": ptr, "N": "i32",
+                      "stride_y": "i32", "stride_res": "i32", "stride_out": "i32", "eps": "fp32"},
+        "constexprs": {"BLOCK_N": 1024},
+        "num_warps": 4, "num_stages": 1,
+    }
+
+
+def aot_specs():
+    """Toy configs that must pass every check (compiled and tabled like the real ops)."""
+    return [
+        _toy_gemm_spec("fp16", 64, 64, 64, 4, 3),
+        _toy_gemm_spec("bf16", 128, 64, 64, 4, 3),
+        _toy_gemm_spec("fp32", 64, 64, 32, 4, 3, precision="tf32"),
+        _toy_gemm_spec("fp32", 32, 32, 32, 4, 2, gelu=False),
+        _toy_gemm_spec("fp16", 16, 64, 64, 4, 3, gelu=False),  # BLOCK_M 16: below a warpgroup's 64 rows
+        _toy_row_spec("fp32"),
+        _toy_row_spec("bf16"),
+    ]
+
+
+def bad_specs():
+    """Configs the harness must reject, each for one reason (see the self-tests)."""
+    missing_constexpr = _toy_gemm_spec("fp16", 64, 64, 64, 4, 3, suffix="-BADSPEC")
+    del missing_constexpr["constexprs"]["BLOCK_K"]
+    return [
+        _toy_gemm_spec("fp16", 128, 128, 64, 4, 3, suffix="-SPILLS"),
+        _toy_gemm_spec("fp16", 256, 128, 64, 8, 5, gelu=False, suffix="-SMEM"),  # 5*(256+128)*64*2 B = 240 KB
+        {"name": "toy_broken-dot8-BROKEN", "fn": _toy_broken_kernel,
+         "signature": {"x_ptr": "*fp16", "out_ptr": "*fp16"},
+         "constexprs": {"BLOCK": 8}, "num_warps": 4, "num_stages": 1},
+        missing_constexpr,
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Collection: spec names come from importing the modules here (cheap); compiling happens in child processes
+# --------------------------------------------------------------------------------------------------------------------
+def _module_name(op: str) -> str:
+    return TOY_MODULE if op == TOY else f"fastbert.kernels.{op}"
+
+
+def _local_specs(op: str):
+    """(spec names, None) or (None, why the module or its aot_specs() is unusable)."""
+    try:
+        module = importlib.import_module(_module_name(op))
+        specs = list(module.aot_specs())
+    except Exception as exc:  # noqa: BLE001 - a missing/broken required module is a test failure, reported below
+        return None, f"{_module_name(op)}.aot_specs() unavailable: {type(exc).__name__}: {exc}"
+    names = [s.get("name") if isinstance(s, dict) else None for s in specs]
+    return names, None
+
+
+@functools.lru_cache(maxsize=None)
+def _collected(op: str):
+    return _local_specs(op)
+
+
+def pytest_generate_tests(metafunc):
+    """One test_aot_compile case per (spec, arch), named by the spec; a missing module is one failing case."""
+    if metafunc.function.__name__ == "test_aot_compile":
+        metafunc.parametrize("op, name, arch", _cases())
+
+
+def _cases():
+    cases = []
+    for op in (*REQUIRED_OPS, TOY):
+        names, error = _collected(op)
+        if error is not None or not names:
+            cases.append(pytest.param(op, None, None, id=f"{op}-MISSING"))
+            continue
+        for name in dict.fromkeys(n for n in names if isinstance(n, str)):
+            for arch in aot_compile.ARCHS:
+                cases.append(pytest.param(op, name, arch, id=f"{name}-sm{arch}"))
+    return cases
+
+
+_RESULTS: dict = {}  # (module name, specs function) -> aot_compile.compile_module result, once per session
+
+
+def _compiled(op: str, specs_fn: str = "aot_specs") -> dict:
+    key = (_module_name(op), specs_fn)
+    if key not in _RESULTS:
+        _RESULTS[key] = aot_compile.compile_module(*key)
+    return _RESULTS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _table():
+    """Write (and print, for -s) the REG/STACK/SHARED table of everything this module compiled."""
+    yield
+    if not _RESULTS:
+        return
+    parts = []
+    for (module, specs_fn), result in _RESULTS.items():
+        title = f"{module}.{specs_fn}(): "
+        if result["module_error"]:
+            parts.append(title + "UNAVAILABLE\n" + result["module_error"])
+            continue
+        title += (f"{len(result['specs'])} specs, {len(result['records'])} compiles, {result['seconds']:.0f} s wall, "
+                  f"triton {result['triton']}, {aot_compile.default_jobs()} compile processes")
+        if specs_fn == "bad_specs":
+            title += " (harness self-test: every line must FAIL)"
+        parts.append(title + "\n" + aot_compile.format_table(list(result["records"].values())))
+    text = "\n\n".join(parts) + "\n"
+    with open(TABLE_PATH, "w") as f:
+        f.write(text)
+    print(f"\n\nAOT compile table (also in {TABLE_PATH}):\n{text}")
+
+
+def _record(op: str, name: str, arch: int, specs_fn: str = "aot_specs") -> dict:
+    result = _compiled(op, specs_fn)
+    if result["module_error"]:
+        pytest.fail(f"{_module_name(op)}: {result['module_error']}")
+    record = result["records"].get((name, arch))
+    if record is None:
+        pytest.fail(f"{name} sm_{arch}: no compile result (compile process: {result['crash'] or 'ended normally'}; "
+                    f"its spec list: {result['specs']})")
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The checks
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", [*REQUIRED_OPS, TOY])
+def test_module_exposes_specs(op):
+    """Every required op module imports and lists well-formed, uniquely named specs."""
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    names, error = _collected(op)
+    assert error is None, error
+    assert names, f"{_module_name(op)}.aot_specs() returned no specs"
+    assert all(isinstance(n, str) and n for n in names), f"every spec needs a non-empty str 'name': {names}"
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    assert not duplicates, f"duplicate spec names: {duplicates}"
+    result = _compiled(op)
+    assert result["module_error"] is None, result["module_error"]
+    assert result["specs"] == names, "aot_specs() differs between the interpreter and the compiler process"
+
+
+def test_aot_compile(op, name, arch):
+    """Compiles for sm_{arch}; shared memory fits; no spills; tensor cores where the dtype allows."""
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    if name is None:
+        pytest.fail(_collected(op)[1] or f"{_module_name(op)}.aot_specs() returned no specs")
+    record = _record(op, name, arch)
+    bad = aot_compile.problems(record)
+    assert not bad, f"{name} for sm_{arch}:\n  " + "\n  ".join(bad)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Self-tests of the harness: what it must catch, and what it sees in good code
+# --------------------------------------------------------------------------------------------------------------------
+def _bad(name_suffix: str, arch: int) -> dict:
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    name = next(s["name"] for s in bad_specs() if s["name"].endswith(name_suffix))
+    return _record(TOY, name, arch, "bad_specs")
+
+
+@pytest.mark.parametrize("arch", aot_compile.ARCHS)
+def test_harness_catches_spills(arch):
+    """A 128x128 fp16 tile with an erf-GELU epilogue at 4 warps spills (REG capped at 255, STACK > 0)."""
+    record = _bad("-SPILLS", arch)
+    assert record["stack"] > 0 and record["reg"] >= 200, record
+    assert any("register spills" in p for p in aot_compile.problems(record))
+
+
+@pytest.mark.parametrize("arch", aot_compile.ARCHS)
+def test_harness_catches_shared_memory_overflow(arch):
+    """5 stages of 256x64 + 64x128 fp16 tiles need 240 KB: over both limits."""
+    record = _bad("-SMEM", arch)
+    assert record["shared"] > aot_compile.SHARED_LIMIT[arch], record
+    assert any("shared memory" in p for p in aot_compile.problems(record))
+
+
+def test_harness_reports_compile_errors():
+    record = _bad("-BROKEN", 90)
+    assert record["error"].startswith("compile failed:"), record
+    assert aot_compile.problems(record) == [record["error"]]
+
+
+def test_harness_reports_malformed_specs():
+    record = _bad("-BADSPEC", 90)
+    assert record["error"] == "bad spec: tl.constexpr argument 'BLOCK_K' has no value in constexprs", record
+
+
+def test_harness_sees_tensor_cores():
+    """What the MMA check rests on, read off the toy GEMMs (Triton 3.6 and 3.9 agree on these rules)."""
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    specs = {s["name"]: s for s in aot_specs()}
+
+    def rec(prefix, arch):
+        return _record(TOY, next(n for n in specs if n.startswith(prefix)), arch)
+
+    for prefix in ("toy_gemm-fp16-gelu-64x64", "toy_gemm-bf16-gelu-128x64", "toy_gemm-fp32-tf32-gelu-64x64"):
+        hopper, ampere = rec(prefix, 90), rec(prefix, 80)
+        assert hopper["wgmma"] > 0 and hopper["ptx_target"] == "sm_90a", (prefix, hopper)
+        assert ampere["wgmma"] == 0 and ampere["mma_sync"] > 0, (prefix, ampere)
+    # BLOCK_M = 16 cannot fill a warpgroup's 64 rows: Hopper falls back to mma.sync (still tensor cores).
+    small = rec("toy_gemm-fp16-16x64", 90)
+    assert small["wgmma"] == 0 and small["mma_sync"] > 0, small
+    # fp32 with input_precision="ieee" is exact fp32 math: an FMA loop, no tensor cores on either arch.
+    for arch in aot_compile.ARCHS:
+        ieee = rec("toy_gemm-fp32-ieee", arch)
+        assert ieee["wgmma"] == 0 and ieee["mma_sync"] == 0 and ieee["dots"][0]["precision"] == "ieee", ieee
+    # Row kernels have no dot; their reductions may use shared memory scratch, far below the limits.
+    assert rec("toy_row_layernorm-fp32", 90)["dots"] == []
