@@ -139,7 +139,8 @@ def residual_layernorm_torch(y: torch.Tensor, weight: torch.Tensor, bias: torch.
     h = F.linear(y, weight, bias)
     if dropout_p > 0:
         h = F.dropout(h, dropout_p)
-    return F.layer_norm(h + residual, (h.shape[-1],), ln_weight, ln_bias, eps)
+    h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation
+    return F.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)
 
 
 # --------------------------------------------------------------------------------------------------------------------
