@@ -299,10 +299,8 @@ class TimingPolicy:
         return TimingPolicy(target_s or 4.0, min_rounds or 9, 200, 2)
 
 
-def first_call(benchmark, fn, device: str):
-    """The call whose output is checked before any timing; it also pays every one-time cost (autotuning,
-    compilation). Returns (output, seconds). With --benchmark-disable it is the benchmark's single run (through
-    pedantic, so the disabled path of the timing code runs too) and nothing else is called: CI stays fast."""
+def synced(fn, device: str):
+    """fn followed by a device sync: pytest-benchmark's timer is a CPU clock, CUDA work is asynchronous."""
     sync = synchronizer(device)
 
     def timed():
@@ -310,6 +308,14 @@ def first_call(benchmark, fn, device: str):
         sync()
         return out
 
+    return timed
+
+
+def first_call(benchmark, fn, device: str):
+    """The call whose output is checked before any timing; it also pays every one-time cost (autotuning,
+    compilation). Returns (output, seconds). With --benchmark-disable it is the benchmark's single run (through
+    pedantic, so the disabled path of the timing code runs too) and nothing else is called: CI stays fast."""
+    timed = synced(fn, device)
     t0 = time.perf_counter()
     out = benchmark.pedantic(timed, rounds=1) if benchmark.disabled else timed()
     return out, time.perf_counter() - t0
@@ -320,13 +326,7 @@ def run_timed(benchmark, fn, device: str, policy: TimingPolicy) -> float | None:
     sync. Returns the median seconds, or None when benchmarking is disabled (first_call was the run)."""
     if benchmark.disabled:
         return None
-    sync = synchronizer(device)
-
-    def timed():
-        out = fn()
-        sync()
-        return out
-
+    timed = synced(fn, device)
     t0 = time.perf_counter()
     timed()  # one more untimed call, to size the rounds from a warm call
     estimate = max(time.perf_counter() - t0, 1e-6)

@@ -178,8 +178,25 @@ def conditions(meta: list[dict]) -> str:
     return "\n".join(["### Conditions", ""] + lines) if lines else ""
 
 
+def ab_table(benchmarks: list[dict]) -> str:
+    """The interleaved A/B runs (bench/test_bench_ab.py): per-variant medians from alternating rounds."""
+    rows = []
+    for b in benchmarks:
+        info = b.get("extra_info") or {}
+        if info.get("kind") != "ab" or "ratio_fastbert_over_hf_sdpa" not in info:
+            continue
+        rows.append([info["model"], info["cell"], info["dtype"], info["device"], str(info["rounds"]),
+                     _fmt_num(info["fastbert-torch_tokens_per_s"]), _fmt_num(info["hf-sdpa_tokens_per_s"]),
+                     _fmt_ratio(info["ratio_fastbert_over_hf_sdpa"])])
+    if not rows:
+        return ""
+    return "\n".join(["### Interleaved A/B (alternating rounds; real tokens/s, median)", "",
+                      _table(["model", "batch×seq", "dtype", "device", "rounds", "fastbert-torch", "hf-sdpa",
+                              "fastbert ÷ hf-sdpa"], rows)])
+
+
 def render(benchmarks: list[dict], meta: list[dict]) -> str:
-    parts = [conditions(meta), model_tables(model_cells(benchmarks)), op_table(benchmarks)]
+    parts = [conditions(meta), ab_table(benchmarks), model_tables(model_cells(benchmarks)), op_table(benchmarks)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
