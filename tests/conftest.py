@@ -56,3 +56,27 @@ def minilm_path():
 def tokenizer(minilm_path):
     import transformers
     return transformers.AutoTokenizer.from_pretrained(minilm_path)
+
+
+# ---- shared by the kernel tests -----------------------------------------------------------------------------------
+FP32_TOL = 1e-5
+
+
+def poisoned(shape, dtype):
+    """An output buffer full of NaN: an element the kernel fails to write keeps it, and NaN never passes."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def assert_kernel_matches(out, twin, ref64, dtype, fp32_tol=FP32_TOL):
+    """fp32: within fp32_tol of the torch twin and of the fp64 reference. fp16/bf16: error against fp64 at most
+    twice the twin's own (flash-attention's rule), plus 1e-6 so that an exact twin does not demand exactness."""
+    assert out.shape == twin.shape == ref64.shape
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel output (an unwritten element keeps its NaN poison)"
+    err = (out.double() - ref64).abs().max().item()
+    if dtype == torch.float32:
+        assert (out.double() - twin.double()).abs().max().item() <= fp32_tol
+        assert err <= fp32_tol
+    else:
+        twin_err = (twin.double() - ref64).abs().max().item()
+        assert err <= 2 * twin_err + 1e-6, f"kernel error {err:.3g} vs twin error {twin_err:.3g} against fp64"

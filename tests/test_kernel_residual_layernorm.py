@@ -9,22 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
 from fastbert import ops
 from fastbert.kernels import residual_layernorm as rln_mod
 from fastbert.kernels.residual_layernorm import residual_layernorm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-FP32_TOL = 1e-5
 
 
 def make(shape, dtype, scale=1.0, shift=0.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype).to(DEVICE)
 
-
-def poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 def inputs(T, K, H, dtype, bias=True):
@@ -41,18 +38,6 @@ def reference64(y, w, b, res, gamma, beta, eps):
     d = lambda t: None if t is None else t.double()  # noqa: E731
     h = F.linear(d(y), d(w), d(b)) + d(res)
     return F.layer_norm(h, (h.shape[-1],), d(gamma), d(beta), eps)
-
-
-def assert_matches(out, twin, ref64, dtype):
-    assert out.shape == twin.shape == ref64.shape and out.dtype == dtype
-    assert torch.isfinite(out).all(), "NaN/inf in the kernel output (an unwritten element keeps its NaN poison)"
-    err = (out.double() - ref64).abs().max().item()
-    if dtype == torch.float32:
-        assert (out.double() - twin.double()).abs().max().item() <= FP32_TOL
-        assert err <= FP32_TOL
-    else:
-        twin_err = (twin.double() - ref64).abs().max().item()
-        assert err <= 2 * twin_err + 1e-6, f"kernel error {err:.3g} vs twin error {twin_err:.3g} against fp64"
 
 
 CASES = [  # (T, K, H): attention-out (K = H) and FFN-out (K = I) shapes, I = 1536 and a non-multiple of 64
@@ -74,7 +59,7 @@ def test_residual_layernorm(T, K, H, dtype):
     got = residual_layernorm(y, w, b, res, gamma, beta, eps, out=out)
     assert got.data_ptr() == out.data_ptr()
     twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, eps)
-    assert_matches(got, twin, reference64(y, w, b, res, gamma, beta, eps), dtype)
+    assert_kernel_matches(got, twin, reference64(y, w, b, res, gamma, beta, eps), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -89,7 +74,7 @@ def test_strided_inputs_no_bias_and_eps(dtype, eps):
     assert not y.is_contiguous() and not res.is_contiguous()
     got = residual_layernorm(y, w, None, res, gamma, beta, eps, out=poisoned((T, H), dtype))
     twin = ops.residual_layernorm_torch(y, w, None, res, gamma, beta, eps)
-    assert_matches(got, twin, reference64(y, w, None, res, gamma, beta, eps), dtype)
+    assert_kernel_matches(got, twin, reference64(y, w, None, res, gamma, beta, eps), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -100,7 +85,7 @@ def test_row_widths(H, dtype):
     y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
     got = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, out=poisoned((T, H), dtype))
     twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12)
-    assert_matches(got, twin, reference64(y, w, b, res, gamma, beta, 1e-12), dtype)
+    assert_kernel_matches(got, twin, reference64(y, w, b, res, gamma, beta, 1e-12), dtype)
 
 
 def test_in_place_over_residual_and_default_out():

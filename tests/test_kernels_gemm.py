@@ -13,16 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
 from fastbert import ops
 from fastbert.kernels import gemm as gemm_core
 from fastbert.kernels.bias_gelu import bias_gelu
 from fastbert.kernels.qkv_projection import qkv_projection
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 BF16_GEMM_ON_CPU = pytest.mark.skipif(
     DEVICE == "cpu", reason="Triton's interpreter cannot run bf16 tl.dot (triton-lang/triton#11584); runs on CUDA")
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_GEMM_ON_CPU)]
-FP32_TOL = 1e-5
 
 
 def make(shape, dtype, scale=1.0, seed=0):
@@ -37,22 +37,6 @@ def strided_rows(T, H, dtype, seed=0):
     assert not x.is_contiguous() and x.stride() == (2 * (H + 64), 1)
     return x
 
-
-def poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-
-
-def assert_matches(out, twin, ref64, dtype, fp32_tol=FP32_TOL):
-    assert out.shape == twin.shape == ref64.shape
-    assert out.dtype == dtype
-    assert torch.isfinite(out).all(), "NaN/inf in the kernel output (an unwritten element keeps its NaN poison)"
-    err = (out.double() - ref64).abs().max().item()
-    if dtype == torch.float32:
-        assert (out.double() - twin.double()).abs().max().item() <= fp32_tol
-        assert err <= fp32_tol
-    else:
-        twin_err = (twin.double() - ref64).abs().max().item()
-        assert err <= 2 * twin_err + 1e-6, f"kernel error {err:.3g} vs twin error {twin_err:.3g} against fp64"
 
 
 def act64(h, activation):
@@ -95,7 +79,7 @@ def test_qkv_projection(T, H, nh, layout, dtype):
     assert qkv.stride() == (3 * H, H, H // nh, 1)  # the packed [T, 3H] buffer attention reads through strides
     twin = ops.qkv_projection_torch(x, w, b, nh)
     ref64 = F.linear(x.double(), w.double(), b.double()).view(T, 3, nh, -1)
-    assert_matches(qkv, twin, ref64, dtype)
+    assert_kernel_matches(qkv, twin, ref64, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -105,7 +89,7 @@ def test_qkv_projection_no_bias_and_flat_out(dtype):
     out = poisoned((T, 3 * H), dtype)  # the flat [T, 3H] form is accepted too
     qkv = qkv_projection(x, w, None, nh, out=out)
     assert qkv.shape == (T, 3, nh, 64) and qkv.data_ptr() == out.data_ptr()
-    assert_matches(qkv, ops.qkv_projection_torch(x, w, None, nh),
+    assert_kernel_matches(qkv, ops.qkv_projection_torch(x, w, None, nh),
                    F.linear(x.double(), w.double()).view(T, 3, nh, -1), dtype)
     fresh = qkv_projection(x, w, None, nh)  # allocates its own contiguous buffer
     assert fresh.is_contiguous() and torch.equal(fresh, qkv)
@@ -152,7 +136,7 @@ def test_bias_gelu(T, H, I, layout, dtype, activation):
     assert y.data_ptr() == out.data_ptr()
     twin = ops.bias_gelu_torch(x, w, b, activation)
     ref64 = act64(F.linear(x.double(), w.double(), b.double()), activation)
-    assert_matches(y, twin, ref64, dtype)
+    assert_kernel_matches(y, twin, ref64, dtype)
 
 
 def test_bias_gelu_large_T_fp16():
@@ -160,7 +144,7 @@ def test_bias_gelu_large_T_fp16():
     dtype = torch.float16
     x, w, b = make((131, 384), dtype), make((1536, 384), dtype, 384 ** -0.5, 1), make((1536,), dtype, 0.5, 2)
     y = bias_gelu(x, w, b, "gelu", out=poisoned((131, 1536), dtype))
-    assert_matches(y, ops.bias_gelu_torch(x, w, b, "gelu"), F.gelu(F.linear(x.double(), w.double(), b.double())), dtype)
+    assert_kernel_matches(y, ops.bias_gelu_torch(x, w, b, "gelu"), F.gelu(F.linear(x.double(), w.double(), b.double())), dtype)
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "gelu_pytorch_tanh"])
@@ -195,7 +179,7 @@ def test_gemm_every_config(dtype):
     twin = ops.bias_gelu_torch(a, w, b, "gelu")
     for cfg in gemm_core.gemm_configs(a.element_size()):
         out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), "gelu", config=cfg)
-        assert_matches(out, twin, ref64, dtype)
+        assert_kernel_matches(out, twin, ref64, dtype)
 
 
 def test_gemm_grouped_ordering_partial_group():
@@ -206,7 +190,7 @@ def test_gemm_grouped_ordering_partial_group():
     a, w = make((M, K), dtype), make((N, K), dtype, K ** -0.5, 1)
     cfg = [c for c in gemm_core.gemm_configs(2) if c[:2] == (64, 32)][0]
     out = gemm_core.gemm(a, w, None, poisoned((M, N), dtype), None, config=cfg)
-    assert_matches(out, F.linear(a, w), F.linear(a.double(), w.double()), dtype)
+    assert_kernel_matches(out, F.linear(a, w), F.linear(a.double(), w.double()), dtype)
 
 
 @pytest.mark.parametrize("w_layout", ["transposed_storage", "row_slice"])
@@ -222,7 +206,7 @@ def test_gemm_weight_strides(w_layout):
         w = make((N, K + 32), dtype, K ** -0.5, 1)[:, :K]
     b = make((N,), dtype, 0.5, 2)
     y = bias_gelu(a, w, b, "gelu_tanh", out=poisoned((M, N), dtype))
-    assert_matches(y, ops.bias_gelu_torch(a, w, b, "gelu_tanh"),
+    assert_kernel_matches(y, ops.bias_gelu_torch(a, w, b, "gelu_tanh"),
                    F.gelu(F.linear(a.double(), w.double(), b.double()), approximate="tanh"), dtype)
 
 
