@@ -1,0 +1,29 @@
+"""The distribution ships the Triton kernels as fastbert.kernels, never as a top-level `kernels` package (HF's
+`kernels` package owns that import name, and transformers probes for it)."""
+import os
+import subprocess
+import sys
+import zipfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_wheel_holds_fastbert_kernels_and_no_top_level_kernels(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), REPO], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
+    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    for op in ("qkv_projection", "attention", "bias_gelu", "residual_layernorm", "gemm"):
+        assert f"fastbert/kernels/{op}.py" in names
+    assert "fastbert/modeling.py" in names
+    assert not [n for n in names if n.startswith("kernels/")]
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(tmp_path / wheel).read(top_level).decode().split() == ["fastbert"]
+
+
+def test_transformers_does_not_mistake_our_kernels_for_hfs():
+    from transformers.utils import import_utils
+    import fastbert.kernels  # noqa: F401  (imported, as a model forward on CUDA would)
+    assert fastbert.kernels.__name__ == "fastbert.kernels"
+    assert not import_utils.is_kernels_available()
