@@ -226,12 +226,12 @@ class BertModel(nn.Module):
             if value is not None:
                 raise NotImplementedError(f"{name} is not supported: fastbert is an encoder without cross-attention "
                                           f"or caches")
-        input_ids, token_type_ids, position_ids = self._check_inputs(
+        input_ids, token_type_ids, position_ids, mask_pads = self._check_inputs(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
 
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [B, S, H]
         B, S, H = x.shape
-        mask = AttentionMask.build(attention_mask, B, S, x.dtype)
+        mask = AttentionMask.build(attention_mask, B, S, x.dtype, pads=mask_pads)
         x = x.reshape(B * S, H)                                                           # token-major [T, H]
 
         hidden_states, attentions = [x], []
@@ -312,16 +312,21 @@ class BertModel(nn.Module):
         elif position_ids.shape[0] == 1 and B != 1:
             position_ids = position_ids.expand(B, S)
 
-        # Index ranges, all in one host sync: an out-of-range id would be a device assert on CUDA.
+        # Index ranges, and whether a 2-D mask pads anything, in one host sync per forward: an out-of-range id would
+        # be a device assert on CUDA, and an all-ones mask lets attention skip masking altogether.
         checks = [(name, t, limit) for name, t, limit in (
             ("input_ids", input_ids, cfg.vocab_size), ("token_type_ids", token_type_ids, cfg.type_vocab_size),
             ("position_ids", position_ids, cfg.max_position_embeddings)) if t is not None and t.numel()]
-        if checks:
-            stats = torch.stack([v for _, t, _ in checks for v in torch.aminmax(t)]).tolist()
-            for i, (name, _, limit) in enumerate(checks):
-                lo, hi = stats[2 * i], stats[2 * i + 1]
-                if lo < 0 or hi >= limit:
-                    bad = lo if lo < 0 else hi
-                    raise ValueError(f"{name} contains {bad}, outside [0, {limit})"
-                                     f"{' (vocab_size)' if name == 'input_ids' else ''}")
-        return input_ids, token_type_ids, position_ids
+        values = [v.long() for _, t, _ in checks for v in torch.aminmax(t)]
+        two_d_mask = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() > 0
+        if two_d_mask:
+            values.append(attention_mask.bool().all().long())
+        stats = torch.stack(values).tolist() if values else []
+        for i, (name, _, limit) in enumerate(checks):
+            lo, hi = stats[2 * i], stats[2 * i + 1]
+            if lo < 0 or hi >= limit:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{name} contains {bad}, outside [0, {limit})"
+                                 f"{' (vocab_size)' if name == 'input_ids' else ''}")
+        mask_pads = bool(two_d_mask and not stats[-1])
+        return input_ids, token_type_ids, position_ids, mask_pads

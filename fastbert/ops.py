@@ -61,13 +61,18 @@ class AttentionMask:
     custom: bool = False
 
     @staticmethod
-    def build(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, dtype: torch.dtype) -> "AttentionMask":
+    def build(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, dtype: torch.dtype,
+              pads: bool | None = None) -> "AttentionMask":
+        """pads: whether a 2-D mask has any 0, when the caller already knows (the model learns it in the same host
+        sync as its input checks); None = find out here."""
         if attention_mask is None:
             return AttentionMask(batch_size, seq_len)
         min_value = torch.finfo(dtype).min
         if attention_mask.dim() == 2:
             keep = attention_mask.bool()
-            if bool(keep.all()):  # the common unpadded batch: no mask at all, attention takes its dense path
+            if pads is None:
+                pads = not bool(keep.all())
+            if not pads:  # the common unpadded batch: no mask at all, attention takes its dense path
                 return AttentionMask(batch_size, seq_len)
             positions = torch.arange(1, seq_len + 1, device=keep.device, dtype=torch.int32)
             kv_end = (keep.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
