@@ -171,8 +171,10 @@ SENTENCES = ["A man is eating food.", "The new movie is awesome, I would watch i
 @pytest.fixture(scope="module")
 def minilm(minilm_path):
     import transformers
-    hf = {a: transformers.BertModel.from_pretrained(minilm_path, attn_implementation=a).eval() for a in ("eager", "sdpa")}
-    return hf, fastbert.BertModel.from_pretrained(minilm_path, kernels="torch")
+    f32 = torch.float32  # explicit: a packed copy of the model (bench/pack_minilm.py) stores fp16
+    hf = {a: transformers.BertModel.from_pretrained(minilm_path, attn_implementation=a, dtype=f32).eval()
+          for a in ("eager", "sdpa")}
+    return hf, fastbert.BertModel.from_pretrained(minilm_path, kernels="torch", dtype=f32)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

@@ -102,8 +102,9 @@ def test_fp16_error_at_most_twice_hf():
 
 
 def test_minilm_all_triton_short_ragged_batch(minilm_path, tokenizer):
-    hf = transformers.BertModel.from_pretrained(minilm_path, attn_implementation="sdpa").eval().to(DEVICE)
-    fb = fastbert.BertModel.from_pretrained(minilm_path, kernels="triton", device=DEVICE)
+    hf = transformers.BertModel.from_pretrained(minilm_path, attn_implementation="sdpa",
+                                                dtype=torch.float32).eval().to(DEVICE)
+    fb = fastbert.BertModel.from_pretrained(minilm_path, kernels="triton", device=DEVICE, dtype=torch.float32)
     enc = tokenizer(["A man is eating food.", "Hi", "The weather is lovely today, let's go for a walk."],
                     padding=True, return_tensors="pt").to(DEVICE)
     with torch.no_grad():
