@@ -68,8 +68,12 @@ def default_model() -> str:
 
 def parse_kernels(text: str):
     """'triton' -> all ops; 'attention=torch,bias_gelu=triton' -> per op."""
-    choice = text if "=" not in text else dict(item.split("=", 1) for item in text.split(","))
-    for op, backend in (choice.items() if isinstance(choice, dict) else [(ops.OPS[0], choice)]):
+    if "=" not in text:
+        if text not in ops.BACKENDS:
+            raise argparse.ArgumentTypeError(f"unknown backend {text!r}; the backends are {', '.join(ops.BACKENDS)}")
+        return text
+    choice = dict(item.split("=", 1) for item in text.split(","))
+    for op, backend in choice.items():
         try:
             ops.check_backend(op, backend)
         except ValueError as e:
@@ -152,6 +156,7 @@ def check(args) -> int:
              f"{'HF tok/s':>10} {'fastbert tok/s':>15}  verdict"
     print(header + "\n" + "-" * len(header))
     failed = False
+    rate = (lambda r: "-" if r != r else f"{r:.0f}")  # NaN when --repeats 0: nothing was timed
     for name, kernels in backends:
         if isinstance(kernels, str) and kernels not in ops.BACKENDS:  # an unavailable backend: say why
             print(f"{name:<8} skipped: {kernels}")
@@ -163,7 +168,6 @@ def check(args) -> int:
                   for o, r, (_, enc) in zip(out, hf_out, encodings))
         ok = delta <= bar and cos == cos
         failed |= not ok
-        rate = (lambda r: "-" if r != r else f"{r:.0f}")  # NaN when --repeats 0: nothing was timed
         print(f"{name:<8} {device.type:<7} {args.dtype:<9} {delta:>18.2e} {cos:>21.7f} {rate(hf_tps):>10} "
               f"{rate(tps):>15}  {'ok' if ok else 'FAIL'}")
     return 1 if failed else 0

@@ -226,12 +226,12 @@ class BertModel(nn.Module):
             if value is not None:
                 raise NotImplementedError(f"{name} is not supported: fastbert is an encoder without cross-attention "
                                           f"or caches")
-        input_ids, token_type_ids, position_ids, mask_pads = self._check_inputs(
+        input_ids, token_type_ids, position_ids, mask_flags = self._check_inputs(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
 
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [B, S, H]
         B, S, H = x.shape
-        mask = AttentionMask.build(attention_mask, B, S, x.dtype, pads=mask_pads)
+        mask = AttentionMask.build(attention_mask, B, S, x.dtype, flags=mask_flags)
         x = x.reshape(B * S, H)                                                           # token-major [T, H]
 
         hidden_states, attentions = [x], []
@@ -312,15 +312,16 @@ class BertModel(nn.Module):
         elif position_ids.shape[0] == 1 and B != 1:
             position_ids = position_ids.expand(B, S)
 
-        # Index ranges, and whether a 2-D mask pads anything, in one host sync per forward: an out-of-range id would
-        # be a device assert on CUDA, and an all-ones mask lets attention skip masking altogether.
+        # Index ranges, and what a 2-D mask pads, in one host sync per forward: an out-of-range id would be a device
+        # assert on CUDA, an all-ones mask lets attention skip masking altogether, and only a batch with a fully
+        # padded row needs the twin's extra pass for it.
         checks = [(name, t, limit) for name, t, limit in (
             ("input_ids", input_ids, cfg.vocab_size), ("token_type_ids", token_type_ids, cfg.type_vocab_size),
             ("position_ids", position_ids, cfg.max_position_embeddings)) if t is not None and t.numel()]
         values = [v.long() for _, t, _ in checks for v in torch.aminmax(t)]
-        two_d_mask = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() > 0
+        two_d_mask = attention_mask is not None and attention_mask.dim() == 2
         if two_d_mask:
-            values.append(attention_mask.bool().all().long())
+            values.extend(ops.padding_flags(attention_mask.bool()))
         stats = torch.stack(values).tolist() if values else []
         for i, (name, _, limit) in enumerate(checks):
             lo, hi = stats[2 * i], stats[2 * i + 1]
@@ -328,5 +329,5 @@ class BertModel(nn.Module):
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"{name} contains {bad}, outside [0, {limit})"
                                  f"{' (vocab_size)' if name == 'input_ids' else ''}")
-        mask_pads = bool(two_d_mask and not stats[-1])
-        return input_ids, token_type_ids, position_ids, mask_pads
+        mask_flags = tuple(stats[-2:]) if two_d_mask else None
+        return input_ids, token_type_ids, position_ids, mask_flags

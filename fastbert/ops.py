@@ -47,6 +47,7 @@ class AttentionMask:
     additive:  HF's extended mask in the compute dtype, 0 where attended and finfo(dtype).min where masked,
                [B, 1, 1, S] from a 2-D mask or [B, 1|nh, S, S] from a custom 3-D/4-D mask (torch path).
     custom:    True when the user gave a 3-D/4-D mask; only the torch twin serves those.
+    empty_rows: [B, 1, 1, 1] bool, True for fully padded rows; None when there is none (decided once per forward).
 
     A fully padded row (attention_mask all 0) follows HF's eager path: every score becomes finfo.min, softmax of
     equal values is uniform, so each query of that row attends uniformly to all S keys (its output is the mean of
@@ -59,26 +60,26 @@ class AttentionMask:
     kv_end: torch.Tensor | None = None
     additive: torch.Tensor | None = None
     custom: bool = False
+    empty_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, dtype: torch.dtype,
-              pads: bool | None = None) -> "AttentionMask":
-        """pads: whether a 2-D mask has any 0, when the caller already knows (the model learns it in the same host
-        sync as its input checks); None = find out here."""
+              flags: tuple | None = None) -> "AttentionMask":
+        """flags: `padding_flags` of a 2-D mask, already read by the caller (the model reads them in the same host
+        sync as its input checks); None = read them here."""
         if attention_mask is None:
             return AttentionMask(batch_size, seq_len)
         min_value = torch.finfo(dtype).min
         if attention_mask.dim() == 2:
             keep = attention_mask.bool()
-            if pads is None:
-                pads = not bool(keep.all())
-            if not pads:  # the common unpadded batch: no mask at all, attention takes its dense path
+            all_real, no_empty_row = flags if flags is not None else padding_flags(keep).tolist()
+            if all_real:  # the common unpadded batch: no mask at all, attention takes its dense path
                 return AttentionMask(batch_size, seq_len)
-            positions = torch.arange(1, seq_len + 1, device=keep.device, dtype=torch.int32)
-            kv_end = (keep.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+            kv_end = last_real_key(keep)
             additive = torch.zeros(batch_size, 1, 1, seq_len, dtype=dtype, device=keep.device)
             additive.masked_fill_(~keep[:, None, None, :], min_value)
-            return AttentionMask(batch_size, seq_len, keep, kv_end, additive)
+            empty_rows = None if no_empty_row else (kv_end == 0)[:, None, None, None]
+            return AttentionMask(batch_size, seq_len, keep, kv_end, additive, empty_rows=empty_rows)
         # Custom masks: 3-D [B, S, S] of 0/1 (the old HF convention), 4-D [B, 1|nh, S, S] either 0/1 (bool/int)
         # or already additive (float), which HF passes through as is.
         mask = attention_mask[:, None] if attention_mask.dim() == 3 else attention_mask
@@ -87,6 +88,17 @@ class AttentionMask:
         else:
             additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask.bool(), min_value)
         return AttentionMask(batch_size, seq_len, additive=additive, custom=True)
+
+
+def padding_flags(keep: torch.Tensor) -> torch.Tensor:
+    """[2] int64 for a [B, S] bool key mask: (every key is real, every row has a real key), for one host read."""
+    return torch.stack([keep.all(), keep.any(dim=1).all()]).long()
+
+
+def last_real_key(keep: torch.Tensor) -> torch.Tensor:
+    """[B] int32: 1 + the index of each row's last real key in a [B, S] bool mask, 0 for a fully padded row."""
+    positions = torch.arange(1, keep.shape[1] + 1, device=keep.device, dtype=torch.int32)
+    return (keep.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -112,13 +124,12 @@ def attention_torch(qkv: torch.Tensor, mask: AttentionMask, scale: float, dropou
     else:
         probs = None
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive, dropout_p=dropout_p, scale=scale)
-    if mask.kv_end is not None:
+    if mask.empty_rows is not None:
         # Fully padded rows: HF eager's uniform attention over all S keys, stated outright. Adding finfo.min only
         # equalises the scores when it swamps them; sdpa adds fp16's -65504 in fp32, where it does not.
-        empty = (mask.kv_end == 0)[:, None, None, None]                                  # [B, 1, 1, 1]
-        ctx = torch.where(empty, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
+        ctx = torch.where(mask.empty_rows, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
         if probs is not None:
-            probs = torch.where(empty, torch.full_like(probs, 1.0 / S), probs)
+            probs = torch.where(mask.empty_rows, torch.full_like(probs, 1.0 / S), probs)
     return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]
 
 

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops import TRITON_HEAD_DIMS, interpreting
+from fastbert.ops import TRITON_HEAD_DIMS, interpreting, last_real_key
 
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+from .gemm import DTYPES as _DTYPES, input_precision
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 
 
@@ -217,14 +217,6 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    """fp32 follows torch's matmul switch; fp16/bf16 products are exact either way, so they always get "ieee"
-    (one compile, whatever the flag says)."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
-
-
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but qkv is on {device}; they must be on the same device")
@@ -306,9 +298,8 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
     # ---- mask operands
     has_mask = key_valid is not None
     if has_mask:
-        if kv_end is None:  # 1 + index of the last True per row, 0 for an all-False row (as AttentionMask.build)
-            positions = torch.arange(1, seq_len + 1, device=device, dtype=torch.int32)
-            kv_end = (key_valid.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+        if kv_end is None:
+            kv_end = last_real_key(key_valid)
         mask_i8 = key_valid.view(torch.int8)  # same bytes; Triton loads it as int8
         stride_mask_b, stride_mask_s = mask_i8.stride()
         stride_kv_end = kv_end.stride(0)
@@ -325,7 +316,7 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
             stride_kv_end,
             out.stride(0),
             triton.next_power_of_2(seq_len))
-    meta = dict(HEAD_DIM=head_dim, HAS_MASK=has_mask, INPUT_PRECISION=_input_precision(qkv.dtype))
+    meta = dict(HEAD_DIM=head_dim, HAS_MASK=has_mask, INPUT_PRECISION=input_precision(qkv.dtype))
     if config is None and interpreting():
         config = _INTERPRETER_CONFIG
     if config is None:

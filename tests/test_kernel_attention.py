@@ -301,11 +301,11 @@ def test_input_precision_follows_allow_tf32():
     saved = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
-        assert attention_module._input_precision(torch.float32) == "tf32"
-        assert attention_module._input_precision(torch.float16) == "ieee"
+        assert attention_module.input_precision(torch.float32) == "tf32"
+        assert attention_module.input_precision(torch.float16) == "ieee"
         torch.backends.cuda.matmul.allow_tf32 = False
-        assert attention_module._input_precision(torch.float32) == "ieee"
-        assert attention_module._input_precision(torch.bfloat16) == "ieee"
+        assert attention_module.input_precision(torch.float32) == "ieee"
+        assert attention_module.input_precision(torch.bfloat16) == "ieee"
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
