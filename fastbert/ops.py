@@ -15,7 +15,6 @@ output_attentions, a custom mask, an unsupported head dim) it says so once per o
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -28,36 +27,43 @@ BACKENDS = ("auto", "torch", "triton")
 # hidden_act -> the activation name the kernels understand. HF's "gelu" is the exact erf GELU; "gelu_new" and
 # "gelu_pytorch_tanh" are the same tanh approximation computed two ways.
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-# Head dims the Triton attention kernel is compiled for (tl.dot needs >= 16 and a power of two).
-TRITON_HEAD_DIMS = (16, 32, 64, 128)
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # The padding mask, computed once per forward
 # --------------------------------------------------------------------------------------------------------------------
+def tracing() -> bool:
+    """True while torch.jit.trace, torch.compile or torch.export records the forward: then nothing may branch on a
+    tensor's values or read one back to the host, because the recorded graph must serve every later input."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
 @dataclass(frozen=True)
 class AttentionMask:
     """What attention needs to know about padding. Built once per forward by `AttentionMask.build`.
 
+    The rules for `attention_mask` (README, "Masks"):
+      2-D [B, S]           key padding: 1 / True = a real token, 0 / False = padding. Any dtype; values must be 0 or 1.
+      3-D [B, S, S]        query i may attend to key j where 1 / True. Any dtype, float included; values 0 or 1.
+      4-D [B, 1|nh, S, S]  bool or integer: 1 / True = may attend (values 0 or 1); floating: additive, added to the
+                           scores as is (0 = attend, a large negative number = masked), as Hugging Face does.
+    The model checks the 0/1 values (in its one host sync); this class trusts them.
+
     batch_size, seq_len: the padded shape; tokens are laid out row-major, T = batch_size * seq_len.
     key_valid: [B, S] bool, True where the key is a real token; None when every key is real (no mask work at all).
-    kv_end:    [B] int32, 1 + index of the last real key of each row (0 for a fully padded row). The Triton kernel
-               skips key blocks at or past it.
-    additive:  HF's extended mask in the compute dtype, 0 where attended and finfo(dtype).min where masked,
-               [B, 1, 1, S] from a 2-D mask or [B, 1|nh, S, S] from a custom 3-D/4-D mask (torch path).
+    additive:  the mask in the compute dtype, 0 where attended and finfo(dtype).min where masked, [B, 1, 1, S] from
+               a 2-D mask or [B, 1|nh, S, S] from a 3-D/4-D one (torch path).
     custom:    True when the user gave a 3-D/4-D mask; only the torch twin serves those.
     empty_rows: [B, 1, 1, 1] bool, True for fully padded rows; None when there is none (decided once per forward).
 
-    A fully padded row (attention_mask all 0) follows HF's eager path: every score becomes finfo.min, softmax of
-    equal values is uniform, so each query of that row attends uniformly to all S keys (its output is the mean of
-    the row's values). It stays finite and does not touch other rows. (HF's sdpa path returns something else there.)
+    A fully padded row (attention_mask all 0) follows HF's eager path: every score is finfo.min, softmax of equal
+    values is uniform, so each query of that row attends uniformly to all S keys (its output is the mean of the
+    row's values). It stays finite and does not touch other rows. (HF's sdpa path returns something else there.)
     """
 
     batch_size: int
     seq_len: int
     key_valid: torch.Tensor | None = None
-    kv_end: torch.Tensor | None = None
     additive: torch.Tensor | None = None
     custom: bool = False
     empty_rows: torch.Tensor | None = None
@@ -66,27 +72,28 @@ class AttentionMask:
     def build(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, dtype: torch.dtype,
               flags: tuple | None = None) -> "AttentionMask":
         """flags: `padding_flags` of a 2-D mask, already read by the caller (the model reads them in the same host
-        sync as its input checks); None = read them here."""
+        sync as its input checks); None = read them here. While tracing, nothing is read: the mask is always applied
+        and the fully-padded-row rule always runs, so the recorded graph is right for any mask."""
         if attention_mask is None:
             return AttentionMask(batch_size, seq_len)
         min_value = torch.finfo(dtype).min
         if attention_mask.dim() == 2:
-            keep = attention_mask.bool()
-            all_real, no_empty_row = flags if flags is not None else padding_flags(keep).tolist()
+            keep = attention_mask != 0
+            if tracing():
+                all_real, no_empty_row = False, False
+            else:
+                all_real, no_empty_row = flags if flags is not None else padding_flags(keep).tolist()
             if all_real:  # the common unpadded batch: no mask at all, attention takes its dense path
                 return AttentionMask(batch_size, seq_len)
-            kv_end = last_real_key(keep)
             additive = torch.zeros(batch_size, 1, 1, seq_len, dtype=dtype, device=keep.device)
             additive.masked_fill_(~keep[:, None, None, :], min_value)
-            empty_rows = None if no_empty_row else (kv_end == 0)[:, None, None, None]
-            return AttentionMask(batch_size, seq_len, keep, kv_end, additive, empty_rows=empty_rows)
-        # Custom masks: 3-D [B, S, S] of 0/1 (the old HF convention), 4-D [B, 1|nh, S, S] either 0/1 (bool/int)
-        # or already additive (float), which HF passes through as is.
+            empty_rows = None if no_empty_row else ~keep.any(dim=1)[:, None, None, None]
+            return AttentionMask(batch_size, seq_len, keep, additive, empty_rows=empty_rows)
         mask = attention_mask[:, None] if attention_mask.dim() == 3 else attention_mask
-        if mask.is_floating_point():
-            additive = mask.to(dtype)
+        if attention_mask.dim() == 4 and mask.is_floating_point():
+            additive = mask.to(dtype)  # already additive: Hugging Face adds a float 4-D mask to the scores as is
         else:
-            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask.bool(), min_value)
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, min_value)
         return AttentionMask(batch_size, seq_len, additive=additive, custom=True)
 
 
@@ -95,10 +102,11 @@ def padding_flags(keep: torch.Tensor) -> torch.Tensor:
     return torch.stack([keep.all(), keep.any(dim=1).all()]).long()
 
 
-def last_real_key(keep: torch.Tensor) -> torch.Tensor:
-    """[B] int32: 1 + the index of each row's last real key in a [B, S] bool mask, 0 for a fully padded row."""
-    positions = torch.arange(1, keep.shape[1] + 1, device=keep.device, dtype=torch.int32)
-    return (keep.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+def not_zero_one(mask: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: does a 0/1 mask hold any other value? (Always False for a bool mask.)"""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
+    return ((mask != 0) & (mask != 1)).any()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -169,10 +177,6 @@ def check_backend(op: str, backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r} for op {op!r}; the backends are {', '.join(BACKENDS)}")
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 _TRITON_IMPORT_ERROR: list = []  # [None] once triton imported fine, [message] once it failed
 
 
@@ -191,14 +195,14 @@ def _kernel(op: str):
     return importlib.import_module(f"fastbert.kernels.{op}")
 
 
-def _triton_unavailable(device: torch.device) -> str | None:
+def _kernel_facts():
+    """fastbert.kernels.utils: what the kernels support (imported only once Triton is known to import)."""
+    return importlib.import_module("fastbert.kernels.utils")
+
+
+def triton_unavailable(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on this device at all (None when it can)."""
-    error = triton_import_error()
-    if error:
-        return error
-    if device.type != "cuda" and not interpreting():
-        return f"the tensors are on {device} (Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU)"
-    return None
+    return triton_import_error() or _kernel_facts().device_unsupported(device)
 
 
 _WARNED: set = set()
@@ -208,7 +212,7 @@ def _use_triton(op: str, backend: str, device: torch.device, unsupported: str | 
     """Resolve `backend` for one call. `unsupported` says why the kernel cannot serve this particular call."""
     if backend == "torch":
         return False
-    unavailable = _triton_unavailable(device)
+    unavailable = triton_unavailable(device)
     if backend == "triton":
         if unavailable or unsupported:
             raise RuntimeError(f"op {op!r}: backend 'triton' was requested but {unavailable or unsupported}; "
@@ -221,57 +225,64 @@ def _use_triton(op: str, backend: str, device: torch.device, unsupported: str | 
     if unsupported:
         if (op, unsupported) not in _WARNED:
             _WARNED.add((op, unsupported))
-            warnings.warn(f"fastbert: op {op!r} runs on the PyTorch twin because {unsupported} "
-                          f"(the Triton kernel serves inference only); said once", stacklevel=4)
+            warnings.warn(f"fastbert: op {op!r} runs on the PyTorch twin because {unsupported}; said once",
+                          stacklevel=4)
         return False
     return True
 
 
-def _common_unsupported(*tensors: torch.Tensor, dropout_p: float = 0.0) -> str | None:
+def _unsupported(op: str, *tensors: torch.Tensor, dropout_p: float = 0.0, head_dim: int | None = None) -> str | None:
+    """Why the kernel of `op` cannot serve this call (None when it can). Only asked once Triton is available."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return "autograd is needed (inputs require grad; wrap inference in torch.no_grad())"
+        return "autograd is needed (inputs require grad; the kernels serve inference: wrap it in torch.no_grad())"
     if dropout_p > 0:
-        return f"dropout is active (p={dropout_p}; call model.eval() for inference)"
-    dtype = tensors[0].dtype
-    if dtype not in TRITON_DTYPES:
-        return f"dtype {dtype} is not one of float32, float16, bfloat16"
+        return f"dropout is active (p={dropout_p}; the kernels serve inference: call model.eval())"
     if tensors[0].dim() and tensors[0].stride(-1) != 1:
         return f"the input's last dimension has stride {tensors[0].stride(-1)} (the kernels read unit-stride rows)"
-    return None
+    return _kernel_facts().call_unsupported(op, tensors[0].dtype, head_dim)
+
+
+def _why_not(op: str, backend: str, device: torch.device, reason) -> str | None:
+    """The reason the kernel cannot serve the call, computed only when it matters (not for backend 'torch', and not
+    when Triton cannot run here at all). `reason` is a function returning it."""
+    if backend == "torch" or triton_unavailable(device):
+        return None
+    return reason()
 
 
 def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -> torch.Tensor:
-    if _use_triton("qkv_projection", backend, x.device, _common_unsupported(x, weight, bias)):
+    why = _why_not("qkv_projection", backend, x.device, lambda: _unsupported("qkv_projection", x, weight, bias))
+    if _use_triton("qkv_projection", backend, x.device, why):
         return _kernel("qkv_projection").qkv_projection(x, weight, bias, num_heads)
     return qkv_projection_torch(x, weight, bias, num_heads)
 
 
 def attention(qkv, mask: AttentionMask, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
               backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor | None]:
-    unsupported = _common_unsupported(qkv, dropout_p=dropout_p)
-    if unsupported is None:
+    def reason():
         if return_probs:
-            unsupported = "output_attentions=True needs the probabilities (flash attention never forms them)"
-        elif mask.custom:
-            unsupported = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-        elif qkv.shape[-1] not in TRITON_HEAD_DIMS:
-            unsupported = f"head_dim={qkv.shape[-1]} is not one of {TRITON_HEAD_DIMS}"
-    if _use_triton("attention", backend, qkv.device, unsupported):
-        ctx = _kernel("attention").attention(qkv, mask.seq_len, scale, key_valid=mask.key_valid, kv_end=mask.kv_end)
-        return ctx, None
+            return "output_attentions=True needs the probabilities (flash attention never forms them)"
+        if mask.custom:
+            return "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
+        return _unsupported("attention", qkv, dropout_p=dropout_p, head_dim=qkv.shape[-1])
+
+    if _use_triton("attention", backend, qkv.device, _why_not("attention", backend, qkv.device, reason)):
+        return _kernel("attention").attention(qkv, mask.seq_len, scale, key_valid=mask.key_valid), None
     return attention_torch(qkv, mask, scale, dropout_p, return_probs)
 
 
 def bias_gelu(x, weight, bias, activation: str = "gelu", *, backend: str = "torch") -> torch.Tensor:
-    if _use_triton("bias_gelu", backend, x.device, _common_unsupported(x, weight, bias)):
+    why = _why_not("bias_gelu", backend, x.device, lambda: _unsupported("bias_gelu", x, weight, bias))
+    if _use_triton("bias_gelu", backend, x.device, why):
         return _kernel("bias_gelu").bias_gelu(x, weight, bias, activation)
     return bias_gelu_torch(x, weight, bias, activation)
 
 
 def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float, *, dropout_p: float = 0.0,
                        backend: str = "torch") -> torch.Tensor:
-    unsupported = _common_unsupported(y, weight, bias, residual, ln_weight, ln_bias, dropout_p=dropout_p)
-    if _use_triton("residual_layernorm", backend, y.device, unsupported):
+    why = _why_not("residual_layernorm", backend, y.device, lambda: _unsupported(
+        "residual_layernorm", y, weight, bias, residual, ln_weight, ln_bias, dropout_p=dropout_p))
+    if _use_triton("residual_layernorm", backend, y.device, why):
         return _kernel("residual_layernorm").residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps)
     return residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)
 

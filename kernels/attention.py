@@ -30,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops import TRITON_HEAD_DIMS, interpreting, last_real_key
-
-from .gemm import DTYPES as _DTYPES, input_precision
+from . import utils
+from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 
 
@@ -62,10 +61,13 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per loop iteration
 ):
-    # Grid: (query blocks, heads, batch). x varies fastest, so the programs that run together share one head's K/V.
-    pid_m = tl.program_id(0).to(tl.int64)
+    # Grid: (query blocks x rows, heads), query blocks fastest, so the programs that run together share one row's and
+    # one head's K/V. Rows ride on grid x (up to 2^31 - 1), not y/z (65535): a batch of 65536 one-token rows launches.
+    pid = tl.program_id(0)  # int32 division (cheaper than int64), then int64 for the offsets
+    num_m_blocks = tl.cdiv(seq_len, BLOCK_M)
+    batch = (pid // num_m_blocks).to(tl.int64)
+    pid_m = (pid % num_m_blocks).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
@@ -74,7 +76,8 @@ def _attention_fwd_kernel(
     head_base = qkv_ptr + head * stride_qkv_h
 
     if HAS_MASK:
-        kv_end = tl.load(kv_end_ptr + batch * stride_kv_end)
+        # Clamped into [0, S]: whatever the buffer holds, no key past the row is ever read.
+        kv_end = tl.minimum(tl.maximum(tl.load(kv_end_ptr + batch * stride_kv_end), 0), seq_len)
         # HF eager on a fully padded row (kv_end == 0): all S keys, equal scores. Run it as all S keys valid with
         # a zero query (every score exactly 0). (Written with tl.where on scalars, not `block & scalar_bool`,
         # which Triton 3.9's interpreter turns into an int32 mask it then refuses.)
@@ -150,14 +153,15 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     "ieee" (torch's default, allow_tf32 off) runs tl.dot on FMAs, which hold whole hd-long operand rows per thread:
     every 128-query tile and 64x64 spill at hd 64/128 (STACK 600+ on sm_90). 64x32 with 8 warps fits up to hd 32;
     at hd 64 "ieee" it spills 8 bytes on sm_90 with Triton 3.6 (the GPU image's version; 3.9 does not), and so do
-    64x32 at 4 warps and 32x32, so hd 64 takes 64x16 with 4 warps (REG <= 152, no stack on 3.6 and 3.9); at hd 128
+    64x32 at 4 warps and 32x32, so hd 64 takes 64x16 with 4 warps (REG <= 152, no stack on 3.6 and 3.9), in "tf32"
+    too (64x32 w8 spilled 8 bytes on sm_80 there once rows moved onto grid x); at hd 128
     "ieee" only 32x16 with 4 warps fits both variants on both archs (64x32 and 64x16 at 8 warps each spill on sm_80
     in one of the two mask variants).
     """
     if dtype == torch.float32:
         if input_precision == "ieee" and head_dim > 64:
             return [_config(32, 16, 4, 2)]
-        if input_precision == "ieee" and head_dim == 64:
+        if head_dim == 64:  # tf32 at 64x32 w8 spilled 8 bytes on sm_80 once the rows moved onto grid x
             return [_config(64, 16, 4, 2)]
         return [_config(64, 32, 8, 2)]
     return [_config(128, 64, 8, 2), _config(64, 64, 4, 2) if head_dim <= 64 else _config(64, 32, 4, 2)]
@@ -205,6 +209,17 @@ _INTERPRETER_CONFIG = _config(64, 32, 4, 2)
 # --------------------------------------------------------------------------------------------------------------------
 # The launcher
 # --------------------------------------------------------------------------------------------------------------------
+def launch_grid(batch: int, seq_len: int, num_heads: int, block_m: int) -> tuple[int, int]:
+    """(query blocks x rows, heads): rows ride on grid x, whose limit is 2^31 - 1, not on y/z (65535)."""
+    return triton.cdiv(seq_len, block_m) * batch, num_heads
+
+
+def last_real_key(keep: torch.Tensor) -> torch.Tensor:
+    """[B] int32: 1 + the index of each row's last real key in a [B, S] bool mask, 0 for a fully padded row."""
+    positions = torch.arange(1, keep.shape[1] + 1, device=keep.device, dtype=torch.int32)
+    return (keep.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+
+
 _PLACEHOLDERS: dict = {}
 
 
@@ -223,13 +238,10 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 
 def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Tensor | None = None,
-              kv_end: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
-              config: triton.Config | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, *, config: triton.Config | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for packed qkv [T, 3, nh, hd] (T = B*seq_len) -> out [T, nh*hd].
 
     key_valid: [B, S] bool, True where key j of row b is a real token; None = no padding.
-    kv_end:    [B] int32, 1 + index of row b's last real key (0 = fully padded row); computed from key_valid when
-               None. Keys at or past kv_end[b] are ignored, so it must agree with key_valid.
     out:       optional [T, nh*hd] output (last dim unit-stride), same dtype and device as qkv.
     config:    force one triton.Config (BLOCK_M, BLOCK_N, warps, stages) instead of autotuning; for tests.
     """
@@ -247,7 +259,7 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
     if qkv.stride(-1) != 1:
         raise ValueError(f"qkv's last dim must be unit-stride, got strides {tuple(qkv.stride())}")
     device = qkv.device
-    if device.type != "cuda" and not interpreting():
+    if utils.device_unsupported(device):
         raise ValueError(f"qkv is on {device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
@@ -256,8 +268,10 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale!r}")
     B = T // seq_len
-    if B > 65535 or num_heads > 65535:  # CUDA's limit on grid dims y and z
-        raise ValueError(f"batch={B} and num_heads={num_heads} must each be <= 65535")
+    if num_heads > 65535:  # CUDA's limit on grid dim y
+        raise ValueError(f"num_heads={num_heads} must be <= 65535")
+    if utils.INTERPRET and qkv.dtype == torch.bfloat16:
+        raise NotImplementedError(utils.INTERPRETER_BF16_DOT)
 
     if key_valid is not None:
         if not isinstance(key_valid, torch.Tensor):
@@ -268,17 +282,6 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
         if tuple(key_valid.shape) != (B, seq_len):
             raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, "
                              f"expected (batch, seq_len)=({B}, {seq_len})")
-    if kv_end is not None:
-        if key_valid is None:
-            raise ValueError("kv_end was given without key_valid; pass both (or neither, when nothing is padded)")
-        if not isinstance(kv_end, torch.Tensor):
-            raise TypeError(f"kv_end must be a torch.Tensor or None, got {type(kv_end).__name__}")
-        if kv_end.dtype != torch.int32:
-            raise TypeError(f"kv_end.dtype={kv_end.dtype}; it must be torch.int32")
-        _check_device("kv_end", kv_end, device)
-        if tuple(kv_end.shape) != (B,):
-            raise ValueError(f"kv_end has shape {tuple(kv_end.shape)}, expected (batch,)=({B},)")
-
     hidden = num_heads * head_dim
     if out is None:
         out = torch.empty((T, hidden), dtype=qkv.dtype, device=device)
@@ -298,8 +301,7 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
     # ---- mask operands
     has_mask = key_valid is not None
     if has_mask:
-        if kv_end is None:
-            kv_end = last_real_key(key_valid)
+        kv_end = last_real_key(key_valid)  # computed here, never taken from a caller: it bounds every key read
         mask_i8 = key_valid.view(torch.int8)  # same bytes; Triton loads it as int8
         stride_mask_b, stride_mask_s = mask_i8.stride()
         stride_kv_end = kv_end.stride(0)
@@ -317,13 +319,12 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
             out.stride(0),
             triton.next_power_of_2(seq_len))
     meta = dict(HEAD_DIM=head_dim, HAS_MASK=has_mask, INPUT_PRECISION=input_precision(qkv.dtype))
-    if config is None and interpreting():
+    if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
     if config is None:
-        grid = lambda META: (triton.cdiv(seq_len, META["BLOCK_M"]), num_heads, B)  # noqa: E731
-        _attention_fwd[grid](*args, **meta)
+        _attention_fwd[lambda META: launch_grid(B, seq_len, num_heads, META["BLOCK_M"])](*args, **meta)
     else:
-        grid = (triton.cdiv(seq_len, config.kwargs["BLOCK_M"]), num_heads, B)
+        grid = launch_grid(B, seq_len, num_heads, config.kwargs["BLOCK_M"])
         _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                     num_stages=config.num_stages)
     return out

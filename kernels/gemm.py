@@ -54,10 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops import interpreting
+from . import utils
+from .utils import DTYPES, input_precision
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # plus None: no activation
-DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 GROUP_M = 8
 
 
@@ -171,7 +171,7 @@ def check_device(op: str, **tensors) -> torch.device:
         listing = ", ".join(f"{name} on {device}" for name, device in devices.items())
         raise ValueError(f"{op}: all tensors must be on one device; got {listing}")
     device = next(iter(devices.values()))
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+    if utils.device_unsupported(device):
         raise ValueError(f"{op}: the tensors are on {device}; the Triton kernels need CUDA tensors "
                          f"(or CPU tensors with TRITON_INTERPRET=1 to run them in Triton's interpreter)")
     return device
@@ -230,13 +230,6 @@ def check_out(op: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype, devi
         raise ValueError(f"{op}: out must have a unit-stride last dimension; got out.stride()={out.stride()}")
 
 
-def input_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision: fp32 follows torch's TF32 switch, 16-bit types ignore it (fixed to one compile)."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The launcher (inputs already validated by the op launcher)
 # --------------------------------------------------------------------------------------------------------------------
@@ -247,6 +240,8 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     num_stages) pins one tile instead of autotuning (the tests use it to run every config's edge handling)."""
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS} or None")
+    if utils.INTERPRET and a.dtype == torch.bfloat16:
+        raise NotImplementedError(utils.INTERPRETER_BF16_DOT)
     M, K = a.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
@@ -255,7 +250,7 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
             M, N, K, max(16, triton.next_power_of_2(M)),
             a.stride(0), weight.stride(0), weight.stride(1), out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=input_precision(a.dtype))
-    if config is None and interpreting():
+    if config is None and utils.INTERPRET:
         config = INTERPRETER_CONFIG
     if config is not None:
         bm, bn, bk, warps, stages = config

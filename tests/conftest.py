@@ -3,6 +3,7 @@
 Without a GPU the Triton kernels are proven through Triton's interpreter, which must be switched on before triton
 is first imported: hence here, at collection time. On a CUDA machine the same tests run the compiled kernels.
 """
+import contextlib
 import os
 
 import torch
@@ -14,7 +15,73 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: the bundled MiniLM 
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["pytester"]  # tests/test_hygiene.py runs small test files of its own
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- global state: a test that changes it must put it back ---------------------------------------------------------
+# Variables that libraries set for themselves on first use (pytest per phase; torch's inductor; OpenMP runtimes loaded
+# by an import), not settings a test could leak.
+_LIBRARY_ENV = ("PYTEST_", "TORCHINDUCTOR_", "KMP_")
+
+
+def global_state() -> dict:
+    """Process-wide state a test could leave changed for every later test (pytest's monkeypatch cannot restore some
+    of it: torch.backends.cuda.matmul's flags are not plain attributes)."""
+    from fastbert import ops
+    state = {
+        "environment": {k: v for k, v in os.environ.items() if not k.startswith(_LIBRARY_ENV)},
+        "TF32 for fp32 matmuls": tf32_on(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "torch threads": torch.get_num_threads(),
+        "fastbert warned-once set": set(ops._WARNED),
+    }
+    import sys
+    if "fastbert.kernels.utils" in sys.modules:
+        state["kernels INTERPRET flag"] = sys.modules["fastbert.kernels.utils"].INTERPRET
+    return state
+
+
+def tf32_on() -> bool:
+    """The effective TF32 switch ("none" = neither API used yet, so the legacy flag holds the default)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    return precision == "tf32" or (precision == "none" and matmul.allow_tf32)
+
+
+@pytest.fixture(autouse=True)
+def _puts_global_state_back():
+    """Fails the test that leaves global state changed, naming what changed. Autouse fixtures are set up first, so
+    this runs its check after the test's own fixtures (monkeypatch included) have been torn down."""
+    before = global_state()
+    yield
+    after = global_state()
+    changed = sorted(k for k in before if k in after and before[k] != after[k])
+    if before["environment"] != after["environment"]:
+        keys = {k for k in set(before["environment"]) | set(after["environment"])
+                if before["environment"].get(k) != after["environment"].get(k)}
+        changed[changed.index("environment")] = f"environment ({', '.join(sorted(keys))})"
+    assert not changed, f"the test left global state changed: {'; '.join(changed)}"
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """torch's fp32-matmul TF32 switch set for the block and put back after it. Through the legacy `allow_tf32`
+    setter: it keeps `fp32_precision` consistent, while setting `fp32_precision` would make later reads of
+    `allow_tf32` (by any library) raise in torch >= 2.9."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = saved
 
 
 def random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, act="gelu", vocab=99, max_pos=64, types=3,

@@ -17,10 +17,13 @@ import math
 import pytest
 import torch
 
+from conftest import tf32_matmuls
+
 from fastbert import ops
 from fastbert.ops import AttentionMask, attention_torch, qkv_projection_torch
 from fastbert.kernels import attention as attention_module
 from fastbert.kernels.attention import attention
+from fastbert.kernels import utils as kernel_utils
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ON_CPU = pytest.mark.skipif(
@@ -130,15 +133,14 @@ def assert_matches(out, twin, ref64, dtype, live_rows):
         assert err <= 2 * twin_err + 1e-6, f"kernel error {err:.3g} vs twin error {twin_err:.3g} against fp64"
 
 
-def run_case(B, S, nh, hd, dtype, padding, layout, pass_kv_end=True, config=None, q_gain=1.0, seed=0):
+def run_case(B, S, nh, hd, dtype, padding, layout, config=None, q_gain=1.0, seed=0):
     qkv = make_qkv(B, S, nh, hd, dtype, layout, seed=seed, q_gain=q_gain)
     attention_mask = make_padding(B, S, padding, seed=seed)
     mask = AttentionMask.build(attention_mask, B, S, dtype)
     assert (mask.key_valid is None) == (padding == "none")
     scale = ops.default_scale(hd)
     out = poisoned(B * S, nh * hd, dtype)
-    result = attention(qkv, S, scale, key_valid=mask.key_valid, kv_end=mask.kv_end if pass_kv_end else None,
-                       out=out, config=config)
+    result = attention(qkv, S, scale, key_valid=mask.key_valid, out=out, config=config)
     assert result.data_ptr() == out.data_ptr()
     twin, _ = attention_torch(qkv, mask, scale)
     live_rows = attention_mask.bool().any(dim=1).repeat_interleave(S)
@@ -190,19 +192,8 @@ def test_fully_padded_row_is_mean_of_values():
     for b in (0, 2):
         rows = slice(b * S, (b + 1) * S)
         single = AttentionMask.build(attention_mask[b:b + 1], 1, S, torch.float32)
-        alone = attention(qkv[rows], S, ops.default_scale(hd), single.key_valid, single.kv_end)
+        alone = attention(qkv[rows], S, ops.default_scale(hd), single.key_valid)
         assert torch.equal(alone, out[rows])
-
-
-def test_kv_end_computed_from_key_valid():
-    """kv_end=None: the launcher derives it from key_valid (0 for the fully padded row) with the same result."""
-    B, S, nh, hd = 3, 65, 2, 32
-    qkv = make_qkv(B, S, nh, hd, torch.float32)
-    mask = AttentionMask.build(make_padding(B, S, "fully_padded"), B, S, torch.float32)
-    scale = ops.default_scale(hd)
-    with_end = attention(qkv, S, scale, mask.key_valid, mask.kv_end)
-    without = attention(qkv, S, scale, mask.key_valid)
-    assert torch.equal(with_end, without)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -214,16 +205,12 @@ def test_peaked_scores(dtype):
 def test_fp32_tf32():
     """allow_tf32 on: fp32 tl.dot runs as tf32 (10-bit mantissa inputs, like torch.matmul under the same flag), so
     the bar is tf32's ~1e-3 relative rounding at O(1) outputs, not 1e-5. (The interpreter computes in full fp32.)"""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
+    with tf32_matmuls(True):
         B, S, nh, hd, dtype = 2, 65, 2, 64, torch.float32
         qkv = make_qkv(B, S, nh, hd, dtype)
         attention_mask = make_padding(B, S, "holes")
         mask = AttentionMask.build(attention_mask, B, S, dtype)
-        out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, mask.kv_end, out=poisoned(B * S, nh * hd, dtype))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, out=poisoned(B * S, nh * hd, dtype))
     err = (out.double() - reference64(qkv, attention_mask, ops.default_scale(hd))).abs().max().item()
     assert torch.isfinite(out).all() and err <= 5e-3, err
 
@@ -286,7 +273,7 @@ def test_matches_hf_bert_self_attention(B, S, nh, hd, padding):
         weight = torch.cat([hf.query.weight, hf.key.weight, hf.value.weight])
         bias = torch.cat([hf.query.bias, hf.key.bias, hf.value.bias])
         qkv = qkv_projection_torch(x.reshape(B * S, H), weight, bias, nh)
-    out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, mask.kv_end, out=poisoned(B * S, H, torch.float32))
+    out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, out=poisoned(B * S, H, torch.float32))
     assert torch.isfinite(out).all()
     assert (out - expected).abs().max().item() <= FP32_TOL
     if padding == "fully_padded":  # HF eager's uniform attention over all S keys of the dead row
@@ -298,16 +285,12 @@ def test_matches_hf_bert_self_attention(B, S, nh, hd, padding):
 # Launcher plumbing: precision flag, autotune pruning, AOT specs
 # --------------------------------------------------------------------------------------------------------------------
 def test_input_precision_follows_allow_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    with tf32_matmuls(True):
         assert attention_module.input_precision(torch.float32) == "tf32"
         assert attention_module.input_precision(torch.float16) == "ieee"
-        torch.backends.cuda.matmul.allow_tf32 = False
+    with tf32_matmuls(False):
         assert attention_module.input_precision(torch.float32) == "ieee"
         assert attention_module.input_precision(torch.bfloat16) == "ieee"
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -343,7 +326,7 @@ def test_aot_specs_well_formed():
                 s["num_stages"]) for s in specs}
     for dtype, tag in attention_module._DTYPES.items():
         for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
-            for head_dim in ops.TRITON_HEAD_DIMS:
+            for head_dim in kernel_utils.HEAD_DIMS:
                 for has_mask in (True, False):
                     for config in attention_module.attention_configs(dtype, head_dim, precision):
                         assert (f"*{tag}", precision, head_dim, has_mask) + attention_module._key(config) in covered
@@ -397,13 +380,13 @@ def test_rejects_non_unit_stride_head_dim():
 def test_rejects_key_valid_wrong_dtype():
     qkv, mask = _good()
     with pytest.raises(TypeError, match="key_valid.dtype=torch.int64"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid.long(), kv_end=mask.kv_end)
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid.long())
 
 
 def test_rejects_key_valid_wrong_shape():
     qkv, mask = _good()
     with pytest.raises(ValueError, match=r"key_valid has shape \(2, 4\)"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid[:, :4], kv_end=mask.kv_end)
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid[:, :4])
     with pytest.raises(ValueError, match=r"key_valid has shape \(10,\)"):
         attention(qkv, 5, 0.125, key_valid=mask.key_valid.reshape(-1))
 
@@ -412,19 +395,7 @@ def test_rejects_key_valid_wrong_device():
     qkv, mask = _good()
     other = "meta"
     with pytest.raises(ValueError, match="key_valid is on meta"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid.to(other), kv_end=mask.kv_end)
-
-
-def test_rejects_bad_kv_end():
-    qkv, mask = _good()
-    with pytest.raises(TypeError, match="kv_end.dtype=torch.int64"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=mask.kv_end.long())
-    with pytest.raises(ValueError, match=r"kv_end has shape \(1,\)"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=mask.kv_end[:1])
-    with pytest.raises(ValueError, match="kv_end is on meta"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=mask.kv_end.to("meta"))
-    with pytest.raises(ValueError, match="without key_valid"):
-        attention(qkv, 5, 0.125, kv_end=mask.kv_end)
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid.to(other))
 
 
 def test_rejects_bad_out():
@@ -447,7 +418,7 @@ def test_rejects_non_finite_scale():
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU-without-interpreter refusal")
 def test_rejects_cpu_without_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     qkv, _ = _good()
     with pytest.raises(ValueError, match="CUDA"):
         attention(qkv, 5, 0.125)
@@ -456,3 +427,29 @@ def test_rejects_cpu_without_interpreter(monkeypatch):
 def test_empty_batch():
     qkv = torch.zeros(0, 3, 2, 32, device=DEVICE)
     assert attention(qkv, 5, 0.125).shape == (0, 64)
+
+
+def test_grid_of_many_rows_fits_cudas_limits():
+    """Rows ride on grid x (limit 2^31 - 1): 65536 rows of one token once exceeded grid z's 65535 and failed to
+    launch. The interpreter takes ~6 minutes for that launch, so on CPU the grid is checked and the folded row index
+    is exercised by every multi-row case above; test_many_rows_launch runs it on CUDA."""
+    for block_m in (16, 32, 64, 128):
+        x, y = attention_module.launch_grid(65536, 1, 12, block_m)
+        assert (x, y) == (65536, 12) and x <= 2 ** 31 - 1 and y <= 65535
+    assert attention_module.launch_grid(3, 130, 2, 64) == (9, 2)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="65536 programs take ~6 minutes in the interpreter; the grid is "
+                                            "checked on CPU by test_grid_of_many_rows_fits_cudas_limits")
+def test_many_rows_launch():
+    qkv = make_qkv(65536, 1, 2, 32, torch.float16)
+    out = attention(qkv, 1, 0.25)
+    assert torch.equal(out, qkv[:, 2].reshape(65536, 64))  # one key: the output is its value
+
+
+def test_kv_end_is_not_taken_from_callers():
+    """kv_end bounds every key the kernel reads, so the launcher computes it from key_valid itself (and the kernel
+    clamps it into [0, S]); a caller can no longer pass one that reads past a row."""
+    qkv, mask = _good()
+    with pytest.raises(TypeError, match="kv_end"):
+        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=torch.full((2,), 99, dtype=torch.int32))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
 from fastbert import ops
+from fastbert.kernels import utils as kernel_utils
 from fastbert.kernels import residual_layernorm as rln_mod
 from fastbert.kernels.residual_layernorm import residual_layernorm
 
@@ -190,7 +191,7 @@ def test_bad_inputs(case, exc, match):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     y, w, b, res, gamma, beta = (t.cpu() for t in inputs(7, 384, 384, torch.float32))
     with pytest.raises(ValueError, match=r"tensors are on cpu; the Triton kernels need CUDA tensors"):
         residual_layernorm(y, w, b, res, gamma, beta, 1e-12)

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
+from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls
 from fastbert import ops
+from fastbert.kernels import utils as kernel_utils
 from fastbert.kernels import gemm as gemm_core
 from fastbert.kernels.bias_gelu import bias_gelu
 from fastbert.kernels.qkv_projection import qkv_projection
@@ -211,14 +212,14 @@ def test_gemm_weight_strides(w_layout):
 
 
 @pytest.mark.parametrize("allow_tf32", [False, True])
-def test_tf32_switch(allow_tf32, monkeypatch):
+def test_tf32_switch(allow_tf32):
     """fp32 follows torch.backends.cuda.matmul.allow_tf32 ("ieee" when off); 16-bit types always compile one way."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
-    assert gemm_core.input_precision(torch.float32) == ("tf32" if allow_tf32 else "ieee")
-    assert gemm_core.input_precision(torch.float16) == "ieee"
     T, H, I = 7, 384, 100
     x, w, b = make((T, H), torch.float32), make((I, H), torch.float32, H ** -0.5, 1), make((I,), torch.float32)
-    y = bias_gelu(x, w, b, "gelu", out=poisoned((T, I), torch.float32))
+    with tf32_matmuls(allow_tf32):
+        assert gemm_core.input_precision(torch.float32) == ("tf32" if allow_tf32 else "ieee")
+        assert gemm_core.input_precision(torch.float16) == "ieee"
+        y = bias_gelu(x, w, b, "gelu", out=poisoned((T, I), torch.float32))
     ref64 = F.gelu(F.linear(x.double(), w.double(), b.double()))
     # TF32 keeps 10 mantissa bits: ~1e-3 relative per product on a GPU; the interpreter computes in full fp32.
     tol = 2e-2 if (allow_tf32 and DEVICE == "cuda") else FP32_TOL
@@ -319,7 +320,7 @@ def test_bias_gelu_bad_inputs(case, exc, match):
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     """CPU tensors are refused unless TRITON_INTERPRET=1 (on a CUDA machine too: CPU tensors never launch)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     x, w, b = (t.cpu() for t in _qkv_args())
     with pytest.raises(ValueError, match=r"tensors are on cpu; the Triton kernels need CUDA tensors"):
         qkv_projection(x, w, b, 6)

@@ -1,0 +1,38 @@
+"""The suite itself: a test that leaves process-wide state changed fails (tests/conftest.py's guard), so no later
+test runs under a flag it did not ask for (a leaked TF32 switch once turned every later fp32 kernel test on a GPU
+into tf32 arithmetic)."""
+import pathlib
+
+import pytest
+
+CONFTEST = (pathlib.Path(__file__).parent / "conftest.py").read_text()
+
+
+@pytest.mark.parametrize("leak, words", [
+    ("import torch; torch.backends.cuda.matmul.allow_tf32 = True", "TF32 for fp32 matmuls"),
+    ("import os; os.environ['FASTBERT_SOMETHING'] = '1'", "environment (FASTBERT_SOMETHING)"),
+    ("import torch; torch.set_default_dtype(torch.float64)", "default dtype"),
+    ("from fastbert import ops; ops._WARNED.add(('attention', 'why'))", "fastbert warned-once set"),
+])
+def test_a_test_that_leaks_global_state_fails(pytester, leak, words):
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_leaky=f"def test_leaks():\n    {leak}\n\n\ndef test_clean():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines([f"*the test left global state changed: {words}*"])
+
+
+def test_a_test_that_restores_what_it_changes_passes(pytester):
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_tidy="""
+import torch
+from conftest import tf32_matmuls
+
+
+def test_tidy(monkeypatch):
+    monkeypatch.setenv("FASTBERT_SOMETHING", "1")
+    with tf32_matmuls(True):
+        assert torch.backends.cuda.matmul.allow_tf32
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
