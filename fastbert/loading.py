@@ -22,17 +22,26 @@ def resolve_folder(name_or_path, weights: bool = True) -> str:
         folder = path
     elif os.path.exists(path):
         raise ValueError(f"{path!r} is a file; give the folder that holds config.json and the weights")
+    elif looks_like_a_path(path):
+        raise FileNotFoundError(f"no such folder: {path!r}")
     else:
         from huggingface_hub import snapshot_download
         patterns = ["config.json"] + (list(WEIGHT_FILES) + ["model-*.safetensors", "pytorch_model-*.bin"] if weights else [])
         try:
             folder = snapshot_download(path, allow_patterns=patterns)
         except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise FileNotFoundError(f"{path!r} is not a local folder, and the Hub could not provide it "
-                                    f"({type(e).__name__}: {e})") from e
+                                    f"({type(e).__name__}: {reason})") from e
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"no config.json in {folder!r}")
     return folder
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A Hub id is "name" or "owner/name"; anything else that is not on disk was meant as a folder."""
+    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
+            or (os.sep != "/" and os.sep in name))
 
 
 def read_checkpoint(folder: str) -> dict:
@@ -95,11 +104,37 @@ def _build(cls, config, add_pooling_layer, kernels):
         return cls(config, add_pooling_layer=add_pooling_layer, kernels=kernels)
 
 
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype, config: BertConfig, state: dict) -> torch.dtype | None:
+    """from_pretrained's `dtype`, as Hugging Face accepts it: a torch.dtype, its name ("float16", ...), or "auto" (the
+    checkpoint's own: config.json's dtype / torch_dtype, else the dtype its weights are stored in). None keeps the
+    weights as stored."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        named = config.extra.get("dtype") or config.extra.get("torch_dtype")
+        if named is not None:
+            return resolve_dtype(str(named).replace("torch.", ""), config, state)
+        resolved = next((v.dtype for v in state.values() if v.is_floating_point()), None)
+    elif isinstance(dtype, str) and dtype.replace("torch.", "") in DTYPE_NAMES:
+        resolved = DTYPE_NAMES[dtype.replace("torch.", "")]
+    else:
+        raise ValueError(f"dtype={dtype!r} is not one of torch.float32 / float16 / bfloat16, their names "
+                         f"({', '.join(repr(n) for n in DTYPE_NAMES)}), or 'auto'")
+    if resolved is not None and resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={resolved} is not supported; use float32, float16 or bfloat16")
+    return resolved
+
+
 def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=True):
     folder = resolve_folder(name_or_path)
     config = BertConfig.from_any(os.path.join(folder, "config.json"))
     model = _build(cls, config, add_pooling_layer, kernels)
     state = hf_state_dict(read_checkpoint(folder), model)
+    dtype = resolve_dtype(dtype, config, state)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -110,8 +145,6 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
 
 def from_hf(cls, hf_model, kernels="auto"):
     base = getattr(hf_model, "bert", hf_model)  # BertFor* -> its BertModel
-    if getattr(base.config, "model_type", "bert") != "bert":
-        raise TypeError(f"from_hf expects a transformers BertModel, got model_type={base.config.model_type!r}")
     model = _build(cls, base.config, getattr(base, "pooler", None) is not None, kernels)
     # state_dict() holds detached tensors sharing storage with hf_model's parameters: only W_qkv is a new tensor.
     state = hf_state_dict(base.state_dict(), model)

@@ -47,7 +47,8 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Holds the fused QKV projection: W_qkv [3H, H] = cat(W_q, W_k, W_v), built once at load time."""
+    """Holds the fused QKV projection: W_qkv [3H, H] = cat(W_q, W_k, W_v), built once at load time. Outside, in
+    state_dict() and load_state_dict() (and their errors), it is HF's query/key/value."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -55,7 +56,35 @@ class BertSelfAttention(nn.Module):
         self.qkv_weight = nn.Parameter(torch.empty(3 * H, H))
         self.qkv_bias = nn.Parameter(torch.empty(3 * H))
         self.register_state_dict_post_hook(_split_qkv)
-        self.register_load_state_dict_pre_hook(_fuse_qkv)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """HF's query/key/value come in and are concatenated into the fused weight. A missing or mis-shaped part is
+        reported under HF's own key, never under the internal fused name."""
+        not_loaded = []  # fused names whose HF parts were missing or mis-shaped (reported under HF's names)
+        for kind, fused in (("weight", self.qkv_weight), ("bias", self.qkv_bias)):
+            fused_key = prefix + "qkv_" + kind
+            if fused_key in state_dict:  # already fused (a state dict taken with keep_vars or by hand)
+                continue
+            keys = [f"{prefix}{name}.{kind}" for name in _QKV]
+            present = [k for k in keys if k in state_dict]
+            parts = [state_dict.pop(k) for k in present]
+            if len(parts) < 3:
+                missing_keys.extend(k for k in keys if k not in present)
+                not_loaded.append(fused_key)
+                continue
+            want = (fused.shape[0] // 3, *fused.shape[1:])
+            wrong = [f"{k}: checkpoint {tuple(p.shape)} vs model {want}" for k, p in zip(keys, parts)
+                     if tuple(p.shape) != want]
+            if wrong:
+                error_msgs.append("size mismatch for " + "; ".join(wrong))
+                not_loaded.append(fused_key)
+                continue
+            state_dict[fused_key] = torch.cat(parts, dim=0)
+        n_missing = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        missing_keys[n_missing:] = [k for k in missing_keys[n_missing:] if k not in not_loaded]
 
 
 _QKV = ("query", "key", "value")
@@ -67,14 +96,6 @@ def _split_qkv(module, state_dict, prefix, local_metadata):
         fused = state_dict.pop(prefix + "qkv_" + kind)
         for name, part in zip(_QKV, fused.chunk(3, dim=0)):
             state_dict[f"{prefix}{name}.{kind}"] = part
-
-
-def _fuse_qkv(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """load_state_dict(): HF's query/key/value come in and are concatenated into the fused weight."""
-    for kind in ("weight", "bias"):
-        keys = [f"{prefix}{name}.{kind}" for name in _QKV]
-        if all(k in state_dict for k in keys):
-            state_dict[prefix + "qkv_" + kind] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
 
 
 class BertSelfOutput(nn.Module):  # also serves as HF's BertOutput: a dense back to H, then residual + LayerNorm
@@ -210,6 +231,9 @@ class BertModel(nn.Module):
             backend = None
         wanted = dict.fromkeys(OPS, backend) if backend is not None else {}
         wanted.update(per_op)
+        if not wanted:
+            raise ValueError(f"set_kernels needs a backend for every op ({', '.join(ops.BACKENDS)}) or op=backend "
+                             f"pairs (ops: {', '.join(OPS)}); got {'an empty dict' if isinstance(backend, dict) else backend!r}")
         for op, b in wanted.items():
             ops.check_backend(op, b)
             if b == "triton" and ops.triton_import_error():
@@ -274,6 +298,9 @@ class BertModel(nn.Module):
                 raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype} but the model is {dtype}")
             shape, first = tuple(inputs_embeds.shape[:2]), ("inputs_embeds", inputs_embeds)
         B, S = shape
+        if S == 0:
+            raise ValueError(f"{first[0]} has sequence length 0 (shape {tuple(first[1].shape)}); every row needs at "
+                             f"least one position")
         if S > cfg.max_position_embeddings and position_ids is None:
             raise ValueError(f"sequence length {S} exceeds max_position_embeddings={cfg.max_position_embeddings}")
 
@@ -287,14 +314,14 @@ class BertModel(nn.Module):
                 continue
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but the model is on {device}; move it with .to({str(device)!r})")
+            if name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
+                raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
             if name == "attention_mask" and t.dim() in (3, 4):
                 continue  # a custom mask: checked by its own shape below
-            if name == "position_ids" and t.dim() == 2 and t.shape[0] == 1 and t.shape[1] == S:
+            if name == "position_ids" and tuple(t.shape) == (1, S):
                 continue  # HF broadcasts a [1, S] position_ids over the batch
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)} but the input is {list(shape)}")
-            if name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
-                raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
         if attention_mask is not None and attention_mask.dim() in (3, 4):
             if attention_mask.dim() == 3:
                 ok = tuple(attention_mask.shape) == (B, S, S)
@@ -312,16 +339,23 @@ class BertModel(nn.Module):
         elif position_ids.shape[0] == 1 and B != 1:
             position_ids = position_ids.expand(B, S)
 
-        # Index ranges, and what a 2-D mask pads, in one host sync per forward: an out-of-range id would be a device
-        # assert on CUDA, an all-ones mask lets attention skip masking altogether, and only a batch with a fully
-        # padded row needs the twin's extra pass for it.
+        # Index ranges, 0/1 masks, and what a 2-D mask pads, in one host sync per forward: an out-of-range id would
+        # be a device assert on CUDA, an all-ones mask lets attention skip masking altogether, and only a batch with
+        # a fully padded row needs the twin's extra pass for it.
         checks = [(name, t, limit) for name, t, limit in (
             ("input_ids", input_ids, cfg.vocab_size), ("token_type_ids", token_type_ids, cfg.type_vocab_size),
             ("position_ids", position_ids, cfg.max_position_embeddings)) if t is not None and t.numel()]
         values = [v.long() for _, t, _ in checks for v in torch.aminmax(t)]
+        zero_one = attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
+        if zero_one:
+            values.append(ops.not_zero_one(attention_mask).long())
         two_d_mask = attention_mask is not None and attention_mask.dim() == 2
         if two_d_mask:
-            values.extend(ops.padding_flags(attention_mask.bool()))
+            values.extend(ops.padding_flags(attention_mask != 0))
+        if ops.tracing():  # no host read while a graph is recorded: the checks become asynchronous asserts
+            for i, (name, _, limit) in enumerate(checks):
+                torch._assert_async((values[2 * i] >= 0) & (values[2 * i + 1] < limit), f"{name} out of range")
+            return input_ids, token_type_ids, position_ids, None
         stats = torch.stack(values).tolist() if values else []
         for i, (name, _, limit) in enumerate(checks):
             lo, hi = stats[2 * i], stats[2 * i + 1]
@@ -329,5 +363,8 @@ class BertModel(nn.Module):
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"{name} contains {bad}, outside [0, {limit})"
                                  f"{' (vocab_size)' if name == 'input_ids' else ''}")
+        if zero_one and stats[2 * len(checks)]:
+            raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
+                             f"{attention_mask.dim()}-D); only a floating 4-D mask may be additive (see README, Masks)")
         mask_flags = tuple(stats[-2:]) if two_d_mask else None
         return input_ids, token_type_ids, position_ids, mask_flags

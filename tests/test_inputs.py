@@ -91,3 +91,129 @@ def test_config_sources(tmp_path):
     assert fastbert.BertConfig.from_pretrained(str(tmp_path)).hidden_size == 48
     with pytest.raises(TypeError, match="cannot build a BertConfig from int"):
         fastbert.BertConfig.from_any(3)
+
+
+# ---- more bad input: each was once a wrong answer or an error pointing at the wrong thing ---------------------------
+def test_sequence_length_zero(fb):
+    with pytest.raises(ValueError, match=r"input_ids has sequence length 0 \(shape \(2, 0\)\)"):
+        fb(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="inputs_embeds has sequence length 0"):
+        fb(inputs_embeds=torch.zeros(1, 0, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_broadcast_position_ids_must_be_integers(fb, dtype):
+    """A [1, S] position_ids is broadcast over the batch; it gets the same dtype check as a [B, S] one."""
+    for shape in ((1, 4), (2, 4)):
+        with pytest.raises(TypeError, match=f"position_ids must be an integer tensor, got dtype {dtype}"):
+            fb(IDS, position_ids=torch.zeros(shape, dtype=dtype))
+
+
+@pytest.mark.parametrize("value", [None, {}, 3, "cuda", ["torch"]])
+def test_set_kernels_refuses_non_values(fb, value):
+    before = fb.kernels
+    with pytest.raises(ValueError):
+        fb.set_kernels(value)
+    assert fb.kernels == before
+    with pytest.raises(ValueError, match="unknown backend None for op 'attention'"):
+        fb.set_kernels(attention=None)
+    with pytest.raises(ValueError, match="set_kernels needs a backend"):
+        fb.set_kernels()
+
+
+def test_load_state_dict_errors_name_hfs_keys(fb):
+    """The fused W_qkv is internal: load_state_dict reports query/key/value, as HF's own model would."""
+    sd = fb.state_dict()
+    broken = {k: v for k, v in sd.items() if k != "encoder.layer.0.attention.self.key.weight"}
+    with pytest.raises(RuntimeError) as info:
+        fb.load_state_dict(broken, strict=True)
+    assert '"encoder.layer.0.attention.self.key.weight"' in str(info.value) and "qkv" not in str(info.value)
+    wrong = dict(sd, **{"encoder.layer.0.attention.self.value.bias": torch.zeros(5)})
+    with pytest.raises(RuntimeError) as info:
+        fb.load_state_dict(wrong, strict=True)
+    assert "encoder.layer.0.attention.self.value.bias: checkpoint (5,) vs model (32,)" in str(info.value)
+    assert "qkv" not in str(info.value)
+    result = fb.load_state_dict({k: v for k, v in sd.items() if ".query." not in k}, strict=False)
+    assert sorted(result.missing_keys) == ["encoder.layer.0.attention.self.query.bias",
+                                           "encoder.layer.0.attention.self.query.weight"]
+    assert result.unexpected_keys == []
+    fb.load_state_dict(sd, strict=True)  # and the whole thing still loads
+
+
+# ---- attention_mask: the rule for every rank and dtype (README, "Masks") ---------------------------------------------
+MASK2 = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+
+
+@pytest.fixture(scope="module")
+def hf_and_fb():
+    hf = random_hf_bert(hidden=32, heads=2, layers=2, intermediate=40, vocab=50, max_pos=16, types=2, attn="sdpa")
+    return hf, fastbert.BertModel.from_hf(hf, kernels="torch")
+
+
+def _masks_equivalent_to(mask2):
+    """Every rank x dtype form of the key-padding mask `mask2` [B, S] under the README's rules."""
+    B, S = mask2.shape
+    keep3 = mask2[:, None, :].expand(B, S, S)  # query i may attend to key j
+    additive = (1.0 - keep3[:, None].float()) * torch.finfo(torch.float32).min
+    return {
+        "2d-long": mask2, "2d-int32": mask2.int(), "2d-bool": mask2.bool(), "2d-float": mask2.float(),
+        "3d-long": keep3, "3d-bool": keep3.bool(), "3d-float": keep3.float(), "3d-half": keep3.half(),
+        "4d-long": keep3[:, None], "4d-bool": keep3[:, None].bool(), "4d-bool-per-head": keep3[:, None].bool().expand(B, 2, S, S),
+        "4d-float-additive": additive,
+    }
+
+
+@pytest.mark.parametrize("form", list(_masks_equivalent_to(MASK2)))
+def test_every_mask_rank_and_dtype_means_what_the_readme_says(hf_and_fb, form):
+    """Each form of the same padding gives HF's answer for the 2-D mask on every real token (a float 0/1 3-D mask was
+    once added to the scores as if additive: padding not masked)."""
+    hf, fb = hf_and_fb
+    mask = _masks_equivalent_to(MASK2)[form]
+    with torch.no_grad():
+        ref = hf(IDS, attention_mask=MASK2).last_hidden_state
+        out = fb(IDS, attention_mask=mask).last_hidden_state
+    real = MASK2.bool()
+    assert (out - ref)[real].abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("mask", [
+    torch.tensor([[1, 1, 1, 1], [1, 1, 0, 2]]),
+    torch.tensor([[1.0, 1.0, 0.5, 1.0], [1.0, 1.0, 0.0, 0.0]]),
+    torch.tensor([[1, 1, 1, 1], [1, 1, -1, 0]])[:, None, :].expand(2, 4, 4),
+    torch.full((2, 1, 4, 4), 3),
+], ids=["2d-int-2", "2d-float-half", "3d-int-minus-one", "4d-int-3"])
+def test_masks_that_are_not_zero_one_are_refused(fb, mask):
+    with pytest.raises(ValueError, match="attention_mask holds values other than 0 and 1"):
+        fb(IDS, attention_mask=mask)
+
+
+def test_float_4d_mask_is_additive_as_in_hf(hf_and_fb):
+    """A floating 4-D mask is added to the scores as is: a bias that is not just 0 / -inf means the same in both."""
+    hf, fb = hf_and_fb
+    bias = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(IDS, attention_mask=bias).last_hidden_state
+        out = fb(IDS, attention_mask=bias).last_hidden_state
+    assert (out - ref).abs().max() <= 1e-5
+
+
+def test_jit_trace_is_right_for_any_mask(hf_and_fb):
+    """A model traced on an unpadded batch, then called with a padded one (and a fully padded row), gives HF's answer:
+    the all-ones shortcut is a Python branch on data, so tracing never takes it."""
+    import warnings
+    hf, fb = hf_and_fb
+    ids = torch.randint(1, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    ones = torch.ones(3, 7, dtype=torch.long)
+    padded = ones.clone()
+    padded[1, 4:] = 0
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python values it records as constants
+        traced = torch.jit.trace(fb, (ids, ones), strict=False)
+        for mask in (ones, padded):
+            got = traced(ids, mask)["last_hidden_state"]
+            want = hf(ids, attention_mask=mask).last_hidden_state
+            assert (got - want)[mask.bool()].abs().max() <= 1e-5
+        # the fully padded row: HF eager's uniform attention (what the untraced model returns too)
+        padded[2] = 0
+        got = traced(ids, padded)["last_hidden_state"]
+        assert (got - fb(ids, attention_mask=padded).last_hidden_state).abs().max() <= 1e-5

@@ -149,3 +149,90 @@ def test_hub_id_from_the_local_cache(hf_folder, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["32", "torch.Size([1,", "3,", "32])"]
+
+
+# ---- configs and checkpoints fastbert must refuse, naming the file and the field -------------------------------------
+def test_other_architectures_are_refused_not_loaded_as_bert(tmp_path):
+    """A RoBERTa checkpoint has BERT's key names; loading it as BERT would run (wrong position ids) and be off by ~3."""
+    cfg = transformers.RobertaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=40, max_position_embeddings=20)
+    roberta = transformers.RobertaModel(cfg).eval()
+    roberta.save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match=r"model_type='roberta' is not implemented by fastbert"):
+        fastbert.BertModel.from_pretrained(str(tmp_path))
+    with pytest.raises(NotImplementedError, match=r"model_type='roberta'"):
+        fastbert.BertModel.from_hf(roberta)
+    with pytest.raises(NotImplementedError, match=r"config .*config.json: model_type='roberta'"):
+        fastbert.BertConfig.from_any(str(tmp_path))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("hidden_size", "64", "field 'hidden_size' must be an integer >= 1, got '64' (str)"),
+    ("num_attention_heads", 4.0, "field 'num_attention_heads' must be an integer >= 1, got 4.0 (float)"),
+    ("num_hidden_layers", True, "field 'num_hidden_layers' must be an integer >= 0, got True (bool)"),
+    ("vocab_size", 0, "field 'vocab_size' must be an integer >= 1, got 0 (int)"),
+    ("layer_norm_eps", "1e-12", "field 'layer_norm_eps' must be a number >= 0.0, got '1e-12' (str)"),
+    ("hidden_dropout_prob", 1.5, "field 'hidden_dropout_prob' must be a number in [0.0, 1.0], got 1.5 (float)"),
+    ("hidden_act", None, "field 'hidden_act' must be a string, got None (NoneType)"),
+    ("is_decoder", "false", "field 'is_decoder' must be true or false, got 'false' (str)"),
+])
+def test_config_json_fields_of_the_wrong_type(hf_folder, tmp_path, field, value, words):
+    import json
+    config = json.loads((hf_folder / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((hf_folder / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError) as info:
+        fastbert.BertModel.from_pretrained(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(info.value) and words in str(info.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"hidden_size": 32,', "is not valid JSON"),
+    ('[1, 2, 3]', "must hold a JSON object, got list"),
+    ('"bert"', "must hold a JSON object, got str"),
+    (b'{"hidden_act": "\xff"}', "is not valid JSON"),
+])
+def test_config_json_that_is_not_a_json_object(tmp_path, text, words):
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as info:
+        fastbert.BertModel.from_pretrained(str(tmp_path))
+    assert str(path) in str(info.value) and words in str(info.value)
+
+
+@pytest.mark.parametrize("dtype, want", [
+    ("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.float32), ("torch.float16", torch.float16),
+    ("auto", torch.bfloat16), (None, torch.float32), (torch.float16, torch.float16),
+])
+def test_dtype_as_hf_accepts_it(hf, tmp_path, dtype, want):
+    """Names as Hugging Face takes them; "auto" = the checkpoint's own dtype (config.json's, as saved)."""
+    hf.save_pretrained(tmp_path)
+    import json
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dtype"] = "bfloat16"  # "auto" reads this, as transformers does; None keeps the stored (fp32) weights
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fb = fastbert.BertModel.from_pretrained(str(tmp_path), dtype=dtype)
+    assert {p.dtype for p in fb.parameters()} == {want}
+
+
+def test_dtype_auto_without_a_config_field_is_the_stored_dtype(hf, tmp_path):
+    import copy
+    import json
+    copy.deepcopy(hf).half().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert {p.dtype for p in fastbert.BertModel.from_pretrained(str(tmp_path), dtype="auto").parameters()} == \
+        {torch.float16}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "half-ish", torch.int8, 3])
+def test_bad_dtype_names(hf_folder, dtype):
+    with pytest.raises(ValueError, match="dtype="):
+        fastbert.BertModel.from_pretrained(str(hf_folder), dtype=dtype)
+
+
+def test_missing_local_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        fastbert.BertModel.from_pretrained(str(tmp_path / "nothing-here"))
