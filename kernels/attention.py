@@ -1,26 +1,31 @@
-"""Masked flash attention (forward) over BERT's packed qkv: softmax(q k^T * scale + mask) v -> [T, nh*hd].
+"""Flash attention (forward) over BERT's packed qkv, one launch for a whole batch of sequences of any lengths.
 
-Why it pays. HF's eager BERT attention, per layer, for B sequences of S tokens, nh heads of hd (H = nh*hd), 2-byte
-dtype: the matmul on transposed q/k views writes the scores [B, nh, S, S]; the scaling, the mask add and the
+    out[t] = softmax(q[t] k[seq]^T * scale) v[seq]    for every token t of sequence seq     -> [T, nh*hd]
+
+Why it pays. HF's eager BERT attention, per layer, for B sequences padded to S tokens, nh heads of hd (H = nh*hd),
+2-byte dtype: the matmul on transposed q/k views writes the scores [B, nh, S, S]; the scaling, the mask add and the
 softmax each read and rewrite them; probs @ v reads them once more; the context is transposed back into a [T, H]
 copy. At B=32, S=512, BERT-base the score tensor is 32*12*512*512*2 B = 200 MB and makes ~8 passes, ~1.6 GB of
 traffic, for work a fused kernel does reading qkv once (T*3H*2 B = 75 MB) and writing the context once (25 MB).
 Flash attention keeps a [BLOCK_M, BLOCK_N] tile of scores in registers, folds the softmax into a running max and
 running sum (the "online softmax"), and never forms S x S.
 
-Masking. BERT batches are padded. `key_valid[b, j]` says whether key j of row b is a real token, `kv_end[b]` is
-1 + the index of row b's last real key. Key blocks at or past kv_end[b] are never loaded (right padding costs
-nothing); any other 0/1 pattern (left padding, holes) is masked inside the loop: those scores become -inf, so a
-masked key gets probability exactly 0, as HF's finfo.min additive mask gives whenever the row has a real key.
-A fully padded row (kv_end == 0) is HF eager's corner case: every score is finfo.min, softmax of equal numbers is
-uniform, so each query of that row attends uniformly to all S keys (its output is the mean of the row's values).
-The kernel reproduces that explicitly: for such a row it treats all S keys as valid and zeroes the query, so every
-score is exactly 0. It stays finite and touches no other row. Padded *query* positions of live rows are computed
-like any other query (HF computes them too: they attend to the real keys).
+Varlen (padding-free, the default). Tokens are packed: sequence i is tokens cu_seqlens[i] : cu_seqlens[i + 1]
+(FlashAttention's varlen contract). The grid covers max_seqlen queries for every sequence; a program whose query
+block starts past its sequence's length exits at once, so padding is never computed, and one launch serves any mix
+of lengths (a captured CUDA graph fixes max_seqlen and the sequence count and still serves any lengths within them).
 
-Layout. qkv is [T, 3, nh, hd], T = B*S row-major (batch, seq): the natural view of the QKV GEMM's [T, 3H] output.
-It is read through its strides (only hd must be unit-stride), so no transpose or .contiguous() copy is made. The
-output is written as [T, nh*hd], exactly what the attention output dense reads.
+Padded (key_valid given: padding_free=False). Every sequence has the same length S (cu_seqlens = 0, S, 2S, ...) and
+`key_valid[b, j]` says whether key j of row b is real. Key blocks at or past the row's last real key are never
+loaded; other masked keys (left padding, holes) get score -inf, probability exactly 0, as HF's finfo.min mask gives
+whenever the row has a real key. A fully padded row is HF eager's corner case: every score is finfo.min, softmax of
+equal numbers is uniform, so each query attends uniformly to all S keys. The kernel reproduces that explicitly: all S
+keys valid and a zero query, so every score is exactly 0. Padded *query* positions are computed like any other query
+(HF computes them too).
+
+Layout. qkv is [T, 3, nh, hd]: the natural view of the QKV GEMM's [T, 3H] output, read through its strides (only hd
+must be unit-stride), so no transpose or .contiguous() copy is made. The output is [T, nh*hd], exactly what the
+attention output dense reads.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import triton.language as tl
 
 from . import utils
 from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision
+
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 
 
@@ -42,42 +48,46 @@ _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)),
 def _attention_fwd_kernel(
     # pointers
     qkv_ptr,  # [T, 3, nh, hd], hd unit-stride
-    key_valid_ptr,  # [B, S] int8 (a bool tensor viewed as int8), 1 = real key; unread when HAS_MASK is False
-    kv_end_ptr,  # [B] int32, 1 + index of the last real key, 0 = fully padded row; unread when HAS_MASK is False
+    cu_seqlens_ptr,  # [n + 1] int32: sequence i is tokens cu_seqlens[i] : cu_seqlens[i + 1]
+    key_valid_ptr,  # [n, S] int8 (a bool tensor viewed as int8), 1 = real key; read only when HAS_MASK
+    kv_end_ptr,  # [n] int32, 1 + index of the row's last real key, 0 = fully padded row; read only when HAS_MASK
     out_ptr,  # [T, nh*hd], hd unit-stride
     # sizes
-    seq_len,  # S
+    max_seqlen,  # the longest sequence: the grid gives every sequence cdiv(max_seqlen, BLOCK_M) query blocks
     qk_scale,  # softmax scale * log2(e)
     # strides (in elements)
     stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, q/k/v selector, head
     stride_mask_b, stride_mask_s,
-    stride_kv_end,
     stride_out_t,
-    seq_bucket,  # next_power_of_2(S): only an autotune key (so a new length reuses the tuned config), not read
+    seq_bucket,  # next_power_of_2(max_seqlen): only an autotune key (a new length reuses the tuned config), not read
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    HAS_MASK: tl.constexpr,  # False: every key is real, no mask loads at all
+    HAS_MASK: tl.constexpr,  # padded rows with a key mask; False: varlen, every key of a sequence is real
     INPUT_PRECISION: tl.constexpr,  # "tf32" or "ieee" for fp32 inputs (torch's allow_tf32); fp16/bf16 ignore it
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per loop iteration
 ):
-    # Grid: (query blocks x rows, heads), query blocks fastest, so the programs that run together share one row's and
-    # one head's K/V. Rows ride on grid x (up to 2^31 - 1), not y/z (65535): a batch of 65536 one-token rows launches.
+    # Grid: (query blocks x sequences, heads), query blocks fastest, so the programs that run together share one
+    # sequence's and one head's K/V. Sequences ride on grid x (up to 2^31 - 1), not y/z (65535).
     pid = tl.program_id(0)  # int32 division (cheaper than int64), then int64 for the offsets
-    num_m_blocks = tl.cdiv(seq_len, BLOCK_M)
-    batch = (pid // num_m_blocks).to(tl.int64)
-    pid_m = (pid % num_m_blocks).to(tl.int64)
+    num_m_blocks = tl.cdiv(max_seqlen, BLOCK_M)
+    seq = pid // num_m_blocks
+    pid_m = pid % num_m_blocks
     head = tl.program_id(1).to(tl.int64)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions within the sequence
+    seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # the sequence's first token in T
+    seq_len = tl.load(cu_seqlens_ptr + seq + 1) - tl.load(cu_seqlens_ptr + seq)
+    if pid_m * BLOCK_M >= seq_len:  # past this sequence's end: nothing to compute, nothing to write
+        return
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
     offs_nb = tl.arange(0, BLOCK_N)
-    row_start = batch * seq_len  # the sequence's first token in T (int64)
     head_base = qkv_ptr + head * stride_qkv_h
 
     if HAS_MASK:
         # Clamped into [0, S]: whatever the buffer holds, no key past the row is ever read.
-        kv_end = tl.minimum(tl.maximum(tl.load(kv_end_ptr + batch * stride_kv_end), 0), seq_len)
+        kv_end = tl.minimum(tl.maximum(tl.load(kv_end_ptr + seq), 0), seq_len)
         # HF eager on a fully padded row (kv_end == 0): all S keys, equal scores. Run it as all S keys valid with
         # a zero query (every score exactly 0). (Written with tl.where on scalars, not `block & scalar_bool`,
         # which Triton 3.9's interpreter turns into an int32 mask it then refuses.)
@@ -89,7 +99,7 @@ def _attention_fwd_kernel(
     q_mask = offs_m < q_end
 
     # The Q tile is loaded once and stays in registers for the whole key loop.
-    q_ptrs = head_base + (row_start + offs_m)[:, None] * stride_qkv_t + offs_d[None, :]
+    q_ptrs = head_base + (seq_start + offs_m)[:, None] * stride_qkv_t + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_mask[:, None], other=0.0)
     k_base = head_base + stride_qkv_which  # K^T tile [HEAD_DIM, BLOCK_N] is read straight from the [T, ...] layout
     v_base = head_base + 2 * stride_qkv_which
@@ -100,16 +110,16 @@ def _attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Key blocks at or past n_end (the row's last real key, or S) are never visited.
+    # Key blocks at or past n_end (the row's last real key, or the sequence's end) are never visited.
     for start_n in range(0, n_end, BLOCK_N):
         offs_n = start_n + offs_nb
         in_range = offs_n < n_end
-        k = tl.load(k_base + (row_start + offs_n)[None, :] * stride_qkv_t + offs_d[:, None],
+        k = tl.load(k_base + (seq_start + offs_n)[None, :] * stride_qkv_t + offs_d[:, None],
                     mask=in_range[None, :], other=0.0)
         scores = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], fp32
         if HAS_MASK:
             # Only keys before kv_end are read; the rest (all keys of a fully padded row) default to valid.
-            key_valid = tl.load(key_valid_ptr + batch * stride_mask_b + offs_n * stride_mask_s,
+            key_valid = tl.load(key_valid_ptr + seq * stride_mask_b + offs_n * stride_mask_s,
                                 mask=offs_n < kv_end, other=1)
             keep = (key_valid != 0) & in_range
         else:
@@ -120,7 +130,7 @@ def _attention_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.math.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + (row_start + offs_n)[:, None] * stride_qkv_t + offs_d[None, :],
+        v = tl.load(v_base + (seq_start + offs_n)[:, None] * stride_qkv_t + offs_d[None, :],
                     mask=in_range[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -129,7 +139,7 @@ def _attention_fwd_kernel(
     # (a kv_end > 0 with no real key before it). Divide by 1 there: zeros, not NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
-    out_ptrs = out_ptr + (row_start + offs_m)[:, None] * stride_out_t + head * HEAD_DIM + offs_d[None, :]
+    out_ptrs = out_ptr + (seq_start + offs_m)[:, None] * stride_out_t + head * HEAD_DIM + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
 
 
@@ -207,17 +217,22 @@ _INTERPRETER_CONFIG = _config(64, 32, 4, 2)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The launcher
+# The launchers: `attention` checks everything (for direct callers), `launch` trusts its caller (the model's hot path)
 # --------------------------------------------------------------------------------------------------------------------
-def launch_grid(batch: int, seq_len: int, num_heads: int, block_m: int) -> tuple[int, int]:
-    """(query blocks x rows, heads): rows ride on grid x, whose limit is 2^31 - 1, not on y/z (65535)."""
-    return triton.cdiv(seq_len, block_m) * batch, num_heads
+def launch_grid(num_seqs: int, max_seqlen: int, num_heads: int, block_m: int) -> tuple[int, int]:
+    """(query blocks x sequences, heads): sequences ride on grid x, whose limit is 2^31 - 1, not on y/z (65535)."""
+    return triton.cdiv(max_seqlen, block_m) * num_seqs, num_heads
 
 
 def last_real_key(keep: torch.Tensor) -> torch.Tensor:
     """[B] int32: 1 + the index of each row's last real key in a [B, S] bool mask, 0 for a fully padded row."""
     positions = torch.arange(1, keep.shape[1] + 1, device=keep.device, dtype=torch.int32)
     return (keep.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
+
+
+def uniform_cu_seqlens(batch: int, seq_len: int, device) -> torch.Tensor:
+    """cu_seqlens of `batch` rows of `seq_len` tokens each: 0, S, 2S, ..., B*S (the padded layout)."""
+    return torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
 
 
 _PLACEHOLDERS: dict = {}
@@ -232,20 +247,55 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but qkv is on {device}; they must be on the same device")
+def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+           key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           config: triton.Config | None = None) -> torch.Tensor:
+    """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
+    forward). No host read: safe inside a CUDA graph capture."""
+    T, _, num_heads, head_dim = qkv.shape
+    if out is None:
+        out = torch.empty((T, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if T == 0 or num_seqs == 0 or max_seqlen == 0:
+        return out
+    if key_valid is not None:
+        kv_end = last_real_key(key_valid)  # computed here, never taken from a caller: it bounds every key read
+        mask_i8 = key_valid.view(torch.int8)  # same bytes; Triton loads it as int8
+        stride_mask_b, stride_mask_s = mask_i8.stride()
+    else:
+        mask_i8, kv_end = _placeholder(qkv.device, torch.int8), _placeholder(qkv.device, torch.int32)
+        stride_mask_b = stride_mask_s = 1  # never read; 1s so the unmasked kernel matches its AOT spec
+    args = (qkv, cu_seqlens, mask_i8, kv_end, out,
+            max_seqlen, float(scale) * _LOG2E,
+            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            stride_mask_b, stride_mask_s,
+            out.stride(0),
+            triton.next_power_of_2(max_seqlen))
+    meta = dict(HEAD_DIM=head_dim, HAS_MASK=key_valid is not None, INPUT_PRECISION=input_precision(qkv.dtype))
+    if config is None and utils.INTERPRET:
+        config = _INTERPRETER_CONFIG
+    if config is None:
+        _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
+    else:
+        grid = launch_grid(num_seqs, max_seqlen, num_heads, config.kwargs["BLOCK_M"])
+        _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                    num_stages=config.num_stages)
+    return out
 
 
-def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, *, config: triton.Config | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v for packed qkv [T, 3, nh, hd] (T = B*seq_len) -> out [T, nh*hd].
+def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+              key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
+              config: triton.Config | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence, for packed qkv [T, 3, nh, hd] -> out [T, nh*hd].
 
-    key_valid: [B, S] bool, True where key j of row b is a real token; None = no padding.
-    out:       optional [T, nh*hd] output (last dim unit-stride), same dtype and device as qkv.
-    config:    force one triton.Config (BLOCK_M, BLOCK_N, warps, stages) instead of autotuning; for tests.
+    cu_seqlens: [n + 1] int32 (on qkv's device): 0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = T; sequence i is tokens
+                cu_seqlens[i] : cu_seqlens[i + 1]. Checked here with one host read (`launch` does not read it).
+    max_seqlen: an int >= the longest sequence.
+    key_valid:  None (varlen: every token of a sequence is real), or [n, S] bool for the padded layout, where every
+                sequence has length S = max_seqlen and key j of row i is a real token where True.
+    out:        optional [T, nh*hd] output (last dim unit-stride), same dtype and device as qkv.
+    config:     force one triton.Config (BLOCK_M, BLOCK_N, warps, stages) instead of autotuning; for tests.
     """
-    # ---- validate
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 4 or qkv.shape[1] != 3:
@@ -261,73 +311,60 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
     device = qkv.device
     if utils.device_unsupported(device):
         raise ValueError(f"qkv is on {device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    if T % seq_len != 0:
-        raise ValueError(f"qkv has T={T} tokens, not a multiple of seq_len={seq_len} (T must be batch*seq_len)")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    B = T // seq_len
-    if num_heads > 65535:  # CUDA's limit on grid dim y
-        raise ValueError(f"num_heads={num_heads} must be <= 65535")
     if utils.INTERPRET and qkv.dtype == torch.bfloat16:
         raise NotImplementedError(utils.INTERPRETER_BF16_DOT)
+    if num_heads > 65535:  # CUDA's limit on grid dim y
+        raise ValueError(f"num_heads={num_heads} must be <= 65535")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+            or cu_seqlens.shape[0] < 1:
+        raise TypeError(f"cu_seqlens must be a 1-D int32 tensor of n + 1 offsets, got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                        f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but qkv is on {device}")
+    n = cu_seqlens.shape[0] - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    first, last, shortest, longest = torch.stack([
+        cu_seqlens[0], cu_seqlens[-1], lengths.min() if n else cu_seqlens[0] * 0,
+        lengths.max() if n else cu_seqlens[0] * 0]).tolist()
+    if first != 0 or last != T or shortest < 0:
+        raise ValueError(f"cu_seqlens must rise from 0 to T={T} (qkv.shape[0]) without going down; got first "
+                         f"{first}, last {last}, a step of {shortest}")
+    if longest > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence ({longest} tokens)")
 
     if key_valid is not None:
         if not isinstance(key_valid, torch.Tensor):
             raise TypeError(f"key_valid must be a torch.Tensor or None, got {type(key_valid).__name__}")
         if key_valid.dtype != torch.bool:
             raise TypeError(f"key_valid.dtype={key_valid.dtype}; it must be torch.bool (True = real key)")
-        _check_device("key_valid", key_valid, device)
-        if tuple(key_valid.shape) != (B, seq_len):
-            raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, "
-                             f"expected (batch, seq_len)=({B}, {seq_len})")
+        if key_valid.device != device:
+            raise ValueError(f"key_valid is on {key_valid.device} but qkv is on {device}")
+        if tuple(key_valid.shape) != (n, max_seqlen):
+            raise ValueError(f"key_valid has shape {tuple(key_valid.shape)}, expected (n, max_seqlen)=({n}, "
+                             f"{max_seqlen})")
+        if n and (shortest != max_seqlen or longest != max_seqlen):
+            raise ValueError(f"with key_valid (the padded layout) every sequence must have max_seqlen={max_seqlen} "
+                             f"tokens; got lengths {shortest}..{longest}")
+
     hidden = num_heads * head_dim
-    if out is None:
-        out = torch.empty((T, hidden), dtype=qkv.dtype, device=device)
-    else:
+    if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
         if tuple(out.shape) != (T, hidden):
             raise ValueError(f"out has shape {tuple(out.shape)}, expected (T, num_heads*head_dim)=({T}, {hidden})")
         if out.dtype != qkv.dtype:
             raise TypeError(f"out.dtype={out.dtype} does not match qkv.dtype={qkv.dtype}")
-        _check_device("out", out, device)
+        if out.device != device:
+            raise ValueError(f"out is on {out.device} but qkv is on {device}")
         if out.stride(-1) != 1:
             raise ValueError(f"out's last dim must be unit-stride, got strides {tuple(out.stride())}")
-    if T == 0:
-        return out
-
-    # ---- mask operands
-    has_mask = key_valid is not None
-    if has_mask:
-        kv_end = last_real_key(key_valid)  # computed here, never taken from a caller: it bounds every key read
-        mask_i8 = key_valid.view(torch.int8)  # same bytes; Triton loads it as int8
-        stride_mask_b, stride_mask_s = mask_i8.stride()
-        stride_kv_end = kv_end.stride(0)
-    else:
-        mask_i8, kv_end = _placeholder(device, torch.int8), _placeholder(device, torch.int32)
-        # Never read; 1s so the unmasked kernel is the same specialisation as its AOT spec (see aot_specs).
-        stride_mask_b = stride_mask_s = stride_kv_end = 1
-
-    # ---- launch
-    args = (qkv, mask_i8, kv_end, out,
-            seq_len, float(scale) * _LOG2E,
-            qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            stride_mask_b, stride_mask_s,
-            stride_kv_end,
-            out.stride(0),
-            triton.next_power_of_2(seq_len))
-    meta = dict(HEAD_DIM=head_dim, HAS_MASK=has_mask, INPUT_PRECISION=input_precision(qkv.dtype))
-    if config is None and utils.INTERPRET:
-        config = _INTERPRETER_CONFIG
-    if config is None:
-        _attention_fwd[lambda META: launch_grid(B, seq_len, num_heads, META["BLOCK_M"])](*args, **meta)
-    else:
-        grid = launch_grid(B, seq_len, num_heads, config.kwargs["BLOCK_M"])
-        _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
-                                    num_stages=config.num_stages)
-    return out
+    return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -336,11 +373,12 @@ def attention(qkv: torch.Tensor, seq_len: int, scale: float, key_valid: torch.Te
 def aot_specs() -> list[dict]:
     """One spec per dtype (x input precision for fp32) x head dim x mask variant x config of attention_configs():
     48 kernels, each the specialisation the JIT builds at run time for BERT's tensors:
-    - the unit strides of key_valid [B, S] and kv_end [B] are the constant 1 (Triton specialises an int argument
-      equal to 1; the launcher passes 1 for them in the unmasked variant too, where they are not read);
-    - qkv/out pointers and strides get the default divisibility-16 hint (torch allocations; 3H, H, hd and nh*hd are
-      multiples of 16 for every supported head dim), which is what lets loads vectorise and go through cp.async;
-    - seq_len and the key_valid row stride (= S) are arbitrary at run time: no hint.
+    - the unit stride of key_valid [n, S] is the constant 1 (Triton specialises an int argument equal to 1; the
+      launcher passes 1 in the unmasked variant too, where it is not read);
+    - qkv/out/cu_seqlens pointers and the qkv/out strides get the default divisibility-16 hint (torch allocations;
+      3H, H, hd and nh*hd are multiples of 16 for every supported head dim), which is what lets loads vectorise and
+      go through cp.async;
+    - max_seqlen and the key_valid row stride (= S) are arbitrary at run time: no hint.
     """
     specs = []
     for dtype, tag in _DTYPES.items():
@@ -357,15 +395,16 @@ def aot_specs() -> list[dict]:
                             "name": name,
                             "fn": _attention_fwd_kernel,
                             "signature": {
-                                "qkv_ptr": f"*{tag}", "key_valid_ptr": "*i8", "kv_end_ptr": "*i32",
-                                "out_ptr": f"*{tag}", "seq_len": "i32", "qk_scale": "fp32",
-                                "stride_qkv_t": "i32", "stride_qkv_which": "i32", "stride_qkv_h": "i32",
-                                "stride_mask_b": "i32", "stride_out_t": "i32", "seq_bucket": "i32",
+                                "qkv_ptr": f"*{tag}", "cu_seqlens_ptr": "*i32", "key_valid_ptr": "*i8",
+                                "kv_end_ptr": "*i32", "out_ptr": f"*{tag}", "max_seqlen": "i32",
+                                "qk_scale": "fp32", "stride_qkv_t": "i32", "stride_qkv_which": "i32",
+                                "stride_qkv_h": "i32", "stride_mask_b": "i32", "stride_out_t": "i32",
+                                "seq_bucket": "i32",
                             },
-                            "constexprs": {"stride_mask_s": 1, "stride_kv_end": 1, "HEAD_DIM": head_dim,
+                            "constexprs": {"stride_mask_s": 1, "HEAD_DIM": head_dim,
                                            "HAS_MASK": has_mask, "INPUT_PRECISION": precision,
                                            "BLOCK_M": bm, "BLOCK_N": bn},
-                            "hints": {"seq_len": None, "stride_mask_b": None, "seq_bucket": None},
+                            "hints": {"max_seqlen": None, "stride_mask_b": None, "seq_bucket": None},
                             "num_warps": warps,
                             "num_stages": stages,
                         })

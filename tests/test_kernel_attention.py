@@ -22,7 +22,7 @@ from conftest import tf32_matmuls
 from fastbert import ops
 from fastbert.ops import AttentionMask, attention_torch, qkv_projection_torch
 from fastbert.kernels import attention as attention_module
-from fastbert.kernels.attention import attention
+from fastbert.kernels.attention import attention, uniform_cu_seqlens
 from fastbert.kernels import utils as kernel_utils
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,6 +112,12 @@ def reference64(qkv, attention_mask, scale):
     return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(T, nh * hd)
 
 
+def padded_attention(qkv, S, scale, key_valid=None, out=None, config=None):
+    """The kernel on the padded layout: T/S rows of S tokens each, keys masked by key_valid [B, S]."""
+    B = qkv.shape[0] // S
+    return attention(qkv, uniform_cu_seqlens(B, S, qkv.device), S, scale, key_valid=key_valid, out=out, config=config)
+
+
 def poisoned(T, H, dtype):
     return torch.full((T, H), float("nan"), dtype=dtype, device=DEVICE)
 
@@ -140,7 +146,7 @@ def run_case(B, S, nh, hd, dtype, padding, layout, config=None, q_gain=1.0, seed
     assert (mask.key_valid is None) == (padding == "none")
     scale = ops.default_scale(hd)
     out = poisoned(B * S, nh * hd, dtype)
-    result = attention(qkv, S, scale, key_valid=mask.key_valid, out=out, config=config)
+    result = padded_attention(qkv, S, scale, key_valid=mask.key_valid, out=out, config=config)
     assert result.data_ptr() == out.data_ptr()
     twin, _ = attention_torch(qkv, mask, scale)
     live_rows = attention_mask.bool().any(dim=1).repeat_interleave(S)
@@ -192,7 +198,7 @@ def test_fully_padded_row_is_mean_of_values():
     for b in (0, 2):
         rows = slice(b * S, (b + 1) * S)
         single = AttentionMask.build(attention_mask[b:b + 1], 1, S, torch.float32)
-        alone = attention(qkv[rows], S, ops.default_scale(hd), single.key_valid)
+        alone = padded_attention(qkv[rows], S, ops.default_scale(hd), single.key_valid)
         assert torch.equal(alone, out[rows])
 
 
@@ -210,7 +216,7 @@ def test_fp32_tf32():
         qkv = make_qkv(B, S, nh, hd, dtype)
         attention_mask = make_padding(B, S, "holes")
         mask = AttentionMask.build(attention_mask, B, S, dtype)
-        out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, out=poisoned(B * S, nh * hd, dtype))
+        out = padded_attention(qkv, S, ops.default_scale(hd), mask.key_valid, out=poisoned(B * S, nh * hd, dtype))
     err = (out.double() - reference64(qkv, attention_mask, ops.default_scale(hd))).abs().max().item()
     assert torch.isfinite(out).all() and err <= 5e-3, err
 
@@ -273,7 +279,7 @@ def test_matches_hf_bert_self_attention(B, S, nh, hd, padding):
         weight = torch.cat([hf.query.weight, hf.key.weight, hf.value.weight])
         bias = torch.cat([hf.query.bias, hf.key.bias, hf.value.bias])
         qkv = qkv_projection_torch(x.reshape(B * S, H), weight, bias, nh)
-    out = attention(qkv, S, ops.default_scale(hd), mask.key_valid, out=poisoned(B * S, H, torch.float32))
+    out = padded_attention(qkv, S, ops.default_scale(hd), mask.key_valid, out=poisoned(B * S, H, torch.float32))
     assert torch.isfinite(out).all()
     assert (out - expected).abs().max().item() <= FP32_TOL
     if padding == "fully_padded":  # HF eager's uniform attention over all S keys of the dead row
@@ -344,76 +350,91 @@ def _good(B=2, S=5, nh=2, hd=32, dtype=torch.float32):
 @pytest.mark.parametrize("shape", [(10, 3, 64), (10, 2, 2, 32), (10, 3, 2, 32, 1)], ids=str)
 def test_rejects_bad_qkv_shape(shape):
     with pytest.raises(ValueError, match=r"\[T, 3, num_heads, head_dim\]"):
-        attention(torch.zeros(shape, device=DEVICE), 5, 0.125)
+        padded_attention(torch.zeros(shape, device=DEVICE), 5, 0.125)
 
 
-def test_rejects_t_not_multiple_of_seq_len():
+def _cu(*values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("cu_seqlens, max_seqlen, exc, words", [
+    (_cu(0, 5, 9), 5, ValueError, r"rise from 0 to T=10 .* last 9"),
+    (_cu(1, 5, 10), 5, ValueError, r"rise from 0 to T=10 .* first 1"),
+    (_cu(0, 6, 4, 10), 6, ValueError, r"without going down.*a step of -2"),
+    (_cu(0, 7, 10), 5, ValueError, r"max_seqlen=5 is shorter than the longest sequence \(7 tokens\)"),
+    (_cu(0, 5, 10).long(), 5, TypeError, r"cu_seqlens must be a 1-D int32 tensor"),
+    (_cu(0, 5, 10)[None], 5, TypeError, r"cu_seqlens must be a 1-D int32 tensor"),
+    (_cu(0, 5, 10), -1, ValueError, r"max_seqlen must be a non-negative int"),
+    (_cu(0, 5, 10), 2.5, ValueError, r"max_seqlen must be a non-negative int"),
+])
+def test_rejects_cu_seqlens_that_would_read_out_of_bounds(cu_seqlens, max_seqlen, exc, words):
+    """Every value the kernel would index with is checked (one host read) before the launch."""
     qkv, _ = _good()
-    with pytest.raises(ValueError, match="T=10.*seq_len=3"):
-        attention(qkv, 3, 0.125)
+    with pytest.raises(exc, match=words):
+        attention(qkv, cu_seqlens, max_seqlen, 0.125)
 
 
-@pytest.mark.parametrize("seq_len", [0, -1, 2.5, True])
-def test_rejects_bad_seq_len(seq_len):
+def test_rejects_key_valid_with_unequal_lengths():
+    """key_valid means the padded layout: every row holds max_seqlen tokens."""
     qkv, _ = _good()
-    with pytest.raises(ValueError, match="seq_len"):
-        attention(qkv, seq_len, 0.125)
+    with pytest.raises(ValueError, match="every sequence must have max_seqlen=7 tokens; got lengths 3..7"):
+        attention(qkv, _cu(0, 3, 10), 7, 0.125, key_valid=torch.ones(2, 7, dtype=torch.bool, device=DEVICE))
 
 
 def test_rejects_unsupported_head_dim():
     qkv = make_qkv(2, 5, 2, 24, torch.float32)
     with pytest.raises(ValueError, match="head_dim=24"):
-        attention(qkv, 5, 24 ** -0.5)
+        padded_attention(qkv, 5, 24 ** -0.5)
 
 
 def test_rejects_unsupported_dtype():
     with pytest.raises(TypeError, match="float64"):
-        attention(make_qkv(2, 5, 2, 32, torch.float64), 5, 0.125)
+        padded_attention(make_qkv(2, 5, 2, 32, torch.float64), 5, 0.125)
 
 
 def test_rejects_non_unit_stride_head_dim():
     qkv = torch.zeros(10, 3, 2, 64, device=DEVICE)[..., ::2]
     with pytest.raises(ValueError, match="unit-stride"):
-        attention(qkv, 5, 0.125)
+        padded_attention(qkv, 5, 0.125)
 
 
 def test_rejects_key_valid_wrong_dtype():
     qkv, mask = _good()
     with pytest.raises(TypeError, match="key_valid.dtype=torch.int64"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid.long())
+        padded_attention(qkv, 5, 0.125, key_valid=mask.key_valid.long())
 
 
 def test_rejects_key_valid_wrong_shape():
     qkv, mask = _good()
     with pytest.raises(ValueError, match=r"key_valid has shape \(2, 4\)"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid[:, :4])
+        padded_attention(qkv, 5, 0.125, key_valid=mask.key_valid[:, :4])
     with pytest.raises(ValueError, match=r"key_valid has shape \(10,\)"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid.reshape(-1))
+        padded_attention(qkv, 5, 0.125, key_valid=mask.key_valid.reshape(-1))
 
 
 def test_rejects_key_valid_wrong_device():
     qkv, mask = _good()
     other = "meta"
     with pytest.raises(ValueError, match="key_valid is on meta"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid.to(other))
+        padded_attention(qkv, 5, 0.125, key_valid=mask.key_valid.to(other))
 
 
 def test_rejects_bad_out():
     qkv, _ = _good()
     with pytest.raises(ValueError, match=r"out has shape \(10, 32\)"):
-        attention(qkv, 5, 0.125, out=torch.empty(10, 32, device=DEVICE))
+        padded_attention(qkv, 5, 0.125, out=torch.empty(10, 32, device=DEVICE))
     with pytest.raises(TypeError, match="out.dtype=torch.float16"):
-        attention(qkv, 5, 0.125, out=torch.empty(10, 64, dtype=torch.float16, device=DEVICE))
+        padded_attention(qkv, 5, 0.125, out=torch.empty(10, 64, dtype=torch.float16, device=DEVICE))
     with pytest.raises(ValueError, match="out's last dim"):
-        attention(qkv, 5, 0.125, out=torch.empty(64, 10, device=DEVICE).t())
+        padded_attention(qkv, 5, 0.125, out=torch.empty(64, 10, device=DEVICE).t())
     with pytest.raises(ValueError, match="out is on meta"):
-        attention(qkv, 5, 0.125, out=torch.empty(10, 64, device="meta"))
+        padded_attention(qkv, 5, 0.125, out=torch.empty(10, 64, device="meta"))
 
 
 def test_rejects_non_finite_scale():
     qkv, _ = _good()
     with pytest.raises(ValueError, match="scale"):
-        attention(qkv, 5, math.nan)
+        padded_attention(qkv, 5, math.nan)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU-without-interpreter refusal")
@@ -421,12 +442,12 @@ def test_rejects_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     qkv, _ = _good()
     with pytest.raises(ValueError, match="CUDA"):
-        attention(qkv, 5, 0.125)
+        padded_attention(qkv, 5, 0.125)
 
 
 def test_empty_batch():
     qkv = torch.zeros(0, 3, 2, 32, device=DEVICE)
-    assert attention(qkv, 5, 0.125).shape == (0, 64)
+    assert padded_attention(qkv, 5, 0.125).shape == (0, 64)
 
 
 def test_grid_of_many_rows_fits_cudas_limits():
@@ -443,7 +464,7 @@ def test_grid_of_many_rows_fits_cudas_limits():
                                             "checked on CPU by test_grid_of_many_rows_fits_cudas_limits")
 def test_many_rows_launch():
     qkv = make_qkv(65536, 1, 2, 32, torch.float16)
-    out = attention(qkv, 1, 0.25)
+    out = padded_attention(qkv, 1, 0.25)
     assert torch.equal(out, qkv[:, 2].reshape(65536, 64))  # one key: the output is its value
 
 
@@ -452,4 +473,83 @@ def test_kv_end_is_not_taken_from_callers():
     clamps it into [0, S]); a caller can no longer pass one that reads past a row."""
     qkv, mask = _good()
     with pytest.raises(TypeError, match="kv_end"):
-        attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=torch.full((2,), 99, dtype=torch.int32))
+        padded_attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=torch.full((2,), 99, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Varlen: packed sequences of any lengths, one launch, padding never computed
+# --------------------------------------------------------------------------------------------------------------------
+def varlen_reference64(qkv, lengths, scale):
+    """Each sequence alone, in float64: softmax(q k^T * scale) v -> [T, nh*hd] (empty sequences contribute nothing)."""
+    T, _, nh, hd = qkv.shape
+    pieces, start = [], 0
+    for length in lengths:
+        q, k, v = qkv[start:start + length].double().permute(1, 2, 0, 3).unbind(0)  # [nh, L, hd]
+        probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
+        pieces.append(torch.matmul(probs, v).transpose(0, 1).reshape(length, nh * hd))
+        start += length
+    return torch.cat(pieces)
+
+
+VARLEN_CASES = [  # (lengths, nh, hd, layout)
+    ([5], 2, 32, "contiguous"),
+    ([1, 1, 1], 2, 16, "slice"),
+    ([7, 0, 3, 0, 1], 3, 32, "strided_rows"),
+    ([63, 64, 65, 1, 129], 1, 64, "contiguous"),
+    ([130, 2, 33], 2, 64, "heads_major"),
+    ([40, 17], 1, 128, "slice"),
+    ([0, 0, 9], 2, 32, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lengths,nh,hd,layout", VARLEN_CASES,
+                         ids=[f"{'-'.join(map(str, c[0]))}-nh{c[1]}-hd{c[2]}-{c[3]}" for c in VARLEN_CASES])
+def test_varlen_matches_twin_and_fp64(lengths, nh, hd, layout, dtype):
+    """Sequences of 0, 1, block-edge and multi-block lengths in one launch, against each sequence alone in fp64 and the
+    varlen twin. Outputs are NaN-poisoned: every token must be written, and only once per token."""
+    from fastbert.layout import TokenLayout
+    T = sum(lengths)
+    qkv = make_qkv(1, T, nh, hd, dtype, layout)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    scale = ops.default_scale(hd)
+    out = attention(qkv, cu, max(lengths), scale, out=poisoned(T, nh * hd, dtype))
+    layout_ = TokenLayout(cu, max(lengths), T, tuple(lengths), None, len(lengths), max(lengths))
+    twin = ops.attention_varlen_torch(qkv, layout_, scale)
+    assert_matches(out, twin, varlen_reference64(qkv, lengths, scale), dtype, torch.ones(T, dtype=torch.bool))
+
+
+def test_varlen_grid_larger_than_the_sequences():
+    """A max_seqlen above every length (a CUDA graph's fixed grid) and zero-length sequences at the end (its spare
+    sequence slots): programs past a sequence's end write nothing, tokens beyond cu_seqlens[-1] are untouched."""
+    lengths = [9, 30, 1]
+    T = sum(lengths)
+    qkv = make_qkv(1, T + 7, 2, 32, torch.float32)  # 7 spare tokens no sequence owns
+    cu = torch.tensor([0, 9, 39, 40, 40, 40], dtype=torch.int32, device=DEVICE)
+    out = poisoned(T + 7, 64, torch.float32)
+    qkv_real = qkv[:T]
+    launched = attention_module.launch(qkv, cu, 128, 32 ** -0.5, out=out)
+    assert launched.data_ptr() == out.data_ptr()
+    assert torch.isnan(out[T:]).all()  # never written
+    ref = varlen_reference64(qkv_real, lengths, 32 ** -0.5)
+    assert (out[:T].double() - ref).abs().max().item() <= FP32_TOL
+
+
+@pytest.mark.parametrize("config", _tiles(), ids=lambda c: f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}")
+def test_every_tile_varlen(config):
+    lengths = [70, 3, 0, 129]
+    qkv = make_qkv(1, sum(lengths), 1, 32, torch.float32)
+    cu = torch.tensor([0, 70, 73, 73, 202], dtype=torch.int32, device=DEVICE)
+    out = attention(qkv, cu, 129, 32 ** -0.5, config=config)
+    assert (out.double() - varlen_reference64(qkv, lengths, 32 ** -0.5)).abs().max().item() <= FP32_TOL
+
+
+def test_varlen_dispatch_through_ops():
+    """ops.attention with a TokenLayout reaches the varlen kernel on "triton" and matches the twin."""
+    from fastbert.layout import TokenLayout
+    keep = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool, device=DEVICE)
+    layout_ = TokenLayout.from_mask(keep, [3, 4, 0], 7)
+    qkv = make_qkv(1, 7, 2, 32, torch.float32)
+    got, _ = ops.attention(qkv, layout_, 0.2, backend="triton")
+    want, _ = ops.attention(qkv, layout_, 0.2, backend="torch")
+    assert (got - want).abs().max().item() <= FP32_TOL
