@@ -99,9 +99,9 @@ def hf_state_dict(raw: dict, model) -> dict:
     return state
 
 
-def _build(cls, config, add_pooling_layer, kernels):
+def _build(cls, config, add_pooling_layer, kernels, padding_free):
     with torch.device("meta"):  # no time or memory spent on an initialisation that is overwritten at once
-        return cls(config, add_pooling_layer=add_pooling_layer, kernels=kernels)
+        return cls(config, add_pooling_layer=add_pooling_layer, kernels=kernels, padding_free=padding_free)
 
 
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -129,10 +129,11 @@ def resolve_dtype(dtype, config: BertConfig, state: dict) -> torch.dtype | None:
     return resolved
 
 
-def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=True):
+def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=True,
+                    padding_free=True):
     folder = resolve_folder(name_or_path)
     config = BertConfig.from_any(os.path.join(folder, "config.json"))
-    model = _build(cls, config, add_pooling_layer, kernels)
+    model = _build(cls, config, add_pooling_layer, kernels, padding_free)
     state = hf_state_dict(read_checkpoint(folder), model)
     dtype = resolve_dtype(dtype, config, state)
     if dtype is not None:
@@ -143,9 +144,9 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
     return model.eval()  # like HF's from_pretrained
 
 
-def from_hf(cls, hf_model, kernels="auto"):
+def from_hf(cls, hf_model, kernels="auto", padding_free=True):
     base = getattr(hf_model, "bert", hf_model)  # BertFor* -> its BertModel
-    model = _build(cls, base.config, getattr(base, "pooler", None) is not None, kernels)
+    model = _build(cls, base.config, getattr(base, "pooler", None) is not None, kernels, padding_free)
     # state_dict() holds detached tensors sharing storage with hf_model's parameters: only W_qkv is a new tensor.
     state = hf_state_dict(base.state_dict(), model)
     model.load_state_dict(state, strict=True, assign=True)

@@ -1,22 +1,26 @@
 """fastbert.BertModel: Hugging Face's BertModel, same checkpoints, same calls, same numbers, four fused ops.
 
-One forward, token-major (T = batch * seq):
+One forward in three parts:
 
-    ids [B, S] -> embeddings (word + type + position, LayerNorm)         -> x [T, H]
-    attention_mask [B, S] -> AttentionMask, once per forward
-    per layer:
-        qkv = qkv_projection(x)                          [T, 3, nh, hd]   one GEMM over the fused W_qkv
-        ctx = attention(qkv, mask)                       [T, H]           flash attention over packed qkv
-        x   = residual_layernorm(ctx @ W_o + b_o + x)    [T, H]
-        h   = bias_gelu(x @ W_1 + b_1)                   [T, I]
-        x   = residual_layernorm(h @ W_2 + b_2 + x)      [T, H]
-    -> last_hidden_state [B, S, H]; pooler_output = tanh(x[:, 0] @ W_p + b_p)
+    prepare (host, fastbert/inputs.py): validate, fill defaults, one host read; a padded batch [B, S] becomes its
+        T real tokens, packed, and a TokenLayout (cu_seqlens: where each sequence starts)
+    encode (device only; what a CUDA graph captures):
+        x = LayerNorm(word[ids] + type[types] + position[positions])      [T, H]
+        per layer:
+            qkv = qkv_projection(x)                          [T, 3, nh, hd]   one GEMM over the fused W_qkv
+            ctx = attention(qkv, layout)                     [T, H]           per sequence, never across
+            x   = residual_layernorm(ctx @ W_o + b_o + x)    [T, H]
+            h   = bias_gelu(x @ W_1 + b_1)                   [T, I]
+            x   = residual_layernorm(h @ W_2 + b_2 + x)      [T, H]
+    finish: scatter back to [B, S, H] once (zeros at padding); pooler = tanh(first token @ W_p + b_p); HF's outputs
 
-Each op runs on the backend named in `model.kernels` (see fastbert/ops.py). Module and parameter names follow HF's so
-that state_dict keys are HF's; the one difference inside is the fused W_qkv, which state_dict splits back into
-query/key/value (and load_state_dict concatenates).
+Each op runs on the backend named in `model.kernels`, resolved once per forward (fastbert/ops.py). Module and
+parameter names follow HF's so that state_dict keys are HF's; the one difference inside is the fused W_qkv, which
+state_dict splits back into query/key/value (and load_state_dict concatenates).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -25,7 +29,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAtte
 
 from . import ops
 from .config import BertConfig
-from .ops import OPS, AttentionMask
+from .inputs import Batch, prepare
+from .layout import first_tokens, pad
+from .ops import OPS
 
 
 class BertEmbeddings(nn.Module):
@@ -118,6 +124,22 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
 
 
+class LayerWeights(NamedTuple):
+    """The twelve tensors of one BERT layer, as the four ops take them."""
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor
+    attn_out: torch.Tensor
+    attn_out_bias: torch.Tensor
+    ln1: torch.Tensor
+    ln1_bias: torch.Tensor
+    ffn_in: torch.Tensor
+    ffn_in_bias: torch.Tensor
+    ffn_out: torch.Tensor
+    ffn_out_bias: torch.Tensor
+    ln2: torch.Tensor
+    ln2_bias: torch.Tensor
+
+
 class BertLayer(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -128,25 +150,31 @@ class BertLayer(nn.Module):
         self.activation = ops.ACTIVATIONS[config.hidden_act]
         self.scale = ops.default_scale(config.head_dim)
 
-    def forward(self, x: torch.Tensor, mask: AttentionMask, kernels: dict, output_attentions: bool):
-        cfg, qkv_w, attn_out = self.config, self.attention.self, self.attention.output
+    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False):
+        """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
+        ops as resolved for this forward (ops.plan)."""
+        cfg, w = self.config, self.weights()
         p_attn = cfg.attention_probs_dropout_prob if self.training else 0.0
         p_hidden = cfg.hidden_dropout_prob if self.training else 0.0
         eps = cfg.layer_norm_eps
 
-        qkv = ops.qkv_projection(x, qkv_w.qkv_weight, qkv_w.qkv_bias, cfg.num_attention_heads,
-                                 backend=kernels["qkv_projection"])                          # [T, 3, nh, hd]
-        ctx, probs = ops.attention(qkv, mask, self.scale, dropout_p=p_attn, return_probs=output_attentions,
-                                   backend=kernels["attention"])                             # [T, H]
-        x = ops.residual_layernorm(ctx, attn_out.dense.weight, attn_out.dense.bias, x,
-                                   attn_out.LayerNorm.weight, attn_out.LayerNorm.bias, eps,
-                                   dropout_p=p_hidden, backend=kernels["residual_layernorm"])  # [T, H]
-        h = ops.bias_gelu(x, self.intermediate.dense.weight, self.intermediate.dense.bias, self.activation,
-                          backend=kernels["bias_gelu"])                                      # [T, I]
-        x = ops.residual_layernorm(h, self.output.dense.weight, self.output.dense.bias, x,
-                                   self.output.LayerNorm.weight, self.output.LayerNorm.bias, eps,
-                                   dropout_p=p_hidden, backend=kernels["residual_layernorm"])  # [T, H]
+        qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, cfg.num_attention_heads)                 # [T, 3, nh, hd]
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions)           # [T, H]
+        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, eps, p_hidden)  # [T, H]
+        h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                          # [T, I]
+        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_hidden)      # [T, H]
         return x, probs
+
+    def weights(self) -> LayerWeights:
+        """The layer's current parameters, read through the module dicts: nn.Module.__getattr__ costs ~0.3 us a
+        step in Python, and reading HF's nested names that way was a quarter of a small batch's forward."""
+        attention, ffn_in, ffn_out = self._modules["attention"], self._modules["intermediate"], self._modules["output"]
+        fused, attn_out = attention._modules["self"]._parameters, attention._modules["output"]._modules
+        ffn_in, ffn_out = ffn_in._modules["dense"]._parameters, ffn_out._modules
+        o, ln1 = attn_out["dense"]._parameters, attn_out["LayerNorm"]._parameters
+        f, ln2 = ffn_out["dense"]._parameters, ffn_out["LayerNorm"]._parameters
+        return LayerWeights(fused["qkv_weight"], fused["qkv_bias"], o["weight"], o["bias"], ln1["weight"], ln1["bias"],
+                            ffn_in["weight"], ffn_in["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
 
 
 class BertEncoder(nn.Module):
@@ -160,20 +188,19 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, last_hidden_state):
-        return torch.tanh(self.dense(last_hidden_state[:, 0]))                    # [B, H] from the [CLS] token
-
-
-# Arguments HF's BertModel.forward accepts that only make sense for decoders / caches: accepted when unused.
-_DECODER_ONLY_ARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask")
+    def forward(self, first_token_states):
+        return torch.tanh(self.dense(first_token_states))                        # [n, H] from each [CLS] token
 
 
 class BertModel(nn.Module):
-    def __init__(self, config, add_pooling_layer: bool = True, kernels="auto"):
+    def __init__(self, config, add_pooling_layer: bool = True, kernels="auto", padding_free: bool = True):
         super().__init__()
         config = BertConfig.from_any(config)
         config.check_supported()
         self.config = config
+        # Padded input runs on its real tokens only; False keeps padded execution (HF's values at padded positions).
+        self.padding_free = padding_free
+        self._plans = {}  # ops.Situation -> the resolved ops (ops.plan)
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
@@ -200,19 +227,20 @@ class BertModel(nn.Module):
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=True,
-                        torch_dtype=None) -> "BertModel":
+                        torch_dtype=None, padding_free=True) -> "BertModel":
         """A local folder (config.json + model.safetensors / pytorch_model.bin) or a Hub id from the local cache."""
         from .loading import from_pretrained
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; give one of them")
         return from_pretrained(cls, name_or_path, dtype=dtype if dtype is not None else torch_dtype,
-                               device=device, kernels=kernels, add_pooling_layer=add_pooling_layer)
+                               device=device, kernels=kernels, add_pooling_layer=add_pooling_layer,
+                               padding_free=padding_free)
 
     @classmethod
-    def from_hf(cls, hf_model, kernels="auto") -> "BertModel":
+    def from_hf(cls, hf_model, kernels="auto", padding_free=True) -> "BertModel":
         """From an in-memory transformers BertModel (or a BertFor* model): shares its parameters, fuses only W_qkv."""
         from .loading import from_hf
-        return from_hf(cls, hf_model, kernels=kernels)
+        return from_hf(cls, hf_model, kernels=kernels, padding_free=padding_free)
 
     def save_pretrained(self, folder) -> None:
         from .loading import save_pretrained
@@ -243,128 +271,87 @@ class BertModel(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                output_hidden_states=None, output_attentions=None, return_dict=None, use_cache=None, **unused):
-        for name, value in unused.items():
-            if name not in _DECODER_ONLY_ARGS:
-                raise TypeError(f"BertModel.forward() got an unexpected keyword argument {name!r}")
-            if value is not None:
-                raise NotImplementedError(f"{name} is not supported: fastbert is an encoder without cross-attention "
-                                          f"or caches")
-        input_ids, token_type_ids, position_ids, mask_flags = self._check_inputs(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+                output_hidden_states=None, output_attentions=None, return_dict=None, use_cache=None,
+                cu_seqlens=None, max_seqlen=None, **kwargs):
+        """HF's BertModel.forward. Packed input: `input_ids` [T] with `cu_seqlens` [n + 1] (and optionally
+        `max_seqlen`) returns packed outputs ([T, H], pooler [n, H]); HF's own `cu_seq_lens_q` / `max_length_q` with
+        [1, T] ids are accepted as transformers takes them."""
+        batch = prepare(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                        bool(output_attentions), cu_seqlens, max_seqlen, **kwargs)
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or (batch.inputs_embeds is not None and batch.inputs_embeds.requires_grad))
+        padded = None
+        if output_attentions:
+            padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
+        elif getattr(batch.attn, "custom", False):
+            padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
+        run = self.resolve_ops(needs_grad, padded)
+        x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
+                                                   batch.attn, run, batch.inputs_embeds,
+                                                   bool(output_hidden_states), bool(output_attentions))
+        out = self.finish(batch, x, hidden_states, attentions, bool(output_hidden_states), bool(output_attentions))
+        return out if return_dict is None or return_dict else out.to_tuple()
 
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [B, S, H]
-        B, S, H = x.shape
-        mask = AttentionMask.build(attention_mask, B, S, x.dtype, flags=mask_flags)
-        x = x.reshape(B * S, H)                                                           # token-major [T, H]
+    def cuda_graphs(self, token_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), max_seqs: int = 256,
+                    max_seqlen: int | None = None):
+        """A runner that replays CUDA graphs of `encode` captured for packed token-count buckets (fastbert/graphs.py);
+        call it like the model. Captures every bucket now (autotuning first)."""
+        from .graphs import GraphRunner
+        return GraphRunner(self, token_buckets, max_seqs, max_seqlen)
 
-        hidden_states, attentions = [x], []
+    def encode(self, input_ids, token_type_ids, position_ids, attn, run, inputs_embeds=None,
+               keep_hidden_states=False, output_attentions=False):
+        """The device-only part: packed tokens [T] -> final hidden states [T, H]. No host read, no branch on tensor
+        values (a CUDA graph captures this)."""
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [T, H]
+        hidden_states, attentions = [x] if keep_hidden_states else None, [] if output_attentions else None
         for layer in self.encoder.layer:
-            x, probs = layer(x, mask, self._kernels, bool(output_attentions))
-            hidden_states.append(x)
-            attentions.append(probs)
+            x, probs = layer(x, attn, run, output_attentions)
+            if keep_hidden_states:
+                hidden_states.append(x)
+            if output_attentions:
+                attentions.append(probs)
+        return x, hidden_states, attentions
 
-        last_hidden_state = x.view(B, S, H)
-        pooled = self.pooler(last_hidden_state) if self.pooler is not None else None
-        out = BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=last_hidden_state,
-            pooler_output=pooled,
-            hidden_states=tuple(h.view(B, S, H) for h in hidden_states) if output_hidden_states else None,
+    def finish(self, batch: Batch, x, hidden_states, attentions, output_hidden_states, output_attentions):
+        """Packed [T, H] -> the caller's shape (zeros at padded positions), the pooler, HF's output class."""
+        layout = batch.layout
+        if batch.output == "packed":  # packed in, packed out
+            shaped, first = (lambda h: h), (lambda h: first_tokens(h, layout))
+        elif batch.output == "hf_packed":  # transformers' packed form: one row of T tokens; its pooler reads token 0
+            shaped, first = (lambda h: h[None]), (lambda h: h[:1])
+        elif layout is not None:
+            shaped, first = (lambda h: pad(h, layout)), (lambda h: first_tokens(h, layout))
+        elif batch.real_tokens is not None:  # padded rows of a padding-free model: the outputs packing would give
+            B, S, keep = *batch.shape, batch.real_tokens
+            first_real = keep.to(torch.int32).argmax(dim=1)  # a row with no real token: 0, which is zeroed below
+            shaped = lambda h: h.view(B, S, h.shape[-1]) * keep[:, :, None]  # noqa: E731
+            first = lambda h: shaped(h)[torch.arange(B, device=h.device), first_real]  # noqa: E731
+        else:  # padded rows: HF's pooler reads position 0 of every row
+            B, S = batch.shape
+            shaped, first = (lambda h: h.view(B, S, h.shape[-1])), (lambda h: h.view(B, S, h.shape[-1])[:, 0])
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=shaped(x),
+            pooler_output=self.pooler(first(x)) if self.pooler is not None else None,
+            hidden_states=tuple(shaped(h) for h in hidden_states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
             # transformers 5 reports an empty cross_attentions tuple alongside attentions; so do we (tuple order)
             cross_attentions=() if output_attentions else None,
         )
-        return out if return_dict is None or return_dict else out.to_tuple()
 
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
-        """Turn bad input into a clear error here, never an IndexError, a device assert or NaN deep inside."""
+    def resolve_ops(self, needs_grad: bool = False, padded: str | None = None) -> ops.Ops:
+        """The four ops for this situation (device, dtype, autograd, dropout, and why attention runs padded rows, if
+        it does), resolved once and cached: a forward pays one dictionary lookup for its backend choices."""
+        weight = self.embeddings.word_embeddings.weight
         cfg = self.config
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("give exactly one of input_ids and inputs_embeds "
-                             f"(got {'both' if input_ids is not None else 'neither'})")
-        device = self.embeddings.word_embeddings.weight.device
-        if input_ids is not None:
-            if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-                raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-            shape, first = tuple(input_ids.shape), ("input_ids", input_ids)
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
-                raise ValueError(f"inputs_embeds must be [batch, seq, {cfg.hidden_size}], "
-                                 f"got shape {tuple(inputs_embeds.shape)}")
-            dtype = self.embeddings.word_embeddings.weight.dtype
-            if inputs_embeds.dtype != dtype:
-                raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype} but the model is {dtype}")
-            shape, first = tuple(inputs_embeds.shape[:2]), ("inputs_embeds", inputs_embeds)
-        B, S = shape
-        if S == 0:
-            raise ValueError(f"{first[0]} has sequence length 0 (shape {tuple(first[1].shape)}); every row needs at "
-                             f"least one position")
-        if S > cfg.max_position_embeddings and position_ids is None:
-            raise ValueError(f"sequence length {S} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-
-        named = [("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                 ("position_ids", position_ids)]
-        if first[1].device != device:
-            raise ValueError(f"{first[0]} is on {first[1].device} but the model is on {device}; "
-                             f"move it with .to({str(device)!r})")
-        for name, t in named:
-            if t is None:
-                continue
-            if t.device != device:
-                raise ValueError(f"{name} is on {t.device} but the model is on {device}; move it with .to({str(device)!r})")
-            if name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
-                raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-            if name == "attention_mask" and t.dim() in (3, 4):
-                continue  # a custom mask: checked by its own shape below
-            if name == "position_ids" and tuple(t.shape) == (1, S):
-                continue  # HF broadcasts a [1, S] position_ids over the batch
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)} but the input is {list(shape)}")
-        if attention_mask is not None and attention_mask.dim() in (3, 4):
-            if attention_mask.dim() == 3:
-                ok = tuple(attention_mask.shape) == (B, S, S)
-            else:
-                ok = attention_mask.shape[0] == B and attention_mask.shape[1] in (1, cfg.num_attention_heads) \
-                    and tuple(attention_mask.shape[2:]) == (S, S)
-            if not ok:
-                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; a custom mask must be "
-                                 f"[{B}, {S}, {S}] or [{B}, 1 or {cfg.num_attention_heads}, {S}, {S}]")
-
-        if token_type_ids is None:
-            token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
-        if position_ids is None:
-            position_ids = torch.arange(S, device=device).expand(B, S)
-        elif position_ids.shape[0] == 1 and B != 1:
-            position_ids = position_ids.expand(B, S)
-
-        # Index ranges, 0/1 masks, and what a 2-D mask pads, in one host sync per forward: an out-of-range id would
-        # be a device assert on CUDA, an all-ones mask lets attention skip masking altogether, and only a batch with
-        # a fully padded row needs the twin's extra pass for it.
-        checks = [(name, t, limit) for name, t, limit in (
-            ("input_ids", input_ids, cfg.vocab_size), ("token_type_ids", token_type_ids, cfg.type_vocab_size),
-            ("position_ids", position_ids, cfg.max_position_embeddings)) if t is not None and t.numel()]
-        values = [v.long() for _, t, _ in checks for v in torch.aminmax(t)]
-        zero_one = attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
-        if zero_one:
-            values.append(ops.not_zero_one(attention_mask).long())
-        two_d_mask = attention_mask is not None and attention_mask.dim() == 2
-        if two_d_mask:
-            values.extend(ops.padding_flags(attention_mask != 0))
-        if ops.tracing():  # no host read while a graph is recorded: the checks become asynchronous asserts
-            for i, (name, _, limit) in enumerate(checks):
-                torch._assert_async((values[2 * i] >= 0) & (values[2 * i + 1] < limit), f"{name} out of range")
-            return input_ids, token_type_ids, position_ids, None
-        stats = torch.stack(values).tolist() if values else []
-        for i, (name, _, limit) in enumerate(checks):
-            lo, hi = stats[2 * i], stats[2 * i + 1]
-            if lo < 0 or hi >= limit:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"{name} contains {bad}, outside [0, {limit})"
-                                 f"{' (vocab_size)' if name == 'input_ids' else ''}")
-        if zero_one and stats[2 * len(checks)]:
-            raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
-                             f"{attention_mask.dim()}-D); only a floating 4-D mask may be additive (see README, Masks)")
-        mask_flags = tuple(stats[-2:]) if two_d_mask else None
-        return input_ids, token_type_ids, position_ids, mask_flags
+        situation = ops.Situation(
+            tuple(self._kernels[op] for op in OPS), weight.device, weight.dtype, cfg.head_dim, needs_grad,
+            cfg.attention_probs_dropout_prob if self.training else 0.0,
+            cfg.hidden_dropout_prob if self.training else 0.0, padded)
+        if ops.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
+            return ops.plan(situation)
+        run = self._plans.get(situation)
+        if run is None:
+            run = self._plans[situation] = ops.plan(situation)
+        return run

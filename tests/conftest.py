@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ---- global state: a test that changes it must put it back ---------------------------------------------------------
 # Variables that libraries set for themselves on first use (pytest per phase; torch's inductor; OpenMP runtimes loaded
 # by an import), not settings a test could leak.
-_LIBRARY_ENV = ("PYTEST_", "TORCHINDUCTOR_", "KMP_")
+_LIBRARY_ENV = ("PYTEST_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "KMP_")
 
 
 def global_state() -> dict:

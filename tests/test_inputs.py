@@ -65,7 +65,8 @@ def test_custom_masks_follow_hf_semantics(fb):
         ref = fb(IDS, attention_mask=mask2).last_hidden_state
         out3 = fb(IDS, attention_mask=mask3).last_hidden_state
         out4 = fb(IDS, attention_mask=mask3[:, None].bool()).last_hidden_state
-    assert (out3 - ref).abs().max() == 0 and (out4 - ref).abs().max() == 0
+    real = mask2.bool()  # a custom mask runs padded rows: HF's values at padded positions, packing gives zeros there
+    assert (out3 - ref)[real].abs().max() <= 1e-6 and (out4 - ref)[real].abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -198,8 +199,8 @@ def test_float_4d_mask_is_additive_as_in_hf(hf_and_fb):
 
 
 def test_jit_trace_is_right_for_any_mask(hf_and_fb):
-    """A model traced on an unpadded batch, then called with a padded one (and a fully padded row), gives HF's answer:
-    the all-ones shortcut is a Python branch on data, so tracing never takes it."""
+    """A model traced on an unpadded batch, then called with a padded one (and a fully padded row), gives HF's answer
+    on real tokens and the untraced model's outputs everywhere: while tracing, no shortcut depends on the mask."""
     import warnings
     hf, fb = hf_and_fb
     ids = torch.randint(1, 50, (3, 7), generator=torch.Generator().manual_seed(1))

@@ -1,8 +1,10 @@
 """fastbert's PyTorch path against transformers' own BertModel (eager and sdpa), fp32 and bf16, on CPU.
 
 The bar (DESIGN.md): fp32 max |fastbert - HF| <= 1e-5 on every real token of last_hidden_state and of every hidden
-state, and on pooler_output; padded positions of live rows within 1e-4; bf16 error against an fp32 reference at most
-2x HF's own bf16 error.
+state, and on pooler_output; bf16 error against an fp32 reference at most 2x HF's own bf16 error.
+Padded positions: padding-free execution (the default) returns exactly 0 there; padding_free=False returns HF's
+values (within 1e-4 on rows that have a real token). The pooler reads each row's first real token: HF's position 0
+whenever that is real (right padding), the [CLS] of the row run alone otherwise (left padding).
 """
 import pytest
 import torch
@@ -37,23 +39,48 @@ def make_inputs(kind, B=3, S=11, vocab=99, types=3, seed=1):
     return ids, tt, mask
 
 
-def assert_close_on(actual, expected, mask, real_tol=1e-5, pad_tol=1e-4):
-    """Real tokens within real_tol; padded positions of rows that have real tokens within pad_tol."""
+def assert_close_on(actual, expected, mask, padding_free=True, real_tol=1e-5, pad_tol=1e-4):
+    """Real tokens within real_tol. Padded positions: exactly 0 when padding-free; else, on rows that have a real
+    token, within pad_tol of HF's values."""
     assert torch.isfinite(actual).all()
     real = mask.bool()
-    live_rows = real.any(1)
     d = (actual.float() - expected.float()).abs().amax(-1)  # [B, S]
-    assert d[real].max() <= real_tol, f"real tokens: max |delta| {d[real].max():.3g} > {real_tol}"
-    pad = ~real & live_rows[:, None]
+    if real.any():
+        assert d[real].max() <= real_tol, f"real tokens: max |delta| {d[real].max():.3g} > {real_tol}"
+    if padding_free:
+        assert (actual[~real] == 0).all(), "padding-free execution leaves padded positions at 0"
+        return
+    pad = ~real & real.any(1)[:, None]
     if pad.any():
         assert d[pad].max() <= pad_tol, f"padded positions: max |delta| {d[pad].max():.3g} > {pad_tol}"
 
 
+def assert_pooler_matches(fb_pooled, hf, ids, mask, tt, tol=1e-5):
+    """Rows whose position 0 is real: HF's pooler_output. Other rows with a real token: HF's pooler applied to HF's
+    own hidden state of the row's first real token (its [CLS]), where HF's pooler reads position 0, a padding slot.
+    Rows with none: the pooler of a zero vector, tanh(b_p)."""
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, token_type_ids=tt)
+        for b in range(ids.shape[0]):
+            real = mask[b].bool()
+            if real[0]:
+                want = ref.pooler_output[b]
+            elif real.any():
+                want = torch.tanh(hf.pooler.dense(ref.last_hidden_state[b, real.nonzero()[0, 0]]))
+            else:
+                want = torch.tanh(hf.pooler.dense.bias)
+            assert (fb_pooled[b] - want).abs().max() <= tol, f"pooler row {b}"
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
-def pair(request):
+def hf_model(request):
     hidden, heads, layers, inter, act = CONFIGS[request.param]
-    hf = random_hf_bert(hidden, heads, layers, inter, act)
-    return hf, fastbert.BertModel.from_hf(hf, kernels="torch")
+    return random_hf_bert(hidden, heads, layers, inter, act)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["padding_free", "padded"])
+def pair(request, hf_model):
+    return hf_model, fastbert.BertModel.from_hf(hf_model, kernels="torch", padding_free=request.param)
 
 
 @pytest.mark.parametrize("padding", ["none", "right", "left", "fully_padded_row"])
@@ -67,15 +94,18 @@ def test_random_configs_match_hf(pair, padding, attn):
         out = fb(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
     assert len(out.hidden_states) == len(ref.hidden_states) == hf.config.num_hidden_layers + 1
     for h_out, h_ref in zip(out.hidden_states, ref.hidden_states):
-        assert_close_on(h_out, h_ref, mask)
-    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
-    live = mask.bool().any(1)
-    assert (out.pooler_output - ref.pooler_output)[live].abs().max() <= 1e-5
+        assert_close_on(h_out, h_ref, mask, fb.padding_free)
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, fb.padding_free)
+    if fb.padding_free:
+        assert_pooler_matches(out.pooler_output, hf, ids, mask, tt)
+    else:  # padded rows: HF's own pooler, which reads position 0 whatever it holds
+        live = mask.bool().any(1)
+        assert (out.pooler_output - ref.pooler_output)[live].abs().max() <= 1e-5
 
 
-def test_fully_padded_row_is_finite_uniform_and_isolated(pair):
-    """A row with no real token attends uniformly to all its keys (HF eager's answer), stays finite, and leaves the
-    other rows exactly as they are without it."""
+def test_fully_padded_row_is_finite_and_isolated(pair):
+    """A row with no real token stays finite and leaves the other rows as they are without it. Padding-free: its
+    outputs are zeros (nothing of it is computed). Padded: HF eager's answer, uniform attention over all its keys."""
     hf, fb = pair
     ids, tt, mask = make_inputs("fully_padded_row")
     hf.config._attn_implementation = "eager"
@@ -85,7 +115,11 @@ def test_fully_padded_row_is_finite_uniform_and_isolated(pair):
         eager = hf(ids, attention_mask=mask, token_type_ids=tt)
     assert torch.isfinite(out.last_hidden_state).all() and torch.isfinite(out.pooler_output).all()
     assert (out.last_hidden_state[:2] - alone.last_hidden_state).abs().max() <= 1e-6
-    assert (out.last_hidden_state[2] - eager.last_hidden_state[2]).abs().max() <= 1e-4
+    if fb.padding_free:
+        assert (out.last_hidden_state[2] == 0).all()
+        assert (out.pooler_output[2] - torch.tanh(hf.pooler.dense.bias)).abs().max() <= 1e-6
+    else:
+        assert (out.last_hidden_state[2] - eager.last_hidden_state[2]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("S", [1, 64])  # 64 = max_position_embeddings of the random configs
@@ -96,7 +130,7 @@ def test_seq_len_extremes(pair, S):
     mask[1, S // 2 + 1:] = 0
     with torch.no_grad():
         ref, out = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
-    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, fb.padding_free)
     assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
 
 
@@ -113,8 +147,9 @@ def test_position_ids_inputs_embeds_and_attentions(pair):
                  output_attentions=True)
         ref_ids = hf(ids, attention_mask=mask, position_ids=pos[:1])  # a [1, S] position_ids broadcasts
         out_ids = fb(ids, attention_mask=mask, position_ids=pos[:1])
-    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
-    assert_close_on(out_ids.last_hidden_state, ref_ids.last_hidden_state, mask)
+    # output_attentions runs padded rows; a padding-free model still returns zeros at padded positions
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, fb.padding_free)
+    assert_close_on(out_ids.last_hidden_state, ref_ids.last_hidden_state, mask, fb.padding_free)
     assert len(out.attentions) == len(ref.attentions)
     for a, r in zip(out.attentions, ref.attentions):
         assert a.shape == r.shape
@@ -129,12 +164,12 @@ def test_return_dict_false_orders_like_hf(pair):
         ref = hf(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, return_dict=False)
         out = fb(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True, return_dict=False)
     assert isinstance(out, tuple) and len(out) == len(ref)
-    assert_close_on(out[0], ref[0], mask)
-    assert (out[1] - ref[1]).abs().max() <= 1e-5
+    assert_close_on(out[0], ref[0], mask, fb.padding_free)
+    assert (out[1] - ref[1]).abs().max() <= 1e-5  # make_inputs("right"): every row's position 0 is real
     for o, r in zip(out[2:], ref[2:]):
         assert type(o) is type(r) and len(o) == len(r)
     for o, r in zip(out[2], ref[2]):  # hidden states
-        assert_close_on(o, r, mask)
+        assert_close_on(o, r, mask, fb.padding_free)
 
 
 def test_bf16_error_at_most_twice_hf():
@@ -168,13 +203,13 @@ SENTENCES = ["A man is eating food.", "The new movie is awesome, I would watch i
              "Hi", "Two dogs are playing in the snow while children build a snowman in the garden next door."]
 
 
-@pytest.fixture(scope="module")
-def minilm(minilm_path):
+@pytest.fixture(scope="module", params=[True, False], ids=["padding_free", "padded"])
+def minilm(minilm_path, request):
     import transformers
     f32 = torch.float32  # explicit: a packed copy of the model (bench/pack_minilm.py) stores fp16
     hf = {a: transformers.BertModel.from_pretrained(minilm_path, attn_implementation=a, dtype=f32).eval()
           for a in ("eager", "sdpa")}
-    return hf, fastbert.BertModel.from_pretrained(minilm_path, kernels="torch", dtype=f32)
+    return hf, fastbert.BertModel.from_pretrained(minilm_path, kernels="torch", dtype=f32, padding_free=request.param)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -196,8 +231,12 @@ def test_minilm_matches_hf(minilm, tokenizer, attn, case):
         ref = hf[attn](**enc, output_hidden_states=True)
         out = fb(**enc, output_hidden_states=True)
     for h_out, h_ref in zip(out.hidden_states, ref.hidden_states):
-        assert_close_on(h_out, h_ref, enc["attention_mask"])
-    assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
+        assert_close_on(h_out, h_ref, enc["attention_mask"], fb.padding_free)
+    if fb.padding_free:
+        assert_pooler_matches(out.pooler_output, hf[attn], enc["input_ids"], enc["attention_mask"],
+                              enc["token_type_ids"])
+    else:
+        assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
 
 
 def test_minilm_max_length_and_fully_padded_row(minilm, tokenizer):
@@ -209,8 +248,9 @@ def test_minilm_max_length_and_fully_padded_row(minilm, tokenizer):
     with torch.no_grad():
         ref = hf["eager"](ids, attention_mask=mask).last_hidden_state
         out = fb(ids, attention_mask=mask).last_hidden_state
-    assert_close_on(out, ref, mask)
-    assert torch.isfinite(out).all() and (out[1] - ref[1]).abs().max() <= 1e-4
+    assert_close_on(out, ref, mask, fb.padding_free)
+    assert torch.isfinite(out).all()
+    assert (out[1] == 0).all() if fb.padding_free else (out[1] - ref[1]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -219,7 +259,7 @@ def test_twin_fully_padded_row_is_uniform_in_every_dtype(dtype, return_probs):
     """fp16's finfo.min (-65504) does not swamp large scores once sdpa adds it in fp32: the twin states the
     uniform answer outright rather than relying on the additive mask."""
     from fastbert import ops
-    B, S, nh, hd = 2, 9, 2, 16
+    B, S, nh, hd = 2, 9, 2, 16  # the padded-rows twin (padding_free=False, output_attentions, custom masks)
     qkv = (torch.randn(B * S, 3, nh, hd, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
     keep = torch.ones(B, S, dtype=torch.long)
     keep[1] = 0

@@ -51,7 +51,7 @@ def test_unknown_names_raise_listing_valid_ones(hf, call, words):
 def test_auto_is_torch_on_cpu_without_the_interpreter(hf, monkeypatch):
     monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     cpu = torch.device("cpu")
-    assert not ops._use_triton("attention", "auto", cpu, None)
+    assert not ops.resolve("attention", "auto", cpu, lambda: None)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto")
     ref = fastbert.BertModel.from_hf(hf, kernels="torch")
     with torch.no_grad(), warnings.catch_warnings():
@@ -148,4 +148,5 @@ def test_bf16_dot_launchers_refuse_under_the_interpreter(monkeypatch):
     with pytest.raises(NotImplementedError, match="cannot run a bf16 tl.dot"):
         bias_gelu_kernel.bias_gelu(x, w, None)
     with pytest.raises(NotImplementedError, match="cannot run a bf16 tl.dot"):
-        attention_kernel.attention(torch.randn(8, 3, 2, 16, dtype=torch.bfloat16), 4, 0.25)
+        attention_kernel.attention(torch.randn(8, 3, 2, 16, dtype=torch.bfloat16), torch.tensor([0, 4, 8], dtype=torch.int32),
+                                   4, 0.25)

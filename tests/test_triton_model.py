@@ -6,15 +6,15 @@ import transformers
 import fastbert
 from fastbert import ops
 from conftest import DEVICE, random_hf_bert
-from test_parity import assert_close_on, make_inputs
+from test_parity import assert_close_on, assert_pooler_matches, make_inputs
 
 pytestmark = pytest.mark.filterwarnings("error::UserWarning")  # "auto" must not fall back silently or noisily here
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=[True, False], ids=["padding_free", "padded"])
+def tiny(request):
     hf = random_hf_bert(hidden=64, heads=2, layers=2, intermediate=100, act="gelu", max_pos=40).to(DEVICE)
-    return hf, fastbert.BertModel.from_hf(hf, kernels="triton")
+    return hf, fastbert.BertModel.from_hf(hf, kernels="triton", padding_free=request.param)
 
 
 def _inputs(padding, S=11):
@@ -30,33 +30,42 @@ def test_all_ops_on_triton_match_hf(tiny, padding):
         ref = hf(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
         out = fb(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
     for h_out, h_ref in zip(out.hidden_states, ref.hidden_states):
-        assert_close_on(h_out, h_ref, mask)
-    live = mask.bool().any(1)
-    assert (out.pooler_output - ref.pooler_output)[live].abs().max() <= 1e-5
-    if padding == "fully_padded_row":  # HF eager's uniform attention, reproduced by the kernel
-        assert (out.last_hidden_state[2] - ref.last_hidden_state[2]).abs().max() <= 1e-4
+        assert_close_on(h_out, h_ref, mask, fb.padding_free)
+    if fb.padding_free:  # the varlen kernel: real tokens only
+        assert_pooler_matches(out.pooler_output, hf, ids, mask, tt)
+    else:  # the masked kernel on padded rows
+        live = mask.bool().any(1)
+        assert (out.pooler_output - ref.pooler_output)[live].abs().max() <= 1e-5
+        if padding == "fully_padded_row":  # HF eager's uniform attention, reproduced by the kernel
+            assert (out.last_hidden_state[2] - ref.last_hidden_state[2]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("op", fastbert.OPS)
 def test_each_op_alone_on_triton(tiny, op):
     hf, fb = tiny
-    fb = fastbert.BertModel.from_hf(hf, kernels="torch").set_kernels(**{op: "triton"})
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch", padding_free=fb.padding_free).set_kernels(**{op: "triton"})
     ids, tt, mask = _inputs("right", S=7)
     with torch.no_grad():
-        ref = fastbert.BertModel.from_hf(hf, kernels="torch")(ids, attention_mask=mask, token_type_ids=tt)
+        ref = fastbert.BertModel.from_hf(hf, kernels="torch", padding_free=fb.padding_free)(
+            ids, attention_mask=mask, token_type_ids=tt)
         out = fb(ids, attention_mask=mask, token_type_ids=tt)
-    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, fb.padding_free)
+
+
+# The launcher each op's kernel is reached through from the model.
+LAUNCHERS = {"qkv_projection": "qkv_projection", "attention": "launch", "bias_gelu": "bias_gelu",
+             "residual_layernorm": "residual_layernorm"}
 
 
 def test_auto_picks_triton_here(tiny, monkeypatch):
     """On CUDA (or the interpreter) "auto" runs the kernels: prove it by counting launcher calls."""
-    hf, _ = tiny
+    hf, fb = tiny
     calls = []
-    for op in fastbert.OPS:
+    for op, name in LAUNCHERS.items():
         module = ops._kernel(op)
-        real = getattr(module, op)
-        monkeypatch.setattr(module, op, lambda *a, _real=real, _op=op, **k: calls.append(_op) or _real(*a, **k))
-    fb = fastbert.BertModel.from_hf(hf, kernels="auto")
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _op=op, **k: calls.append(_op) or _real(*a, **k))
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto", padding_free=fb.padding_free)
     ids, tt, mask = _inputs("right", S=5)
     with torch.no_grad():
         fb(ids, attention_mask=mask)
@@ -84,7 +93,7 @@ def test_bert_attention_block_matches_hf_module(tiny):
         o = layer.attention.output
         out = ops.residual_layernorm(ctx, o.dense.weight, o.dense.bias, x.view(-1, H), o.LayerNorm.weight,
                                      o.LayerNorm.bias, hf.config.layer_norm_eps, backend="triton")
-    assert_close_on(out.view(B, S, H), ref, keep)
+    assert_close_on(out.view(B, S, H), ref, keep, padding_free=False)  # padded rows: HF's values where padded
 
 
 def test_fp16_error_at_most_twice_hf():
@@ -109,5 +118,5 @@ def test_minilm_all_triton_short_ragged_batch(minilm_path, tokenizer):
                     padding=True, return_tensors="pt").to(DEVICE)
     with torch.no_grad():
         ref, out = hf(**enc), fb(**enc)
-    assert_close_on(out.last_hidden_state, ref.last_hidden_state, enc["attention_mask"])
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, enc["attention_mask"], fb.padding_free)
     assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5

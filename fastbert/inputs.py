@@ -1,0 +1,295 @@
+"""The first part of a forward, on the host: validate the call, fill HF's defaults, and lay the tokens out.
+
+`prepare` is the only place in a forward allowed to read the device, and it does so once: index ranges, 0/1 masks,
+the number of real tokens and the sequence lengths all come back in one host read. What it returns (`Batch`) holds
+everything the device-only `encode` needs: token ids, types and positions already gathered to packed order, and
+what attention needs to know (a TokenLayout for packed execution, or an AttentionMask for padded rows).
+
+Padded rows (an AttentionMask) are kept where packing cannot give the caller what it asked for: output_attentions
+(the probabilities are [B, nh, S, S]), a custom 3-D/4-D mask (it is not a key-padding mask), padding_free=False
+(HF's values at padded positions), and tracing (torch.jit.trace, torch.compile, torch.export record one graph that
+must serve every later batch, so nothing may depend on the mask's values).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .layout import TokenLayout, unpad
+from .ops import AttentionMask
+
+# Arguments HF's BertModel.forward accepts that only make sense for decoders / caches: accepted when unused.
+DECODER_ONLY_ARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask")
+# HF's packed-sequence keywords (FlashAttention's varlen arguments, as transformers passes them).
+HF_PACKED_ARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A validated call, ready for the device. Token tensors are [T] in packed order ([B*S] for padded rows)."""
+    input_ids: torch.Tensor | None
+    token_type_ids: torch.Tensor
+    position_ids: torch.Tensor
+    inputs_embeds: torch.Tensor | None  # [T, H] when the caller gave embeddings
+    attn: TokenLayout | AttentionMask  # what attention needs
+    output: str  # "padded" ([B, S, H] outputs), "packed" ([T, H], cu_seqlens= input) or "hf_packed" ([1, T, H])
+    shape: tuple  # (B, S): the padded shape (packed input: (n, max_seqlen))
+    # [B, S] bool: padded rows of a padding-free model (output_attentions, tracing): finish zeroes the padded
+    # positions and pools each row's first real token, so the outputs are those of packed execution
+    real_tokens: torch.Tensor | None = None
+
+    @property
+    def layout(self) -> TokenLayout | None:
+        return self.attn if isinstance(self.attn, TokenLayout) else None
+
+
+def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+            output_attentions=False, cu_seqlens=None, max_seqlen=None, **kwargs) -> Batch:
+    """Validate and lay out one call of BertModel.forward. Bad input is a ValueError / TypeError naming the argument
+    and the value, here, never an IndexError, a device assert or NaN deep inside."""
+    hf_packed = {k: kwargs.pop(k) for k in HF_PACKED_ARGS if kwargs.get(k) is not None}
+    for name, value in kwargs.items():
+        if name not in DECODER_ONLY_ARGS and name not in HF_PACKED_ARGS:
+            raise TypeError(f"BertModel.forward() got an unexpected keyword argument {name!r}")
+        if value is not None and name in DECODER_ONLY_ARGS:
+            raise NotImplementedError(f"{name} is not supported: fastbert is an encoder without cross-attention "
+                                      f"or caches")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("give exactly one of input_ids and inputs_embeds "
+                         f"(got {'both' if input_ids is not None else 'neither'})")
+    cfg = model.config
+    device = model.embeddings.word_embeddings.weight.device
+    first = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+    if first[1].device != device:
+        raise ValueError(f"{first[0]} is on {first[1].device} but the model is on {device}; "
+                         f"move it with .to({str(device)!r})")
+    if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if inputs_embeds is not None:
+        dtype = model.embeddings.word_embeddings.weight.dtype
+        if inputs_embeds.dtype != dtype:
+            raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype} but the model is {dtype}")
+    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                    ("position_ids", position_ids)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the model is on {device}; move it with .to({str(device)!r})")
+        if t is not None and name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
+            raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+
+    if hf_packed or cu_seqlens is not None:
+        return _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_attentions, cu_seqlens, max_seqlen, hf_packed)
+    return _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                           output_attentions)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Padded input: [B, S] ids (or [B, S, H] embeddings) with an optional attention_mask
+# --------------------------------------------------------------------------------------------------------------------
+def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions):
+    cfg = model.config
+    device = model.embeddings.word_embeddings.weight.device
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        shape, first = tuple(input_ids.shape), ("input_ids", input_ids)
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"inputs_embeds must be [batch, seq, {cfg.hidden_size}], "
+                             f"got shape {tuple(inputs_embeds.shape)}")
+        shape, first = tuple(inputs_embeds.shape[:2]), ("inputs_embeds", inputs_embeds)
+    B, S = shape
+    if S == 0:
+        raise ValueError(f"{first[0]} has sequence length 0 (shape {tuple(first[1].shape)}); every row needs at "
+                         f"least one position")
+    if S > cfg.max_position_embeddings and position_ids is None:
+        raise ValueError(f"sequence length {S} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                    ("position_ids", position_ids)):
+        if t is None or (name == "attention_mask" and t.dim() in (3, 4)):
+            continue  # a custom mask: checked by its own shape below
+        if name == "position_ids" and tuple(t.shape) == (1, S):
+            continue  # HF broadcasts a [1, S] position_ids over the batch
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but the input is {list(shape)}")
+    custom = attention_mask is not None and attention_mask.dim() in (3, 4)
+    if custom:
+        if attention_mask.dim() == 3:
+            ok = tuple(attention_mask.shape) == (B, S, S)
+        else:
+            ok = attention_mask.shape[0] == B and attention_mask.shape[1] in (1, cfg.num_attention_heads) \
+                and tuple(attention_mask.shape[2:]) == (S, S)
+        if not ok:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; a custom mask must be "
+                             f"[{B}, {S}, {S}] or [{B}, 1 or {cfg.num_attention_heads}, {S}, {S}]")
+
+    # One host read for everything: index ranges (an out-of-range id would be a device assert on CUDA), 0/1 masks,
+    # and from a 2-D mask the real-token count and each row's length.
+    reads = _Reads()
+    reads.ranges(cfg, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    zero_one = attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
+    if zero_one:
+        reads.add("mask_not_zero_one", ops.not_zero_one(attention_mask))
+    keep = attention_mask != 0 if attention_mask is not None and attention_mask.dim() == 2 else None
+    if keep is not None:
+        lengths = keep.sum(dim=1)
+        reads.add("real_tokens", lengths.sum())
+        reads.add("lengths", lengths)
+    values = reads.read()
+    if values is not None and zero_one and values["mask_not_zero_one"]:
+        raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
+                         f"{attention_mask.dim()}-D); only a floating 4-D mask may be additive (see README, Masks)")
+
+    if token_type_ids is None:
+        token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
+    if position_ids is None:
+        position_ids = torch.arange(S, device=device).expand(B, S)
+    elif position_ids.shape[0] == 1 and B != 1:
+        position_ids = position_ids.expand(B, S)
+    embeds = None if inputs_embeds is None else inputs_embeds
+
+    padded_reason = output_attentions or custom or not model.padding_free or ops.tracing()
+    if not padded_reason and (keep is None or values["real_tokens"] == B * S):
+        layout = TokenLayout.dense(B, S, device)  # nothing padded: packed order is batch order
+    elif not padded_reason:
+        layout = TokenLayout.from_mask(keep, values["lengths"], values["real_tokens"])
+    else:
+        flags = None if values is None or keep is None else (
+            values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
+        mask = AttentionMask.build(attention_mask, B, S, model.embeddings.word_embeddings.weight.dtype, flags)
+        real_tokens = mask.key_valid if model.padding_free else None
+        return Batch(input_ids.reshape(B * S) if input_ids is not None else None, token_type_ids.reshape(B * S),
+                     position_ids.reshape(B * S), None if embeds is None else embeds.reshape(B * S, -1), mask,
+                     "padded", shape, real_tokens)
+    return Batch(None if input_ids is None else unpad(input_ids, layout), unpad(token_type_ids, layout),
+                 unpad(position_ids, layout), None if embeds is None else unpad(embeds, layout), layout, "padded",
+                 shape)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Packed input: sequences back to back, cu_seqlens says where each starts
+# --------------------------------------------------------------------------------------------------------------------
+def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                    output_attentions, cu_seqlens, max_seqlen, hf_packed):
+    cfg = model.config
+    device = model.embeddings.word_embeddings.weight.device
+    if hf_packed:  # transformers' form: [1, T] ids, cu_seq_lens_q / max_length_q, position_ids restarting per sequence
+        if cu_seqlens is not None:
+            raise ValueError("give cu_seqlens or HF's cu_seq_lens_q, not both")
+        cu_seqlens, max_seqlen = hf_packed.get("cu_seq_lens_q"), hf_packed.get("max_length_q")
+        if cu_seqlens is None:
+            raise ValueError(f"packed input needs cu_seq_lens_q (got only {', '.join(sorted(hf_packed))})")
+        k = hf_packed.get("cu_seq_lens_k")
+        if k is not None and (k.shape != cu_seqlens.shape or k is not cu_seqlens and not torch.equal(k, cu_seqlens)):
+            raise NotImplementedError("cu_seq_lens_k differs from cu_seq_lens_q: fastbert is an encoder, every "
+                                      "sequence attends to itself")
+        first = input_ids if input_ids is not None else inputs_embeds
+        if first.dim() < 2 or first.shape[0] != 1:
+            raise ValueError(f"with cu_seq_lens_q, {'input_ids' if input_ids is not None else 'inputs_embeds'} must "
+                             f"be [1, total_tokens, ...] (sequences packed in one row), got {tuple(first.shape)}")
+        input_ids = None if input_ids is None else input_ids[0]
+        inputs_embeds = None if inputs_embeds is None else inputs_embeds[0]
+        token_type_ids = None if token_type_ids is None else token_type_ids.reshape(-1)
+        position_ids = None if position_ids is None else position_ids.reshape(-1)
+        output = "hf_packed"
+    else:
+        output = "packed"
+    if attention_mask is not None:
+        raise ValueError("packed input takes no attention_mask: cu_seqlens says where each sequence starts and ends")
+    if output_attentions:
+        raise NotImplementedError("output_attentions needs padded rows ([B, nh, S, S] probabilities); call the model "
+                                  "with padded input_ids and an attention_mask for it")
+    if ops.tracing():
+        raise NotImplementedError("packed input (cu_seqlens) cannot be traced: its layout is read from the device; "
+                                  "trace the padded call (input_ids [B, S] + attention_mask) instead")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
+            or cu_seqlens.dtype == torch.bool or cu_seqlens.shape[0] < 2:
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor of n + 1 offsets (n >= 1 sequences), got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                        f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the model is on {device}")
+    if input_ids is not None and input_ids.dim() != 1:
+        raise ValueError(f"with cu_seqlens, input_ids must be 1-D [total_tokens], got shape {tuple(input_ids.shape)}")
+    if inputs_embeds is not None and (inputs_embeds.dim() != 2 or inputs_embeds.shape[1] != cfg.hidden_size):
+        raise ValueError(f"with cu_seqlens, inputs_embeds must be [total_tokens, {cfg.hidden_size}], got shape "
+                         f"{tuple(inputs_embeds.shape)}")
+    T = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+    for name, t in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+        if t is not None and tuple(t.shape) != (T,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but the packed input has {T} tokens")
+
+    reads = _Reads()
+    reads.ranges(cfg, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    reads.add("cu_first", cu_seqlens[0])
+    reads.add("cu_last", cu_seqlens[-1])
+    reads.add("lengths", lengths)
+    values = reads.read()
+    if values["cu_first"] != 0 or values["cu_last"] != T or min(values["lengths"]) < 0:
+        raise ValueError(f"cu_seqlens must rise from 0 to the number of tokens ({T}) without going down; got "
+                         f"first {values['cu_first']}, last {values['cu_last']}, smallest step "
+                         f"{min(values['lengths'])}")
+    longest = max(values["lengths"])
+    if max_seqlen is None:
+        max_seqlen = longest
+    elif isinstance(max_seqlen, torch.Tensor):
+        max_seqlen = int(max_seqlen)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest:
+        raise ValueError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence ({longest} tokens)")
+    if position_ids is None:
+        if longest > cfg.max_position_embeddings:
+            raise ValueError(f"a sequence of {longest} tokens exceeds max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        # positions restart at 0 in every sequence: token index minus its sequence's start
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long(), output_size=T)
+        position_ids = torch.arange(T, device=device) - starts
+    if token_type_ids is None:
+        token_type_ids = torch.zeros(T, dtype=torch.long, device=device)
+    layout = TokenLayout(cu_seqlens.to(torch.int32), max_seqlen, T, tuple(values["lengths"]), None,
+                         cu_seqlens.shape[0] - 1, max_seqlen)
+    return Batch(input_ids, token_type_ids, position_ids, inputs_embeds, layout, output,
+                 (layout.num_seqs, max_seqlen))
+
+
+class _Reads:
+    """Device values a forward needs on the host, read back together in one sync (none while tracing: then the range
+    checks become asynchronous asserts)."""
+
+    def __init__(self):
+        self.names, self.sizes, self.tensors, self.checks = [], [], [], []
+
+    def add(self, name: str, tensor: torch.Tensor):
+        self.names.append(name)
+        self.sizes.append(tensor.numel() if tensor.dim() else None)
+        self.tensors.append(tensor.reshape(-1).long())
+
+    def ranges(self, cfg, **tensors):
+        limits = {"input_ids": cfg.vocab_size, "token_type_ids": cfg.type_vocab_size,
+                  "position_ids": cfg.max_position_embeddings}
+        for name, t in tensors.items():
+            if t is not None and t.numel():
+                low, high = torch.aminmax(t)
+                self.add(name + " min", low)
+                self.add(name + " max", high)
+                self.checks.append((name, limits[name]))
+
+    def read(self) -> dict | None:
+        if ops.tracing():
+            for name, limit in self.checks:
+                low, high = (self.tensors[self.names.index(f"{name} {end}")] for end in ("min", "max"))
+                torch._assert_async(((low >= 0) & (high < limit)).all(), f"{name} out of range")
+            return None
+        flat = torch.cat(self.tensors).tolist() if self.tensors else []
+        values, at = {}, 0
+        for name, size in zip(self.names, self.sizes):
+            values[name] = flat[at] if size is None else flat[at:at + size]
+            at += 1 if size is None else size
+        for name, limit in self.checks:
+            low, high = values[name + " min"], values[name + " max"]
+            if low < 0 or high >= limit:
+                raise ValueError(f"{name} contains {low if low < 0 else high}, outside [0, {limit})"
+                                 f"{' (vocab_size)' if name == 'input_ids' else ''}")
+        return values
