@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-VARIANTS = ("fastbert-triton", "fastbert-torch", "hf-eager", "hf-sdpa", "hf-compile")
+VARIANTS = ("fastbert-triton", "fastbert-graphs", "fastbert-torch", "hf-eager", "hf-sdpa", "hf-compile")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -62,8 +62,12 @@ def _varlen(batch: int, lo: int, hi: int) -> Cell:
 
 
 CUDA_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _fixed(8, 512), _fixed(32, 512), _varlen(32, 16, 512))
-CPU_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _varlen(16, 16, 128))
+CPU_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _varlen(16, 16, 128), _varlen(32, 16, 512))
 TINY_CELLS = (_fixed(1, 16), _fixed(4, 32), _varlen(4, 3, 32))  # --bench-tiny: the dry run of the whole flow
+
+# Token-count buckets of the fastbert-graphs variant (every cell of both grids fits the largest).
+GRAPH_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+GRAPH_BUCKETS_TINY = (16, 128)  # --bench-tiny: on CPU the captures run eagerly through the interpreter
 
 CUDA_MODELS = ("bert-base", "minilm")
 CPU_MODELS = ("minilm",)
@@ -97,7 +101,7 @@ def model_cases(tiny: bool, cuda_available: bool) -> list[ModelCase]:
         return [ModelCase("tiny", c, dtype, v, device) for c in TINY_CELLS for v in VARIANTS]
     cases = [ModelCase(m, c, d, v, "cuda") for m in CUDA_MODELS for c in CUDA_CELLS for d in CUDA_DTYPES for v in VARIANTS]
     cases += [ModelCase(m, c, d, v, "cpu") for m in CPU_MODELS for c in CPU_CELLS for d in CPU_DTYPES for v in VARIANTS
-              if v != "fastbert-triton"]  # the Triton kernels are CUDA kernels (the interpreter is a test tool)
+              if v not in ("fastbert-triton", "fastbert-graphs")]  # CUDA kernels (the interpreter is a test tool)
     return cases
 
 
@@ -128,9 +132,12 @@ def hf_config(model: str):
     if model == "tiny":  # head_dim 16: the smallest the Triton attention kernel serves
         return transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=128, max_position_embeddings=64)
+    if model == "host":  # compute is negligible: what is measured is the cost of a forward on the host
+        return transformers.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=12, num_attention_heads=2,
+                                       intermediate_size=64)
     if model == "minilm":
         return transformers.BertConfig.from_pretrained(minilm_path())
-    raise ValueError(f"unknown model {model!r}; the models are bert-base, minilm, tiny")
+    raise ValueError(f"unknown model {model!r}; the models are bert-base, minilm, tiny, host")
 
 
 def fastbert_model_class():
