@@ -345,7 +345,7 @@ def _records(op: str, arch: int, contains: str = "") -> dict:
 # holds ~1.5 copies of its epilogue (each tile runs one). Before the approximation the erf epilogue cost 3,128
 # instructions against 1,080 on the pointer kernel's 128x128 tile (+32 per output).
 EPILOGUE_TILES = ("fp16-ptr-128x128x64-w8-s3", "fp16-tma-128x128x64-w8-s4", "bf16-tma-128x256x64-w8-s3")
-EXTRA_SASS_PER_OUTPUT = {"gelu": 14, "gelu_tanh": 8}
+EXTRA_SASS_PER_OUTPUT = {"gelu": 15, "gelu_tanh": 9}  # measured: 12.9-14.0 and 7.0-7.9 (Triton 3.6, 3.9)
 
 
 @pytest.mark.parametrize("tile", EPILOGUE_TILES)
