@@ -150,13 +150,14 @@ def op_table(benchmarks: list[dict]) -> str:
                 share = f"{100 * tflops / ceil['gemm_TFLOPs']:.0f}% of GEMM"
             else:
                 share = "–"
-            other = backends.get("torch")
+            other, cublas = backends.get("torch"), backends.get("cublas")
             speedup = _per_call(other) / median if backend == "triton" and other else None
+            vs_cublas = _per_call(cublas) / median if backend == "triton" and cublas else None
             rows.append([op, shape, dtype, backend, f"{median * 1e6:.1f}", _fmt_num(tflops), _fmt_num(gbps), share,
-                         _fmt_ratio(speedup)])
-    return "\n".join(["### Ops: Triton vs torch twin (median)", "",
+                         _fmt_ratio(speedup), _fmt_ratio(vs_cublas)])
+    return "\n".join(["### Ops: Triton vs torch twin and plain cuBLAS GEMM (median)", "",
                       _table(["op", "shape", "dtype", "backend", "µs", "TFLOP/s", "GB/s", "vs ceiling",
-                              "triton speed-up"], rows)])
+                              "triton speed-up", "x cuBLAS"], rows)])
 
 
 def conditions(meta: list[dict]) -> str:

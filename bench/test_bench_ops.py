@@ -1,4 +1,5 @@
-"""Each Triton op against its torch twin at BERT-base shapes, in the hardware's units, next to the device's ceilings.
+"""Each Triton op against its torch twin (and each fused GEMM against a plain cuBLAS F.linear) at BERT-base shapes, in
+the hardware's units, next to the device's ceilings.
 
 Shapes: T = 4096 tokens (32 x 128 = 8 x 512), H = 768, 12 heads of 64, I = 3072, attention at S = 128 and 512;
 fp16 and bf16; CUDA only (skipped on CPU with the reason; --bench-tiny runs tiny shapes through the interpreter to
@@ -26,7 +27,11 @@ from bench import harness
 from bench.conftest import Selection, option
 
 OPS_DTYPES = ("fp16", "bf16")
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "torch", "cublas")
+# "cublas": a plain F.linear with the op's weight and bias, no epilogue: the GEMM alone as cuBLAS(Lt) runs it, so a
+# fused Triton GEMM reads as "x cuBLAS" (time of the plain GEMM / time of the fused op; >= 1 means the fused op,
+# epilogue included, is as fast as cuBLAS without one). CUDA only: F.linear on a CPU is not cuBLAS.
+GEMM_OPS = ("qkv_projection", "bias_gelu", "residual_layernorm")
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,8 @@ def pytest_generate_tests(metafunc):
         selection = Selection(config)
         dtypes = (("fp16" if torch.cuda.is_available() else "fp32"),) if tiny else OPS_DTYPES
         params = [pytest.param(c, d, b, id=f"{c.id}-{d}-{b}") for c in op_cases(tiny) for d in dtypes
-                  for b in BACKENDS if selection.keep_op(c.op.split(".")[0], d, b)]
+                  for b in BACKENDS if selection.keep_op(c.op.split(".")[0], d, b)
+                  and (b != "cublas" or c.op in GEMM_OPS)]
         metafunc.parametrize(("op_case", "dtype_name", "backend"), params)
 
 
@@ -135,6 +141,8 @@ class OpSpec:
         from fastbert import ops
 
         op = self.case.op
+        if backend == "cublas":  # the op's GEMM alone: x/y [T, K], weight [N, K], bias [N]
+            return F.linear(args[0], args[1], args[2])
         if op == "residual_layernorm.rows":
             return (_rows_triton if backend == "triton" else _rows_torch)(*args)
         if op == "attention":
@@ -161,6 +169,8 @@ def test_op(op_case, dtype_name, backend, benchmark, request, policy):
     cuda = torch.cuda.is_available()
     if not cuda and not tiny:
         pytest.skip("op benchmarks are CUDA only (Triton kernels; --bench-tiny runs tiny shapes in the interpreter)")
+    if backend == "cublas" and not cuda:
+        pytest.skip("the cuBLAS baseline is CUDA only (F.linear on a CPU is not cuBLAS)")
     from fastbert import ops
 
     if backend == "triton" and ops.triton_import_error():
@@ -172,13 +182,17 @@ def test_op(op_case, dtype_name, backend, benchmark, request, policy):
     benchmark.group = f"op {op_case.op} {op_case.shape} {dtype_name}"
 
     # Check against an fp64 run of the twin: the backend's error must be within 2x the twin's own error in this
-    # dtype (+ a floor: 1e-6, or 1e-5 in fp32 where the twin's error is rounding noise of either sign).
+    # dtype (+ a floor: 1e-6, or 1e-5 in fp32 where the twin's error is rounding noise of either sign). The cuBLAS
+    # baseline is its own twin: it is held to a few roundings of its largest output instead.
     args = spec.inputs(seed=0)
-    reference = spec.call("torch", spec.inputs(seed=0, dtype=torch.float64))
-    twin_error = _max_error(spec.call("torch", args), reference)
+    twin = "cublas" if backend == "cublas" else "torch"
+    reference = spec.call(twin, spec.inputs(seed=0, dtype=torch.float64))
+    twin_error = _max_error(spec.call(twin, args), reference)
     out, first_call_s = harness.first_call(benchmark, lambda: spec.call(backend, args), device)
     error = _max_error(out, reference)
     bound = 2 * twin_error + (1e-5 if dtype == torch.float32 else 1e-6)
+    if backend == "cublas":
+        bound = 4 * torch.finfo(dtype).eps * max(1.0, float(reference.abs().max()))
     benchmark.extra_info.update(kind="op", op=op_case.op, shape=op_case.shape, dtype=dtype_name, backend=backend,
                                 device=device, flops=spec.flops, bytes=spec.bytes, bound=spec.bound,
                                 ceilings=ceilings, max_abs_err=error, err_bound=bound, twin_err=twin_error,

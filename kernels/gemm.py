@@ -1,54 +1,32 @@
 """The one GEMM-with-epilogue core behind qkv_projection and bias_gelu:  C[M, N] = act(A[M, K] @ W[N, K]^T + bias[N]).
 
-Why an epilogue pays. The unfused PyTorch sequence for a BERT FFN-in (T tokens, H -> I, fp16, 2 bytes/element):
+Why an epilogue pays. Unfused, a BERT FFN-in (T tokens, H -> I, 2-byte types) writes the pre-activation h [T, I],
+then the activation reads h and writes y: 4TI extra bytes (BERT-base, T = 4096: 50 MB, ~12 us at 4.3 TB/s next to a
+~40 us GEMM) plus a launch. Here bias and activation run on the fp32 accumulator in registers, the output is rounded
+once, at the store. That only pays if the epilogue is cheap: see `_gelu_erf`.
 
-    h = x @ W^T        reads x (2TH) + W (2IH), writes h (2TI)
-    h = h + b          reads h (2TI) + b,        writes h (2TI)     (cuBLASLt fuses this one into the GEMM)
-    y = gelu(h)        reads h (2TI),            writes y (2TI)
+Two kernels, one epilogue:
+- `gemm_tma_kernel` (sm_90, fp16/bf16): persistent (one program per SM walks the tiles), operands and the output
+  through TMA tensor descriptors made on the device (`tl.make_tensor_descriptor`, Triton >= 3.4: 3.6 and 3.9 alike),
+  wgmma tiles up to 128x256 / 256x128. Device-side descriptors carry their block shape as a constexpr, so the
+  autotuner needs no pre_hook, and Triton's on-disk autotune cache (`cache_results`, which refuses configs with
+  pre_hooks) can keep its choice across processes. They need a scratch allocator (`_ensure_allocator`).
+- `gemm_kernel` (sm_80, fp32, and any layout TMA cannot describe): pointer loads that Triton pipelines through
+  cp.async; W is read through any strides.
+Both run in Triton's interpreter (the tests run every config of both on CPU); what only the GPU shows (TMA, wgmma,
+the pipelining) is proven ahead of time by tests/test_aot.py (UTMALDG, HGMMA, no spills).
 
-so besides the GEMM's own traffic the activation costs one extra round trip of the [T, I] matrix (4TI bytes: for
-BERT-base at T=4096, 2*4096*3072*2 = 50 MB, ~12 us at 4.3 TB/s, next to a ~40 us GEMM) plus a launch. Here the
-bias and the activation are applied to the fp32 accumulator while it is still in registers: the pre-activation
-never reaches memory and the output is rounded exactly once, at the store.
+Small T (BERT at 1x128): the GEMM streams W (BERT-base QKV: 3.5 MB), so the configs that matter read W once: a
+128-row tile holds all of T <= 128, and 32-column panels give N/32 programs (72 for QKV, 96 for FFN-in: one wave on
+132 SMs, every program streaming its own panel). Split-K would reach more SMs but needs a second pass (or atomics)
+before a nonlinear epilogue; at ~1-2 us per GEMM the extra launch would cost what it saves.
 
-Design notes
-- W is an nn.Linear weight [N, K] read through its strides as the B operand (no transpose copy). A and C must have
-  a unit-stride last dimension (validated in `check_linear` / `check_out`); W may have any strides. Triton
-  specialises an integer argument equal to 1 into a constant, so the common contiguous weight (stride_wk == 1)
-  gets vectorised, coalesced loads; `gemm_aot_specs()` mirrors that by passing stride_wk=1 as a constant.
-- Program ids are swizzled in groups of GROUP_M row-blocks (the Triton matmul tutorial's ordering): consecutive
-  programs share the same W column-panel while it is hot in L2 instead of sweeping all of W per row-block.
-- fp32 inputs: tl.dot's input_precision is a constexpr set from torch.backends.cuda.matmul.allow_tf32 by the
-  launcher ("tf32" when on, "ieee" when off), so fastbert honours the same switch as torch.matmul. For fp16/bf16
-  the flag does not change the math; we always pass "ieee" there so the flag never causes a second compile.
-- On sm_90, tl.dot on fp16/bf16 (and tf32) tiles lowers to wgmma when num_warps >= 4 and BLOCK_M is a multiple of
-  64 (one warpgroup covers 64 rows): every config below keeps BLOCK_M in {64, 128} for that reason.
-
-Configs (`gemm_configs`): a handful of tiles, autotuned on the GPU and keyed on (N, K, bucketed M, epilogue).
-- 128x128 with 8 warps: the throughput tile for large T. With 4 warps each thread would hold 128 fp32 accumulators
-  and the erf-GELU epilogue (a libdevice polynomial with several live temporaries) pushed it to 255 registers and
-  752 bytes of spill stack when compiled for sm_90; 8 warps halve the accumulator per thread (64 registers).
-- 128x64 / 64x128 with 4 warps: 64 accumulators per thread, the mid-size tiles.
-- 64x64 and 64x32 (deeper BLOCK_K) for small T: at T <= 64 the GEMM is a weight-streaming problem, and narrower
-  column panels give more programs (N/32 instead of N/128) to spread the weight reads over more SMs.
-- BLOCK_K is 64 for 2-byte types (128 for the narrow tile) and 32 for fp32 (16 for the narrow tile), so that
-  stages * (BLOCK_M + BLOCK_N) * BLOCK_K * bytes stays <= 96 KB: it fits sm_80's 163 KB and sm_90's 227 KB.
-  fp32 with TF32 off runs tl.dot on FMA units, where the operand fragments live in registers: 64x32x64 and
-  64x32x32 spilled there (sm_90, STACK 16-32 bytes), 64x32x16 does not.
-Checked by compiling every spec of `gemm_aot_specs` for sm_90 and sm_80 with triton 3.9 (tests/aot_compile.py,
-cuobjdump -res-usage):
-STACK 0 everywhere; REG peaks at ~185 for the 16-bit/TF32 tiles and ~254 for fp32 "ieee" (FMA) 128-wide tiles;
-fp16/bf16/tf32 use wgmma on sm_90 and mma.sync on sm_80; shared memory <= 96 KB.
-The token count M is bucketed to the next power of two (>= 16) in the autotune key, so a new sequence length does
-not re-tune; M itself is a plain runtime argument.
-
-Under TRITON_INTERPRET=1 the launcher skips the autotuner and runs one fixed tile (32x128x128): benchmarking every
-config through numpy would dominate the test time and measures nothing real. The interpreter's cost follows the
-elements a tile computes more than the number of programs (a 64-row tile does 64 rows of numpy work for T = 7), so
-the tile is short and wide: ~3x faster than 64x64x64 on the test shapes. The kernel code is the same, and the tests
-run every autotune config explicitly (`config=`) on shapes that are partial tiles in M, N and K.
+fp32 honours torch.backends.cuda.matmul.allow_tf32 (tl.dot's input_precision "tf32", else "ieee"); 16-bit types
+always pass "ieee" so the flag never causes a second compile.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -60,9 +38,78 @@ from .utils import DTYPES, input_precision
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # plus None: no activation
 GROUP_M = 8
 
+# On CUDA the epilogue's reciprocal is the hardware's rcp.approx (one MUFU op); the interpreter cannot run inline PTX
+# and divides instead (they differ by at most 1 ulp of the reciprocal, far below the GELU approximation's error).
+_FAST_RCP = tl.constexpr(not utils.INTERPRET)
+
 
 # --------------------------------------------------------------------------------------------------------------------
-# The kernel
+# The epilogue
+# --------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rcp(x):
+    # 1/x as Triton writes it is div.full.f32: ~11 SASS instructions with its range fix-ups; rcp.approx.ftz is one.
+    if _FAST_RCP:
+        y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = 1.0 / x
+    return y
+
+
+@triton.jit
+def _gelu_erf(x):
+    """Exact-erf GELU, x * Phi(x), to ~3e-7 absolute in fp32 (libdevice's erff costs 3x the instructions).
+
+    x Phi(x) = max(x, 0) - |x| Phi(-|x|), and Phi(-|x|) = erfc(|x| / sqrt 2) / 2 by Abramowitz & Stegun 7.1.26:
+    t p(t) exp(-x^2 / 2), t = 1 / (1 + 0.3275911 |x| / sqrt 2), |error| <= 1.5e-7 (halved here). |x| t is written
+    (1 - t) / (0.3275911 / sqrt 2), so |x| = inf gives 0, not inf * 0. NaN stays NaN (through the tail term);
+    +inf -> +inf, -inf -> 0 (the limit; torch's erf form gives NaN there)."""
+    u = tl.abs(x) * 0.8493218002880191  # |x| sqrt(log2(e) / 2): exp2(-u^2) = exp(-x^2 / 2)
+    e = tl.exp2(-(u * u))
+    t = _rcp(1.0 + 0.27273748087922245 * u)
+    p = 0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145)))
+    tail = (4.317008497401471 - 4.317008497401471 * t) * p * e  # |x| Phi(-|x|)
+    return tl.maximum(x, 0.0) - tail
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + exp2(-2 log2(e) u)), u = sqrt(2/pi) (x + 0.044715 x^3):
+    # the same function with no tanh call. Very negative x: exp2 -> inf, rcp -> 0, the result -0.0 as tanh gives.
+    z = x * (-2.302208198144325 - 0.1029432395800235 * (x * x))
+    return x * _rcp(1.0 + tl.exp2(z))
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """bias + activation on the fp32 accumulator tile."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if ACTIVATION == "gelu":
+        acc = _gelu_erf(acc)
+    elif ACTIVATION == "gelu_tanh":
+        acc = _gelu_tanh(acc)
+    elif ACTIVATION == "relu":
+        acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)  # as torch.relu: NaN in, NaN out
+    return acc
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped ordering: GROUP_M row-blocks walk down one column panel of W together, so the panel is reused from L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The kernels
 # --------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def gemm_kernel(
@@ -79,17 +126,8 @@ def gemm_kernel(
     # tile shape
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering: walk GROUP_M row-blocks down one column-panel of W before moving right, so the panel is
-    # reused from L2 by GROUP_M programs in flight together.
     pid = tl.program_id(0).to(tl.int64)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     # Rows/columns past the edge wrap around (% M, % N) instead of being masked: the loads stay unmasked along M and
     # N (full-width vector loads), and the wrapped rows/columns are simply not stored.
@@ -110,33 +148,73 @@ def gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
-    # Epilogue on the fp32 accumulator, in registers.
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    if ACTIVATION == "gelu":  # exact GELU, as F.gelu / HF "gelu": x * Phi(x)
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh":  # F.gelu(approximate="tanh"): 0.5x(1 + tanh(u)) == x * sigmoid(2u)
-        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-        acc = acc / (1.0 + tl.exp(-2.0 * u))  # exp overflow -> inf -> -0.0 for very negative x, as tanh gives
-    elif ACTIVATION == "relu":
-        acc = tl.maximum(acc, 0.0)
-
+    acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def gemm_tma_kernel(
+    # pointers: A [M, K], W [N, K], C [M, N], all with unit last stride and 16-byte aligned rows; bias [N]
+    a_ptr, w_ptr, bias_ptr, c_ptr,
+    # sizes (M_BUCKET only feeds the autotune key) and the number of programs the grid launched (<= SMs)
+    M, N, K, M_BUCKET, NUM_PROGRAMS,
+    # row strides, in elements
+    stride_am, stride_wn, stride_cm,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,  # a producer warp group issues the TMA loads, the consumers run wgmma + epilogue
+):
+    # TMA clips the edges: loads past M, N or K read zeros, stores past M or N are dropped. No masks, no wrap-around.
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # Persistent: each program walks tiles NUM_PROGRAMS apart. Without warp specialization, flatten=True lets Triton
+    # pipeline the next tile's loads under this tile's epilogue; with it, Triton's Hopper pass splits the K loop
+    # into producer and consumer partitions (it does not take a flattened loop).
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=not WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(k_tiles, warp_specialize=WARP_SPECIALIZE):
+            a = a_desc.load([off_m, k * BLOCK_K])
+            w = w_desc.load([off_n, k * BLOCK_K])
+            acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
 # --------------------------------------------------------------------------------------------------------------------
-# Autotune configs
+# Autotune configs: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 # --------------------------------------------------------------------------------------------------------------------
 def gemm_configs(element_size: int) -> list:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per element size in bytes; reasons in the module header."""
-    if element_size == 4:  # fp32 (tf32 or ieee): half the BLOCK_K so the stages fit shared memory / FMA registers
-        return [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4),
+    """The pointer kernel's tiles (sm_80, and fp32 everywhere). BLOCK_K keeps stages * (BM + BN) * BK * bytes
+    <= 96 KB, inside sm_80's 163 KB. The 128-row tiles with 64+ columns run 8 warps: at 4 warps the GELU epilogues
+    spilled (128x128 on sm_90; 128x64 on sm_80, STACK 8). fp32 "ieee" dots run on FMA units with operands in
+    registers: 64x32x16 is the narrow tile that does not spill there. 128x32 reads W once for T <= 128."""
+    if element_size == 4:
+        return [(128, 128, 32, 8, 3), (128, 64, 32, 8, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4),
                 (64, 32, 16, 4, 4)]
-    return [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
-            (64, 32, 128, 4, 4)]
+    return [(128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+            (64, 32, 128, 4, 4), (128, 32, 64, 4, 4)]
+
+
+def gemm_tma_configs() -> list:
+    """The sm_90 TMA kernel's tiles (fp16/bf16), + a 6th field: warp specialization. 128x256 and 256x128 at 8 warps
+    (two warpgroups, 128 accumulators per thread) are the large-T throughput tiles; 3 stages of operands (144 KB)
+    plus the output staging tile (64 KB) fit 227 KB. 128x128 at 8 warps with 4 stages; 128x64 / 64x128 mid-size;
+    128x32 and 64x32 for T <= 128, where the GEMM streams W (see the header). Warp specialization: Triton 3.6 and
+    3.9 both split a 4-warp K loop into a TMA producer and a wgmma consumer on sm_90 (8-warp tiles stay unsplit,
+    and 64x256 crashes Triton 3.9's lowering), so it is offered on the two 4-warp 128-row tiles."""
+    return [(128, 256, 64, 8, 3, False), (256, 128, 64, 8, 3, False), (128, 128, 64, 8, 4, False),
+            (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 4, False), (128, 32, 64, 4, 4, False),
+            (64, 32, 64, 4, 4, False), (128, 128, 64, 4, 4, True), (128, 64, 64, 4, 4, True)]
 
 
 INTERPRETER_CONFIG = (32, 128, 128, 4, 1)  # one fixed tile under TRITON_INTERPRET=1 (num_warps/stages are ignored)
@@ -144,25 +222,95 @@ INTERPRETER_CONFIG = (32, 128, 128, 4, 1)  # one fixed tile under TRITON_INTERPR
 _AUTOTUNE_KEY = ["N", "K", "M_BUCKET", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"]  # + tensor dtypes, implicitly
 
 
+def _meta(cfg) -> dict:
+    """A config tuple's constexprs: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, warp specialization])."""
+    meta = {"BLOCK_M": cfg[0], "BLOCK_N": cfg[1], "BLOCK_K": cfg[2], "GROUP_M": GROUP_M}
+    if len(cfg) > 5:
+        meta["WARP_SPECIALIZE"] = cfg[5]
+    return meta
+
+
 def _triton_config(cfg) -> "triton.Config":
-    bm, bn, bk, warps, stages = cfg
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M},
-                         num_warps=warps, num_stages=stages)
+    return triton.Config(_meta(cfg), num_warps=cfg[3], num_stages=cfg[4])
 
 
-# One Autotuner per element size (each wraps the same JIT function): fp32 needs its own BLOCK_K list.
-_AUTOTUNED = {size: triton.autotune(configs=[_triton_config(c) for c in gemm_configs(size)],
-                                    key=_AUTOTUNE_KEY)(gemm_kernel)
-              for size in (2, 4)}
+def prune_configs(configs, named_args, **kwargs):
+    """Skip tiles with more rows than the bucketed token count has (they only compute zeros): fewer configs to
+    benchmark at small T. Always keeps at least the tiles of the smallest BLOCK_M."""
+    m_bucket = named_args["M_BUCKET"]
+    smallest = min(c.kwargs["BLOCK_M"] for c in configs)
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= max(m_bucket, smallest)]
+
+
+def _autotuned(fn, configs):
+    # cache_results: the winning config per key goes to Triton's cache directory, so a new process does not
+    # re-benchmark (accepted by Triton 3.6 and 3.9; ignored by the interpreter, which never autotunes here).
+    return triton.autotune(configs=[_triton_config(c) for c in configs], key=_AUTOTUNE_KEY, cache_results=True,
+                           prune_configs_by={"early_config_prune": prune_configs})(fn)
+
+
+# One Autotuner per (kernel, element size): each wraps the same JIT function.
+_AUTOTUNED = {("ptr", 2): _autotuned(gemm_kernel, gemm_configs(2)),
+              ("ptr", 4): _autotuned(gemm_kernel, gemm_configs(4)),
+              ("tma", 2): _autotuned(gemm_tma_kernel, gemm_tma_configs())}
 
 
 def config_name(cfg) -> str:
-    bm, bn, bk, warps, stages = cfg
-    return f"{bm}x{bn}x{bk}-w{warps}-s{stages}"
+    bm, bn, bk, warps, stages = cfg[:5]
+    return f"{bm}x{bn}x{bk}-w{warps}-s{stages}" + ("-ws" if len(cfg) > 5 and cfg[5] else "")
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Validation shared by the GEMM launchers (qkv_projection, bias_gelu, residual_layernorm)
+# Device facts, read once per device
+# --------------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple:
+    """(compute capability major, number of SMs) of CUDA device `index`."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.multi_processor_count
+
+
+def _scratch(size: int, alignment: int, stream):
+    # Global scratch for the device-side TMA descriptors (128 B per program), from torch's caching allocator.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors need triton.set_allocator; install torch's unless the caller set one. The
+    setting is a ContextVar (per thread), so this is checked at each TMA launch: one ContextVar read."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def tma_compatible(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """TMA describes a 2-D tensor by a 16-byte-aligned base, unit last stride and 16-byte-multiple row strides."""
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    size = a.element_size()
+    for t in (a, weight, out):
+        if t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def use_tma(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """The persistent TMA kernel runs on Hopper (sm_90) for 16-bit types when the layouts allow it."""
+    if a.device.type != "cuda" or _device_facts(a.device.index or 0)[0] != 9:
+        return False
+    return tma_compatible(a, weight, out)
+
+
+def num_programs(device: torch.device, M: int, N: int, block_m: int, block_n: int) -> int:
+    """The persistent grid: one program per SM, or per tile when there are fewer tiles."""
+    sms = _device_facts(device.index or 0)[1] if device.type == "cuda" else 4
+    return max(1, min(sms, triton.cdiv(M, block_m) * triton.cdiv(N, block_n)))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Validation shared by the public launchers (qkv_projection, bias_gelu, residual_layernorm)
 # --------------------------------------------------------------------------------------------------------------------
 def check_device(op: str, **tensors) -> torch.device:
     """All tensors on one device, and that device is CUDA (or CPU under TRITON_INTERPRET=1)."""
@@ -231,74 +379,104 @@ def check_out(op: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype, devi
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The launcher (inputs already validated by the op launcher)
+# The launcher (arguments already validated: by the op's public function, or once per forward by the model)
 # --------------------------------------------------------------------------------------------------------------------
 def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-         activation: str | None = None, *, config: tuple | None = None) -> torch.Tensor:
-    """out[M, N] = act(a[M, K] @ weight[N, K]^T + bias). `out` must be allocated and checked by the caller (the op
-    launchers do it with `check_linear` / `check_out`). `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-    num_stages) pins one tile instead of autotuning (the tests use it to run every config's edge handling)."""
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS} or None")
+         activation: str | None = None, *, config: tuple | None = None, kernel: str | None = None) -> torch.Tensor:
+    """out[M, N] = act(a[M, K] @ weight[N, K]^T + bias). Cheap asserts only. `kernel` ("tma" / "ptr") and `config`
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) pin a kernel and a tile instead of the per-arch choice and the
+    autotuner (the tests run every config of both kernels with them)."""
+    assert activation is None or activation in ACTIVATIONS, activation
+    assert a.dim() == 2 and weight.dim() == 2 and a.shape[1] == weight.shape[1], (a.shape, weight.shape)
+    assert out.shape == (a.shape[0], weight.shape[0]) and a.dtype == weight.dtype == out.dtype
     if utils.INTERPRET and a.dtype == torch.bfloat16:
         raise NotImplementedError(utils.INTERPRETER_BF16_DOT)
     M, K = a.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
         return out  # nothing to compute (a zero-size grid is not launchable)
-    args = (a, weight, bias if bias is not None else a, out,  # bias_ptr is never read when HAS_BIAS is False
-            M, N, K, max(16, triton.next_power_of_2(M)),
-            a.stride(0), weight.stride(0), weight.stride(1), out.stride(0))
-    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=input_precision(a.dtype))
+    if kernel is None:
+        kernel = "tma" if use_tma(a, weight, out) else "ptr"
     if config is None and utils.INTERPRET:
         config = INTERPRETER_CONFIG
+    bias_arg = bias if bias is not None else a  # bias_ptr is never read when HAS_BIAS is False
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=input_precision(a.dtype))
+    m_bucket = max(16, triton.next_power_of_2(M))
+
+    if kernel == "tma":
+        if a.device.type == "cuda":
+            _ensure_allocator()
+        args = [a, weight, bias_arg, out, M, N, K, m_bucket, None, a.stride(0), weight.stride(0), out.stride(0)]
+        if config is not None:
+            config = tuple(config) + (False,) * (6 - len(config))
+            args[8] = num_programs(a.device, M, N, config[0], config[1])
+            gemm_tma_kernel[(args[8],)](*args, **meta, **_meta(config), num_warps=config[3], num_stages=config[4])
+        else:
+            # NUM_PROGRAMS is a runtime argument: the SM count, whatever tile wins (the grid clips it per config).
+            args[8] = num_programs(a.device, M, N, 1, 1)
+            grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731
+            _AUTOTUNED[("tma", 2)][grid](*args, **meta)
+        return out
+
+    args = (a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0))
     if config is not None:
-        bm, bn, bk, warps, stages = config
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        gemm_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
-                          num_warps=warps, num_stages=stages)
+        grid = (triton.cdiv(M, config[0]) * triton.cdiv(N, config[1]),)
+        gemm_kernel[grid](*args, **meta, **_meta(config[:5]), num_warps=config[3], num_stages=config[4])
     else:
         grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
-        _AUTOTUNED[a.element_size()][grid](*args, **meta)
+        _AUTOTUNED[("ptr", a.element_size())][grid](*args, **meta)
     return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Ahead-of-time compile list
 # --------------------------------------------------------------------------------------------------------------------
+# The pointer kernel's sm_90 role is fp32 and the odd layout TMA cannot take: on sm_90 its 16-bit types compile only
+# for this one tile (the fallback's proof), the full matrix compiles for sm_80, where it is the only kernel.
+_PTR_SM90_16BIT = (128, 128, 64, 8, 3)
+
+
 def gemm_aot_specs(prefix: str, activations, has_bias: bool = True) -> list:
-    """One spec per dtype x config x activation (x input precision for fp32), named like
-    "bias_gelu-fp16-gelu-128x128x64-w8-s3". The spec describes the kernel Triton compiles at run time for BERT's
-    contiguous tensors, so that the AOT check (registers, spills, shared memory, wgmma) sees the code that runs:
-    - stride_wk is the constant 1: Triton specialises an int argument equal to 1 (a contiguous nn.Linear weight);
-    - pointers and the other integers are compiled as multiples of 16 (the "tt.divisibility" attribute the JIT
-      adds for allocator-aligned pointers, N, K and row strides at BERT's sizes 384, 768, 1024, 1536, 3072, 3H):
-      tests/aot_compile.py assumes that by default, and "hints" {"M": None} takes it back for the token count,
-      which is arbitrary at run time. The divisibility matters: without it Triton cannot prove 16-byte alignment,
-      loads turn scalar, the stages go through registers instead of cp.async into shared memory, and every
-      config spills (sm_90, 128x128x64 fp16 GELU at 8 warps: REG 255 STACK 32 without; REG 166 STACK 0 with)."""
+    """The kernels x dtypes x configs x activations that run, named like "bias_gelu-fp16-gelu-tma-128x256x64-w8-s3",
+    each with the archs it runs on ("archs"). Pointers and the integers the JIT sees as multiples of 16 at BERT's
+    sizes are compiled with that divisibility (tests/aot_compile.py's default); "hints" {"M": None} takes it back
+    for the token count, which is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
+    Without the divisibility loads turn scalar and the pointer kernel spills (REG 255 STACK 32 at 128x128 GELU)."""
     specs = []
     for dtype, short in DTYPES.items():
         ptr = "*" + short
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
-        for cfg in gemm_configs(torch.empty((), dtype=dtype).element_size()):
-            bm, bn, bk, warps, stages = cfg
+        size = torch.empty((), dtype=dtype).element_size()
+        variants = [("ptr", cfg) for cfg in gemm_configs(size)]
+        if size == 2:
+            variants += [("tma", cfg) for cfg in gemm_tma_configs()]
+        for kind, cfg in variants:
+            warps, stages = cfg[3], cfg[4]
+            if kind == "tma":
+                archs = (90,)
+            elif size == 2 and cfg != _PTR_SM90_16BIT:
+                archs = (80,)
+            else:
+                archs = (90, 80)
             for activation in activations:
                 for precision in precisions:
                     parts = [prefix, short] + ([activation] if activation else []) + \
-                            ([precision] if dtype == torch.float32 else []) + [config_name(cfg)]
-                    specs.append({
-                        "name": "-".join(parts),
-                        "fn": gemm_kernel,
-                        "signature": {"a_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "c_ptr": ptr,
-                                      "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
-                                      "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"},
-                        "constexprs": {"stride_wk": 1, "HAS_BIAS": has_bias, "ACTIVATION": activation,
-                                       "INPUT_PRECISION": precision, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                                       "GROUP_M": GROUP_M},
-                        "num_warps": warps, "num_stages": stages,
-                        "hints": {"M": None},
-                    })
+                            ([precision] if dtype == torch.float32 else []) + [kind, config_name(cfg)]
+                    constexprs = {"HAS_BIAS": has_bias, "ACTIVATION": activation, "INPUT_PRECISION": precision,
+                                  **_meta(cfg)}
+                    signature = {"a_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "c_ptr": ptr,
+                                 "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
+                                 "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"}
+                    if kind == "tma":
+                        fn, hints = gemm_tma_kernel, {"M": None, "NUM_PROGRAMS": None}
+                        signature["NUM_PROGRAMS"] = "i32"
+                    else:
+                        fn, hints = gemm_kernel, {"M": None}
+                        constexprs["stride_wk"] = 1
+                    specs.append({"name": "-".join(parts), "fn": fn, "signature": signature,
+                                  "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
+                                  "hints": hints, "archs": archs, "tma": kind == "tma",
+                                  "warp_specialize": len(cfg) > 5 and cfg[5]})
     return specs
 
 # No aot_specs() here: the core is compiled through the op modules that use it (qkv_projection: bias, no activation;

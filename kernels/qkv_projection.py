@@ -26,6 +26,7 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     -> [T, 3, nh, hd], a view of one contiguous [T, 3*nh*hd] buffer (q, k, v along dim 1).
 
     out: optional contiguous tensor of shape [T, 3, nh, hd] or [T, 3*nh*hd] to write into (returned as the view).
+    Every argument is checked, with an error naming the bad value; `launch` is the same call without the checks.
     """
     check_dtypes(OP, x=x, weight=weight, bias=bias)
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
@@ -36,22 +37,28 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                          f"3 * num_heads = {3 * num_heads} (weight.shape={tuple(weight.shape)})")
     head_dim = N // (3 * num_heads)
     device = check_device(OP, x=x, weight=weight, bias=bias, out=out)
-
-    if out is None:
-        out2d = torch.empty((T, N), dtype=x.dtype, device=device)
-    else:
+    if out is not None:
         if tuple(out.shape) not in ((T, 3, num_heads, head_dim), (T, N)):
             raise ValueError(f"{OP}: out.shape={tuple(out.shape)} must be {(T, 3, num_heads, head_dim)} or {(T, N)}")
         check_out(OP, out, tuple(out.shape), x.dtype, device)
         if not out.is_contiguous():
             raise ValueError(f"{OP}: out must be contiguous (it is the packed [T, 3H] buffer); "
                              f"got out.stride()={out.stride()}")
-        out2d = out.view(T, N)
+    return launch(x, weight, bias, num_heads, out)
 
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`qkv_projection` for arguments the caller has validated (the model does it once per forward)."""
+    T, N = x.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    out2d = out.view(T, N)
     gemm(x, weight, bias, out2d, activation=None)
-    return out2d.view(T, 3, num_heads, head_dim)  # [T, 3H] -> [T, 3, nh, hd]: a view, q/k/v/heads by strides
+    return out2d.view(T, 3, num_heads, N // (3 * num_heads))  # [T, 3H] -> [T, 3, nh, hd]: q/k/v/heads by strides
 
 
 def aot_specs() -> list:
-    """Every dtype x GEMM config with the bias epilogue (with bias: BERT's q/k/v always have one)."""
+    """Every kernel x dtype x config with the bias epilogue (BERT's q/k/v always have one), on the archs each runs
+    on."""
     return gemm_aot_specs(OP, (None,), has_bias=True)

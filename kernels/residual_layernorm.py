@@ -26,14 +26,18 @@ of (sum, sum of squares), needs a second pass over h anyway. cuBLAS at full tile
 pass is the better trade at H = 384-1024; the epilogue would win only for small H (a full row in one 128-wide tile).
 Without a GPU to measure this here, that is the estimate; bench/ measures it.
 
-The row kernel: one program per row (row offsets in int64: T * H can exceed 2^31 elements at large batch),
-BLOCK_N = next_pow2(H) so the whole row sits in registers (H = 384 -> 512 lanes, 768 and 1024 -> 1024), loads in
-the input dtype, bias + residual added in fp32, mean, biased variance and rstd in fp32 exactly like torch's
-layer_norm (which for fp16/bf16 also computes its statistics in fp32 and rounds the output once), one rounding at
-the store. Compared with the twin it skips one rounding (h + residual is not rounded to fp16 before the norm).
-The GEMM is torch.matmul without the bias, so it honours torch.backends.cuda.matmul.allow_tf32 like the twin's
-F.linear does. Each program reads its whole row before it stores, so `out` may alias `residual` (an in-place
-residual stream); without `out` the result is written over the GEMM's own [T, H] buffer, no second allocation.
+The row kernel: ROWS rows per program, each row held in registers as NUM_CHUNKS chunks of CHUNK lanes, where
+CHUNK * NUM_CHUNKS == H exactly for BERT's sizes (384 = 3 x 128, 768 = 3 x 256, 1024 = 1 x 1024): no idle lanes,
+every thread moves whole 16-byte vectors (tests/test_aot.py checks the PTX: only v4 loads and stores of rows).
+Other widths take one masked chunk of next_pow2(H). ~4K elements per program (ROWS = 8 at H = 384, 4 at 768 and
+1024: 24-32 fp32 values per thread per chunk set) keeps enough bytes in flight with T/ROWS programs (1024 at
+T = 4096, ~8 per SM); the bias, gamma and beta chunks are loaded once per program, not once per row. That is the
+case for reaching >= 80% of copy bandwidth, a prediction: no GPU has timed it (bench/ measures GB/s against the
+device's copy ceiling). Statistics: mean, then the biased variance of the centred values, rstd, all fp32, like
+torch's layer_norm (which for fp16/bf16 also keeps fp32 statistics and rounds once); compared with the twin the
+kernel skips one rounding (h + residual is not rounded before the norm). Row offsets are int64 (T * H can exceed
+2^31). The GEMM is torch.matmul without the bias, so it honours torch.backends.cuda.matmul.allow_tf32 like the
+twin's F.linear. Each program reads its rows before it stores them, so `out` may alias `residual` or h.
 """
 from __future__ import annotations
 
@@ -46,7 +50,25 @@ import triton.language as tl
 from .gemm import DTYPES, check_device, check_dtypes, check_linear, check_out
 
 OP = "residual_layernorm"
-MAX_HIDDEN = 16384  # a row must fit in one program's registers: 16384 fp32 over 16 warps = 32 per thread per array
+MAX_HIDDEN = 16384  # a row must fit in one program's registers: 16384 fp32 over 16 warps = 32 per thread
+
+
+@triton.jit
+def _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, cols, param_cols, mask, HAS_BIAS: tl.constexpr):
+    """h + bias + residual for one [ROWS, CHUNK] chunk, in fp32."""
+    x = tl.load(h_ptr + h_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + param_cols).to(tl.float32)[None, :]
+    x += tl.load(res_ptr + r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_chunk(out_ptr, o_rows, centred, rstd, ln_w_ptr, ln_b_ptr, cols, param_cols, mask):
+    gamma = tl.load(ln_w_ptr + param_cols).to(tl.float32)
+    beta = tl.load(ln_b_ptr + param_cols).to(tl.float32)
+    y = centred * rstd[:, None] * gamma[None, :] + beta[None, :]
+    tl.store(out_ptr + o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -54,39 +76,85 @@ def bias_residual_layernorm_kernel(
     # pointers: h [T, H] (the GEMM output), bias [H], residual [T, H], LayerNorm gamma/beta [H], out [T, H]
     h_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, out_ptr,
     # sizes and LayerNorm epsilon
-    N, eps,
+    T, N, eps,
     # row strides in elements (every last dim is unit-stride)
     stride_hm, stride_rm, stride_om,
     # meta-parameters
     HAS_BIAS: tl.constexpr,  # add bias[H] before the residual
-    BLOCK_N: tl.constexpr,  # next_pow2(H): the whole row in one block
+    ROWS: tl.constexpr,  # rows per program
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,  # a row is NUM_CHUNKS (1..4) chunks of CHUNK lanes
+    EVEN: tl.constexpr,  # CHUNK * NUM_CHUNKS == N: no column mask (keeps the accesses 16-byte vectors)
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    x = tl.load(h_ptr + row * stride_hm + offs_n, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    x += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    h_rows = (rows * stride_hm)[:, None]
+    r_rows = (rows * stride_rm)[:, None]
+    o_rows = (rows * stride_om)[:, None]
+    c0 = tl.arange(0, CHUNK)
+    if EVEN:
+        m0 = row_ok[:, None]
+        p0 = c0  # the columns of bias / gamma / beta
+    else:  # one chunk wider than the row: lanes past N are masked, and read in-bounds copies of the parameters
+        m0 = row_ok[:, None] & (c0 < N)[None, :]
+        p0 = tl.minimum(c0, N - 1)
+    # Chunks are separate variables (Triton tensors have power-of-two shapes, 768 = 3 x 256 is not one): the
+    # constexpr branches unroll, and every chunk stays in registers between the passes.
+    x0 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c0, p0, m0, HAS_BIAS)
+    if not EVEN:
+        x0 = tl.where(m0, x0, 0.0)
+    total = tl.sum(x0, axis=1)
+    if NUM_CHUNKS > 1:
+        c1 = c0 + CHUNK
+        x1 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c1, c1, m0, HAS_BIAS)
+        total += tl.sum(x1, axis=1)
+    if NUM_CHUNKS > 2:
+        c2 = c0 + 2 * CHUNK
+        x2 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c2, c2, m0, HAS_BIAS)
+        total += tl.sum(x2, axis=1)
+    if NUM_CHUNKS > 3:
+        c3 = c0 + 3 * CHUNK
+        x3 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c3, c3, m0, HAS_BIAS)
+        total += tl.sum(x3, axis=1)
+    mean = total / N
 
-    # Two-pass statistics in fp32 (masked lanes hold 0 and are excluded from the centred sum).
-    mean = tl.sum(x, axis=0) / N
-    centred = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(centred * centred, axis=0) / N  # biased, as LayerNorm
-    rstd = 1.0 / tl.sqrt(var + eps)
+    # Two-pass statistics in fp32 (masked lanes are excluded from the centred sum).
+    x0 = x0 - mean[:, None]
+    if not EVEN:
+        x0 = tl.where(m0, x0, 0.0)
+    sq = tl.sum(x0 * x0, axis=1)
+    if NUM_CHUNKS > 1:
+        x1 = x1 - mean[:, None]
+        sq += tl.sum(x1 * x1, axis=1)
+    if NUM_CHUNKS > 2:
+        x2 = x2 - mean[:, None]
+        sq += tl.sum(x2 * x2, axis=1)
+    if NUM_CHUNKS > 3:
+        x3 = x3 - mean[:, None]
+        sq += tl.sum(x3 * x3, axis=1)
+    rstd = 1.0 / tl.sqrt(sq / N + eps)  # biased variance, as LayerNorm
 
-    gamma = tl.load(ln_w_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    beta = tl.load(ln_b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    out = centred * rstd * gamma + beta
-    tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask)
-
+    _store_chunk(out_ptr, o_rows, x0, rstd, ln_w_ptr, ln_b_ptr, c0, p0, m0)
+    if NUM_CHUNKS > 1:
+        _store_chunk(out_ptr, o_rows, x1, rstd, ln_w_ptr, ln_b_ptr, c1, c1, m0)
+    if NUM_CHUNKS > 2:
+        _store_chunk(out_ptr, o_rows, x2, rstd, ln_w_ptr, ln_b_ptr, c2, c2, m0)
+    if NUM_CHUNKS > 3:
+        _store_chunk(out_ptr, o_rows, x3, rstd, ln_w_ptr, ln_b_ptr, c3, c3, m0)
 
 def row_config(hidden: int) -> tuple:
-    """(BLOCK_N, num_warps): the row in one block; enough warps that each thread holds <= 8-16 elements (one or two
-    16-byte vectors of fp16), not so many that a short row leaves threads idle."""
-    block_n = triton.next_power_of_2(hidden)
-    num_warps = 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
-    return block_n, num_warps
+    """(ROWS, CHUNK, NUM_CHUNKS, num_warps) for rows of `hidden` elements: the row as 1..4 power-of-two chunks when
+    it splits exactly (384 -> 3 x 128, 768 -> 3 x 256, 1024 -> 1 x 1024), else one masked chunk of next_pow2;
+    ~4K elements per program; 4 warps up to 4K elements, then one warp per 1K (<= 32 values per thread)."""
+    chunk, num_chunks = triton.next_power_of_2(hidden), 1
+    low_bit = hidden & -hidden  # the largest power of two dividing hidden
+    if hidden // low_bit <= 4:
+        chunk, num_chunks = low_bit, hidden // low_bit
+    width = chunk * num_chunks
+    rows = max(1, 4096 // width)
+    rows = 1 << (rows.bit_length() - 1)  # a power of two (tl.arange)
+    warps = min(16, max(4, rows * width // 1024))
+    warps = 1 << (warps.bit_length() - 1)
+    return rows, chunk, num_chunks, warps
 
 
 def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
@@ -118,47 +186,59 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                           out=out)
     if out is not None:
         check_out(OP, out, (T, H), y.dtype, device)
+    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, out)
 
+
+def launch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+           ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`residual_layernorm` for arguments the caller has validated (the model does it once per forward)."""
     h = torch.matmul(y, weight.t())  # [T, H], cuBLAS (no bias: it is added in fp32 in the row kernel)
     return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h)
 
 
-def bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=None):
-    """The row pass alone: LN(h + bias + residual) for a GEMM output h [T, H] (unit-stride rows). `residual_layernorm`
-    validates everything before calling it; the benchmarks call it directly to measure the row kernel's GB/s.
-    out may be h itself (each program reads its row before writing it)."""
+def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                            ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """The row pass alone: LN(h + bias + residual) for a GEMM output h [T, H], unit-stride rows, arguments
+    validated by the caller (cheap asserts only). The benchmarks call it to measure the row kernel's GB/s.
+    out may be h or residual itself."""
     T, H = h.shape
-    if h.stride(1) != 1 and H > 1:
-        raise ValueError(f"{OP}: h must have a unit-stride last dimension; got h.stride()={h.stride()}")
+    assert residual.shape == h.shape and ln_weight.shape == ln_bias.shape == (H,), (h.shape, residual.shape)
+    assert H <= 1 or h.stride(1) == residual.stride(1) == 1, (h.stride(), residual.stride())
     if out is None:
         out = torch.empty_like(h)
     if T == 0 or H == 0:
         return out
-    block_n, num_warps = row_config(H)
-    bias_residual_layernorm_kernel[(T,)](
+    rows, chunk, num_chunks, num_warps = row_config(H)
+    bias_residual_layernorm_kernel[(triton.cdiv(T, rows),)](
         h, bias if bias is not None else h, residual, ln_weight, ln_bias, out,
-        H, float(eps),
+        T, H, float(eps),
         h.stride(0), residual.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=num_warps)
+        HAS_BIAS=bias is not None, ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H,
+        num_warps=num_warps)
     return out
 
 
+BERT_HIDDEN = (384, 768, 1024)  # MiniLM / BERT-base / BERT-large
+
+
 def aot_specs() -> list:
-    """The row kernel for every dtype x BLOCK_N of the BERT hidden sizes (384 -> 512; 768, 1024 -> 1024), with the
-    num_warps `row_config` picks. Pointers, N and the row strides are multiples of 16 at these sizes, which is
-    tests/aot_compile.py's default assumption, so no "hints" are needed."""
+    """The row kernel for every dtype x BERT hidden size, with `row_config`'s choice. Pointers, T and the row
+    strides are compiled as multiples of 16 (tests/aot_compile.py's default), as the JIT sees them at BERT's sizes;
+    "hints" takes that back for T (any token count)."""
     specs = []
     for dtype, short in DTYPES.items():
         ptr = "*" + short
-        for block_n in sorted({row_config(h)[0] for h in (384, 768, 1024)}):
-            num_warps = row_config(block_n)[1]
+        for hidden in BERT_HIDDEN:
+            rows, chunk, num_chunks, num_warps = row_config(hidden)
             specs.append({
-                "name": f"{OP}-{short}-row{block_n}-w{num_warps}",
+                "name": f"{OP}-{short}-H{hidden}-{rows}x{num_chunks}x{chunk}-w{num_warps}",
                 "fn": bias_residual_layernorm_kernel,
                 "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
-                              "out_ptr": ptr, "N": "i32", "eps": "fp32",
+                              "out_ptr": ptr, "T": "i32", "N": "i32", "eps": "fp32",
                               "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32"},
-                "constexprs": {"HAS_BIAS": True, "BLOCK_N": block_n},
-                "num_warps": num_warps, "num_stages": 1,
+                "constexprs": {"HAS_BIAS": True, "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks,
+                               "EVEN": chunk * num_chunks == hidden},
+                "num_warps": num_warps, "num_stages": 1, "hints": {"T": None},
             })
     return specs

@@ -3,7 +3,10 @@
 Each op module in fastbert.kernels exposes `aot_specs()`: one dict per kernel x dtype x autotune config,
     {"name", "fn" (the raw @triton.jit JITFunction), "signature" {arg: "*fp16" | "i32" | "fp32" ...},
      "constexprs" {arg: value}, "num_warps", "num_stages"}
-(optional: "hints" {arg: 16 | None}, see `_hints`; "maxnreg", "num_ctas", passed to the compiler as options).
+(optional: "hints" {arg: 16 | None}, see `_hints`; "maxnreg", "num_ctas", passed to the compiler as options;
+"archs", the architectures the spec runs on (default: all of ARCHS); "tma": True when the kernel must load through
+TMA on sm_90, which `problems` then checks in the SASS; "warp_specialize": True when Triton must split the kernel
+into producer and consumer warps, checked in its GPU IR).
 This module compiles every spec with `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` for sm_90
 (H100/H200) and sm_80 (A100) with the ptxas shipped in the Triton wheel, then reads what a GPU would tell us:
 shared memory (metadata.shared), tensor-core instructions in the PTX (wgmma / mma.sync), and the cubin's registers
@@ -240,12 +243,39 @@ def expects_tensor_cores(dot: dict) -> bool:
     return dot["dtype"] in _TENSOR_CORE_DTYPES or (dot["dtype"] == "f32" and dot["precision"] == "tf32")
 
 
+# One SASS instruction per line of `cuobjdump --dump-sass`: "/*0a30*/  @!P0 HGMMA.64x128x16.F32 ... ;"
+_SASS_RE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "MUFU", "FFMA", "FMUL")
+
+
+def sass_stats(cubin: bytes) -> dict:
+    """Static SASS instruction counts: the total (the cost of an epilogue shows here) and the opcodes that prove
+    which hardware path a kernel takes (HGMMA = wgmma, UTMALDG/UTMASTG = TMA, LDGSTS = cp.async, MUFU = SFU ops)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool_path("cuobjdump"), "--dump-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    opcodes = _SASS_RE.findall(sass)
+    stats = {"sass": len(opcodes)}
+    stats.update({op.lower(): sum(1 for o in opcodes if o == op) for op in SASS_OPS})
+    return stats
+
+
 def analyse(spec: dict, arch: int, kernel) -> dict:
     ptx = kernel.asm["ptx"]
     record = {"shared": int(kernel.metadata.shared), "dots": dots(kernel.asm["ttir"]),
               "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)), "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
-              "ptx_target": (re.search(r"^\.target\s+(\S+)", ptx, re.M) or [None, None])[1]}
+              "ptx_target": (re.search(r"^\.target\s+(\S+)", ptx, re.M) or [None, None])[1],
+              # 16-byte global accesses vs narrower ones (a bandwidth-bound kernel wants only the former)
+              "ld_global_v4": len(re.findall(r"\bld\.global(?:\.[a-z0-9_]+)*\.v4\.", ptx)),
+              "ld_global": len(re.findall(r"\bld\.global\.", ptx)),
+              "st_global_v4": len(re.findall(r"\bst\.global(?:\.[a-z0-9_]+)*\.v4\.", ptx)),
+              "st_global": len(re.findall(r"\bst\.global\.", ptx)),
+              "warp_specialized": "ttg.warp_specialize" in kernel.asm["ttgir"]}
     record.update(res_usage(kernel.asm["cubin"]))
+    record.update(sass_stats(kernel.asm["cubin"]))
     return record
 
 
@@ -268,8 +298,14 @@ def problems(record: dict) -> list[str]:
     unparsed = [d["unparsed"] for d in dot_list if "unparsed" in d]
     if unparsed:
         found.append(f"harness cannot read the operand types of tt.dot {unparsed} (Triton IR format changed?)")
-    if arch == 90 and any(expects_wgmma(d, record["num_warps"]) for d in dot_list) and record["wgmma"] == 0:
-        found.append(f"sm_90 PTX has no wgmma although dots {dot_list} qualify (num_warps={record['num_warps']})")
+    if arch == 90 and any(expects_wgmma(d, record["num_warps"]) for d in dot_list) and (
+            record["wgmma"] == 0 or record.get("hgmma") == 0):
+        found.append(f"sm_90 code has no wgmma (PTX wgmma={record['wgmma']}, SASS HGMMA={record.get('hgmma')}) "
+                     f"although dots {dot_list} qualify (num_warps={record['num_warps']})")
+    if arch == 90 and record.get("tma") and not record.get("utmaldg"):
+        found.append("spec asks for TMA loads but the sm_90 SASS has no UTMALDG")
+    if record.get("warp_specialize") and not record.get("warp_specialized"):
+        found.append("spec asks for warp specialization but Triton did not split the kernel (no ttg.warp_specialize)")
     if any(expects_tensor_cores(d) for d in dot_list) and record["wgmma"] + record["mma_sync"] == 0:
         found.append(f"sm_{arch} PTX has no tensor-core MMA (wgmma/mma.sync) for dots {dot_list}")
     return found
@@ -314,8 +350,11 @@ def _child(module_name: str, specs_fn: str, archs: list[int], out_path: str, onl
                 continue
             spec_errors = spec_problems(spec)
             for arch in archs:
+                if arch not in spec.get("archs", ARCHS):
+                    continue
                 record = {"name": spec.get("name"), "arch": arch, "num_warps": spec.get("num_warps"),
-                          "num_stages": spec.get("num_stages")}
+                          "num_stages": spec.get("num_stages"), "tma": bool(spec.get("tma")),
+                          "warp_specialize": bool(spec.get("warp_specialize"))}
                 start = time.perf_counter()
                 if spec_errors:
                     record["error"] = "bad spec: " + "; ".join(spec_errors)
@@ -401,19 +440,20 @@ def compile_module(module_name: str, specs_fn: str = "aot_specs", archs=ARCHS, o
 
 def format_table(records: list[dict]) -> str:
     """One line per (spec, arch): registers, spill stack, shared memory, MMA instructions, verdict."""
-    header = (f"{'spec':<58} {'arch':>5} {'warps':>5} {'REG':>4} {'STACK':>6} {'smem KB':>8} {'mma':>8} {'sec':>5}"
-              "  status")
+    header = (f"{'spec':<58} {'arch':>5} {'warps':>5} {'REG':>4} {'STACK':>6} {'smem KB':>8} {'mma':>8} {'SASS':>6} "
+              f"{'TMA':>4} {'sec':>5}  status")
     lines = [header, "-" * len(header)]
     for r in records:
         bad = problems(r)
         if r.get("error"):
             status = "ERROR " + r["error"].splitlines()[0][:80] if r["error"].strip() else "ERROR"
             lines.append(f"{r['name']:<58} {'sm' + str(r['arch']):>5} {r.get('num_warps', '?')!s:>5} {'':>4} {'':>6} "
-                         f"{'':>8} {'':>8} {r.get('seconds', 0):>5.1f}  {status}")
+                         f"{'':>8} {'':>8} {'':>6} {'':>4} {r.get('seconds', 0):>5.1f}  {status}")
             continue
         status = "ok" if not bad else "FAIL " + " | ".join(b.split(":")[0] for b in bad)
         lines.append(f"{r['name']:<58} {'sm' + str(r['arch']):>5} {r['num_warps']:>5} {r['reg']:>4} {r['stack']:>6} "
-                     f"{r['shared'] / 1024:>8.1f} {mma_kind(r):>8} {r['seconds']:>5.1f}  {status}")
+                     f"{r['shared'] / 1024:>8.1f} {mma_kind(r):>8} {r.get('sass', 0):>6} "
+                     f"{'yes' if r.get('utmaldg') else '-':>4} {r['seconds']:>5.1f}  {status}")
     return "\n".join(lines)
 
 

@@ -79,10 +79,12 @@ def test_strided_inputs_no_bias_and_eps(dtype, eps):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("H", [100, 1023, 1024])
-def test_row_widths(H, dtype):
-    """Row widths around the BLOCK_N choices: 100 (128 lanes, 28 masked), 1023 (one masked lane), 1024 (BERT-large)."""
-    T, K = 7, 64
+@pytest.mark.parametrize("H,T", [(100, 7), (1023, 7), (1024, 7), (1536, 5), (640, 9), (32, 131)])
+def test_row_widths(H, T, dtype):
+    """Row widths around the chunk choices: 100 (one masked chunk of 128), 1023 (one masked lane), 1024 (one chunk),
+    1536 (3 x 512), 640 (5 x 128 does not split into <= 4 chunks: one masked chunk of 1024), 32 (128 rows per
+    program, T = 131 leaves a partial program)."""
+    K = 64
     y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
     got = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, out=poisoned((T, H), dtype))
     twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12)
@@ -100,6 +102,33 @@ def test_in_place_over_residual_and_default_out():
     stream = res.clone()
     got = residual_layernorm(y, w, b, stream, gamma, beta, 1e-12, out=stream)
     assert got.data_ptr() == stream.data_ptr() and (got - want).abs().max().item() <= FP32_TOL
+
+
+@pytest.mark.parametrize("H", [384, 768])
+def test_nan_row_stays_in_its_row(H):
+    """A program normalises several rows at once: a NaN in one row must poison that row only."""
+    T, K = 13, 64
+    dtype = torch.float32
+    y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
+    rows = rln_mod.row_config(H)[0]
+    bad = rows + 1  # inside the second program, next to rows of its own program
+    res[bad, 5] = float("nan")
+    got = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, out=poisoned((T, H), dtype))
+    assert torch.isnan(got[bad]).all()
+    keep = torch.arange(T) != bad
+    want = reference64(y, w, b, res, gamma, beta, 1e-12)
+    assert torch.isfinite(got[keep]).all() and (got[keep].double() - want[keep]).abs().max().item() <= FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_launch_without_checks_matches(dtype):
+    """`launch` (what the model calls once its inputs are validated) computes the same as the checked function."""
+    T, K, H = 13, 384, 384
+    y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
+    checked = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, out=poisoned((T, H), dtype))
+    unchecked = rln_mod.launch(y, w, b, res, gamma, beta, 1e-12, out=poisoned((T, H), dtype))
+    assert torch.equal(checked, unchecked)
+    assert torch.equal(rln_mod.launch(y, w, b, res, gamma, beta, 1e-12), checked)  # out=None: a fresh buffer
 
 
 def test_zero_tokens():
@@ -197,12 +226,32 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         residual_layernorm(y, w, b, res, gamma, beta, 1e-12)
 
 
+@pytest.mark.parametrize("hidden", rln_mod.BERT_HIDDEN)
+def test_no_idle_lanes_at_bert_sizes(hidden):
+    """BERT's hidden sizes split into 1..4 power-of-two chunks exactly; ~4K elements per program."""
+    rows, chunk, num_chunks, warps = rln_mod.row_config(hidden)
+    assert chunk * num_chunks == hidden and 1 <= num_chunks <= 4 and chunk & (chunk - 1) == 0
+    assert rows & (rows - 1) == 0 and 2048 < rows * hidden <= 4096 and warps == 4
+
+
+def test_row_config_fallback_and_limits():
+    for hidden in (100, 640, 1023, 5, rln_mod.MAX_HIDDEN):
+        rows, chunk, num_chunks, warps = rln_mod.row_config(hidden)
+        assert chunk * num_chunks >= hidden and chunk & (chunk - 1) == 0 and rows & (rows - 1) == 0
+        assert num_chunks == 1 or chunk * num_chunks == hidden
+        assert rows * chunk * num_chunks // (32 * warps) <= 32  # values per thread per pass
+    assert rln_mod.row_config(640)[1:3] == (1024, 1)
+
+
 def test_aot_specs():
     specs = rln_mod.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(set(names)) == len(names) == 3 * 2  # fp32/fp16/bf16 x BLOCK_N 512 (H=384), 1024 (H=768, 1024)
+    assert len(set(names)) == len(names) == 3 * len(rln_mod.BERT_HIDDEN)  # fp32/fp16/bf16 x 384, 768, 1024
     params = set(rln_mod.bias_residual_layernorm_kernel.arg_names)
     for s in specs:
         assert s["fn"] is rln_mod.bias_residual_layernorm_kernel
         assert set(s["signature"]) | set(s["constexprs"]) == params and not set(s["signature"]) & set(s["constexprs"])
-        assert (s["constexprs"]["BLOCK_N"], s["num_warps"]) == rln_mod.row_config(s["constexprs"]["BLOCK_N"])
+        c = s["constexprs"]
+        hidden = int(s["name"].split("-H")[1].split("-")[0])
+        assert (c["ROWS"], c["CHUNK"], c["NUM_CHUNKS"], s["num_warps"]) == rln_mod.row_config(hidden)
+        assert c["EVEN"] and s["hints"] == {"T": None}
