@@ -325,25 +325,31 @@ def plan(situation: Situation) -> Ops:
     )
 
 
-# The kernels behind the same signatures as the twins (the plan has already ruled out dropout and autograd).
-def _qkv_projection_triton(x, weight, bias, num_heads):
-    return _kernel("qkv_projection").qkv_projection(x, weight, bias, num_heads)
+# The kernels behind the same signatures as the twins (the plan has already ruled out dropout and autograd). The model
+# has validated its tensors once per forward, so these call each kernel's unchecked `launch`; the per-op functions
+# below, for callers outside the model, go through the kernels' checked entry points instead (checked=True).
+def _qkv_projection_triton(x, weight, bias, num_heads, checked=False):
+    kernel = _kernel("qkv_projection")
+    return (kernel.qkv_projection if checked else kernel.launch)(x, weight, bias, num_heads)
 
 
-def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False):
-    attention_kernel = _kernel("attention")
+def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False, checked=False):
+    kernel = _kernel("attention")
+    run = kernel.attention if checked else kernel.launch
     if isinstance(attn, TokenLayout):
-        return attention_kernel.launch(qkv, attn.cu_seqlens, attn.max_seqlen, scale), None
-    cu_seqlens = attention_kernel.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
-    return attention_kernel.launch(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid), None
+        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale), None
+    cu_seqlens = kernel.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
+    return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid), None
 
 
-def _bias_gelu_triton(x, weight, bias, activation="gelu"):
-    return _kernel("bias_gelu").bias_gelu(x, weight, bias, activation)
+def _bias_gelu_triton(x, weight, bias, activation="gelu", checked=False):
+    kernel = _kernel("bias_gelu")
+    return (kernel.bias_gelu if checked else kernel.launch)(x, weight, bias, activation)
 
 
-def _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0):
-    return _kernel("residual_layernorm").residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps)
+def _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, checked=False):
+    kernel = _kernel("residual_layernorm")
+    return (kernel.residual_layernorm if checked else kernel.launch)(y, weight, bias, residual, ln_weight, ln_bias, eps)
 
 
 # ---- the per-op functions for callers outside the model: resolved per call ------------------------------------------
@@ -370,8 +376,9 @@ def _with_stride_check(why, x):
 
 def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -> torch.Tensor:
     situation = _call_situation(x, weight, bias, backend_op="qkv_projection")
-    run = _qkv_projection_triton if _resolve_call("qkv_projection", backend, situation, x) else qkv_projection_torch
-    return run(x, weight, bias, num_heads)
+    if _resolve_call("qkv_projection", backend, situation, x):
+        return _qkv_projection_triton(x, weight, bias, num_heads, checked=True)
+    return qkv_projection_torch(x, weight, bias, num_heads)
 
 
 def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
@@ -383,23 +390,25 @@ def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: 
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
     situation = _call_situation(qkv, backend_op="attention", dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded)
-    run = _attention_triton if _resolve_call("attention", backend, situation, qkv) else attention_torch
-    return run(qkv, attn, scale, dropout_p, return_probs)
+    if _resolve_call("attention", backend, situation, qkv):
+        return _attention_triton(qkv, attn, scale, checked=True)
+    return attention_torch(qkv, attn, scale, dropout_p, return_probs)
 
 
 def bias_gelu(x, weight, bias, activation: str = "gelu", *, backend: str = "torch") -> torch.Tensor:
     situation = _call_situation(x, weight, bias, backend_op="bias_gelu")
-    run = _bias_gelu_triton if _resolve_call("bias_gelu", backend, situation, x) else bias_gelu_torch
-    return run(x, weight, bias, activation)
+    if _resolve_call("bias_gelu", backend, situation, x):
+        return _bias_gelu_triton(x, weight, bias, activation, checked=True)
+    return bias_gelu_torch(x, weight, bias, activation)
 
 
 def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float, *, dropout_p: float = 0.0,
                        backend: str = "torch") -> torch.Tensor:
     situation = _call_situation(y, weight, bias, residual, ln_weight, ln_bias, backend_op="residual_layernorm",
                                 dropout=dropout_p)
-    run = _residual_layernorm_triton if _resolve_call("residual_layernorm", backend, situation, y) \
-        else residual_layernorm_torch
-    return run(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)
+    if _resolve_call("residual_layernorm", backend, situation, y):
+        return _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, eps, checked=True)
+    return residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)
 
 
 def default_scale(head_dim: int) -> float:

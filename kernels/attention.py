@@ -77,17 +77,18 @@ def _attention_fwd_kernel(
 
     seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # the sequence's first token in T
     seq_len = tl.load(cu_seqlens_ptr + seq + 1) - tl.load(cu_seqlens_ptr + seq)
-    if pid_m * BLOCK_M >= seq_len:  # past this sequence's end: nothing to compute, nothing to write
-        return
+    # A query block past its sequence's end visits no key block and stores nothing (every lane masked). Written as
+    # a zero loop bound rather than an early return, which cost a stack frame on sm_80 (cuobjdump STACK 8).
+    live = pid_m * BLOCK_M < seq_len
 
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions within the sequence
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
     offs_nb = tl.arange(0, BLOCK_N)
-    head_base = qkv_ptr + head * stride_qkv_h
+    # The sequence's base pointers, 64-bit once; offsets inside a sequence stay 32-bit (< max_seqlen * row stride)
+    seq_base = qkv_ptr + head * stride_qkv_h + seq_start * stride_qkv_t
 
     if HAS_MASK:
-        # Clamped into [0, S]: whatever the buffer holds, no key past the row is ever read.
-        kv_end = tl.minimum(tl.maximum(tl.load(kv_end_ptr + seq), 0), seq_len)
+        kv_end = tl.load(kv_end_ptr + seq)  # in [0, S] by construction: launch() derives it from key_valid
         # HF eager on a fully padded row (kv_end == 0): all S keys, equal scores. Run it as all S keys valid with
         # a zero query (every score exactly 0). (Written with tl.where on scalars, not `block & scalar_bool`,
         # which Triton 3.9's interpreter turns into an int32 mask it then refuses.)
@@ -96,13 +97,13 @@ def _attention_fwd_kernel(
     else:
         n_end = seq_len
         q_end = seq_len
+    n_end = tl.where(live, n_end, 0)
     q_mask = offs_m < q_end
 
     # The Q tile is loaded once and stays in registers for the whole key loop.
-    q_ptrs = head_base + (seq_start + offs_m)[:, None] * stride_qkv_t + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=q_mask[:, None], other=0.0)
-    k_base = head_base + stride_qkv_which  # K^T tile [HEAD_DIM, BLOCK_N] is read straight from the [T, ...] layout
-    v_base = head_base + 2 * stride_qkv_which
+    q = tl.load(seq_base + offs_m[:, None] * stride_qkv_t + offs_d[None, :], mask=q_mask[:, None], other=0.0)
+    k_base = seq_base + stride_qkv_which  # K^T tile [HEAD_DIM, BLOCK_N] is read straight from the [T, ...] layout
+    v_base = seq_base + 2 * stride_qkv_which
 
     # Online softmax state, fp32, in the log2 domain. m starts finite (not -inf) so that a block whose keys are all
     # masked (scores -inf) gives alpha = exp2(m - m_new) = 1 and p = exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
@@ -114,8 +115,7 @@ def _attention_fwd_kernel(
     for start_n in range(0, n_end, BLOCK_N):
         offs_n = start_n + offs_nb
         in_range = offs_n < n_end
-        k = tl.load(k_base + (seq_start + offs_n)[None, :] * stride_qkv_t + offs_d[:, None],
-                    mask=in_range[None, :], other=0.0)
+        k = tl.load(k_base + offs_n[None, :] * stride_qkv_t + offs_d[:, None], mask=in_range[None, :], other=0.0)
         scores = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], fp32
         if HAS_MASK:
             # Only keys before kv_end are read; the rest (all keys of a fully padded row) default to valid.
@@ -130,7 +130,7 @@ def _attention_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.math.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + (seq_start + offs_n)[:, None] * stride_qkv_t + offs_d[None, :],
+        v = tl.load(v_base + offs_n[:, None] * stride_qkv_t + offs_d[None, :],
                     mask=in_range[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -138,47 +138,51 @@ def _attention_fwd_kernel(
     # l_i >= 1 for every live row (its max score contributes exp2(0)); 0 only if kv_end and key_valid disagree
     # (a kv_end > 0 with no real key before it). Divide by 1 there: zeros, not NaN.
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
-    out_ptrs = out_ptr + (seq_start + offs_m)[:, None] * stride_out_t + head * HEAD_DIM + offs_d[None, :]
+    # div.full (2 ulp) rather than IEEE division, whose slow-path subroutine call cost a stack frame on sm_80
+    out = tl.fdiv(acc, l_i[:, None], ieee_rounding=False)
+    out_ptrs = out_ptr + seq_start * stride_out_t + head * HEAD_DIM + offs_m[:, None] * stride_out_t + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Autotune configs
 # --------------------------------------------------------------------------------------------------------------------
-def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
+def _config(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = 255) -> triton.Config:
+    """maxnreg=255 by default: left to itself ptxas often aims at one more CTA per SM than the tile's registers
+    allow (80 at 8 warps, 96 at 4) and parks a value or two on the stack (STACK 8-16 on sm_80, moving from tile to
+    tile with every small code change); with the full budget it takes what the tile needs, with no stack."""
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages,
+                         maxnreg=maxnreg)
 
 
 def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee") -> list[triton.Config]:
     """The tiles worth trying for one dtype / head dim / fp32 input precision. Each compiles for sm_90 and sm_80,
-    masked and unmasked, without register spills (cuobjdump STACK 0; tests/test_aot.py checks it via aot_specs()).
+    masked and unmasked, without register spills on Triton 3.6 and 3.9 (cuobjdump STACK 0; tests/test_aot.py
+    checks it via aot_specs()).
 
     fp16/bf16: 128x64 with 8 warps is the throughput tile for long sequences and big batches (the Triton tutorial's
-    choice; REG <= 186 on sm_90, 244 on sm_80 at hd 128). A 64-query tile with 4 warps doubles the program count,
-    which BERT's usual short sequences and small batches need (1 x 128 tokens x 12 heads makes 12 programs of 128
-    queries for 132 SMs): 64x64 up to hd 64, 64x32 at hd 128, where 64x64 spills on sm_80 (REG 255, STACK 8-24).
-    Two stages: the key loop of a BERT-length sequence is 2-8 iterations, and 3 stages spilled (hd 32, sm_80).
-    fp32: not autotuned, one tile (it is the accuracy path, not the fast one). "tf32" runs on tensor cores;
-    "ieee" (torch's default, allow_tf32 off) runs tl.dot on FMAs, which hold whole hd-long operand rows per thread:
-    every 128-query tile and 64x64 spill at hd 64/128 (STACK 600+ on sm_90). 64x32 with 8 warps fits up to hd 32;
-    at hd 64 "ieee" it spills 8 bytes on sm_90 with Triton 3.6 (the GPU image's version; 3.9 does not), and so do
-    64x32 at 4 warps and 32x32, so hd 64 takes 64x16 with 4 warps (REG <= 152, no stack on 3.6 and 3.9), in "tf32"
-    too (64x32 w8 spilled 8 bytes on sm_80 there once rows moved onto grid x); at hd 128
-    "ieee" only 32x16 with 4 warps fits both variants on both archs (64x32 and 64x16 at 8 warps each spill on sm_80
-    in one of the two mask variants).
+    choice). A 64-query tile with 4 warps doubles the program count, which BERT's usual short sequences and small
+    batches need (1 x 128 tokens x 12 heads makes 24 programs of 64 queries for 132 SMs): 64x64 up to hd 64, 64x32
+    at hd 128, where 64x64 spills on sm_80. Two stages: the key loop of a BERT-length sequence is 2-8 iterations,
+    and 3 stages spilled (hd 32, sm_80).
+    fp32: not autotuned, one tile (it is the accuracy path, not the fast one). "tf32" runs on tensor cores; "ieee"
+    (torch's default, allow_tf32 off) runs tl.dot on FMAs, which hold whole hd-long operand rows per thread: every
+    128-query tile and 64x64 spill at hd 64/128; 64x32 with 8 warps fits up to hd 32, 64x16 with 4 warps at hd 64,
+    32x16 with 4 warps at hd 128 (ptxas's own register budget there; 255 spills).
     """
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # the FMA tiles at hd 64/128 need more than 255 registers' worth: ptxas's own budget
         if input_precision == "ieee" and head_dim > 64:
-            return [_config(32, 16, 4, 2)]
+            return [_config(32, 16, 4, 2, maxnreg=None)]
         if head_dim == 64:  # tf32 at 64x32 w8 spilled 8 bytes on sm_80 once the rows moved onto grid x
-            return [_config(64, 16, 4, 2)]
+            return [_config(64, 16, 4, 2, maxnreg=None)]
         return [_config(64, 32, 8, 2)]
-    return [_config(128, 64, 8, 2), _config(64, 64, 4, 2) if head_dim <= 64 else _config(64, 32, 4, 2)]
+    # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
+    big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 else 255)
+    return [big, _config(64, 64, 4, 2) if head_dim <= 64 else _config(64, 32, 4, 2)]
 
 
 def _key(config: triton.Config) -> tuple:
-    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages, config.maxnreg
 
 
 def _all_configs() -> list[triton.Config]:
@@ -207,6 +211,7 @@ _attention_fwd = triton.autotune(
     # new length re-uses the tuned config; the mask variant shares its unmasked twin's choice.
     key=["HEAD_DIM", "INPUT_PRECISION", "seq_bucket"],
     prune_configs_by={"early_config_prune": _prune},
+    cache_results=True,  # the winner per key persists in Triton's cache directory: a new process does not re-tune
 )(_attention_fwd_kernel)
 
 # Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
@@ -279,7 +284,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     else:
         grid = launch_grid(num_seqs, max_seqlen, num_heads, config.kwargs["BLOCK_M"])
         _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
-                                    num_stages=config.num_stages)
+                                    num_stages=config.num_stages,
+                                    **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out
 
 
@@ -387,10 +393,10 @@ def aot_specs() -> list[dict]:
             for head_dim in TRITON_HEAD_DIMS:
                 for has_mask in (True, False):
                     for config in attention_configs(dtype, head_dim, precision):
-                        bm, bn, warps, stages = _key(config)
+                        bm, bn, warps, stages, maxnreg = _key(config)
                         name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
                                         [f"hd{head_dim}", "mask" if has_mask else "nomask",
-                                         f"{bm}x{bn}-w{warps}-s{stages}"])
+                                         f"{bm}x{bn}-w{warps}-s{stages}" + (f"-r{maxnreg}" if maxnreg else "")])
                         specs.append({
                             "name": name,
                             "fn": _attention_fwd_kernel,
@@ -407,5 +413,6 @@ def aot_specs() -> list[dict]:
                             "hints": {"max_seqlen": None, "stride_mask_b": None, "seq_bucket": None},
                             "num_warps": warps,
                             "num_stages": stages,
+                            **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
                         })
     return specs

@@ -329,7 +329,7 @@ def test_aot_specs_well_formed():
         assert set(spec["hints"]) <= set(spec["signature"]), spec["name"]
     covered = {(s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
                 s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"],
-                s["num_stages"]) for s in specs}
+                s["num_stages"], s.get("maxnreg")) for s in specs}
     for dtype, tag in attention_module._DTYPES.items():
         for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
             for head_dim in kernel_utils.HEAD_DIMS:
@@ -553,3 +553,16 @@ def test_varlen_dispatch_through_ops():
     got, _ = ops.attention(qkv, layout_, 0.2, backend="triton")
     want, _ = ops.attention(qkv, layout_, 0.2, backend="torch")
     assert (got - want).abs().max().item() <= FP32_TOL
+
+
+def test_autotuner_keeps_its_choice_across_processes():
+    """The attention autotuner writes its winner per key to Triton's cache dir (cache_results=True); checked in a fresh
+    process without the interpreter, where Triton honours the flag."""
+    import os
+    import subprocess
+    import sys
+    code = "from fastbert.kernels import attention; print(attention._attention_fwd.cache_results)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True"
