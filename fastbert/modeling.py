@@ -206,6 +206,7 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self._kernels = {op: "auto" for op in OPS}
         self.set_kernels(kernels)
+        ops.triton_import_error()  # import the kernels now if they import at all: never inside a traced forward
         self.apply(self._init_weights)
 
     def _init_weights(self, module):

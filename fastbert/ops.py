@@ -16,6 +16,7 @@ outside the model.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import warnings
 from dataclasses import dataclass
@@ -215,13 +216,15 @@ def check_backend(op: str, backend: str) -> None:
 
 
 _TRITON_IMPORT_ERROR: list = []  # [None] once triton imported fine, [message] once it failed
+_KERNEL_FACTS: list = []  # [fastbert.kernels.utils] once imported
 
 
 def triton_import_error() -> str | None:
-    """None when Triton (and fastbert's kernels) import, else why not. Imported once, lazily."""
+    """None when Triton (and fastbert's kernels) import, else why not. Imported once, lazily (BertModel asks at
+    construction, so that a traced forward never meets an import)."""
     if not _TRITON_IMPORT_ERROR:
         try:
-            importlib.import_module("fastbert.kernels")
+            _KERNEL_FACTS.append(importlib.import_module("fastbert.kernels.utils"))
             _TRITON_IMPORT_ERROR.append(None)
         except Exception as e:  # ImportError, or a broken triton install
             _TRITON_IMPORT_ERROR.append(f"Triton could not be imported ({type(e).__name__}: {e})")
@@ -233,8 +236,8 @@ def _kernel(op: str):
 
 
 def _kernel_facts():
-    """fastbert.kernels.utils: what the kernels support (imported only once Triton is known to import)."""
-    return importlib.import_module("fastbert.kernels.utils")
+    """fastbert.kernels.utils: what the kernels support (only asked once Triton is known to import)."""
+    return _KERNEL_FACTS[0]
 
 
 def triton_unavailable(device: torch.device) -> str | None:
@@ -312,10 +315,33 @@ class Ops(NamedTuple):
     triton: frozenset
 
 
+# While a forward is traced for inference, the four ops are recorded as torch custom ops (fastbert/custom_ops.py),
+# one node each. False records the twins' aten ops instead (what an ONNX export needs: onnx has no fastbert ops).
+TRACE_AS_CUSTOM_OPS = True
+
+
+@contextlib.contextmanager
+def traced_as_aten():
+    """Within the block, a traced forward records the PyTorch twins as plain aten ops (for torch.onnx.export)."""
+    global TRACE_AS_CUSTOM_OPS
+    saved, TRACE_AS_CUSTOM_OPS = TRACE_AS_CUSTOM_OPS, False
+    try:
+        yield
+    finally:
+        TRACE_AS_CUSTOM_OPS = saved
+
+
 def plan(situation: Situation) -> Ops:
     """The four ops for one situation, decided here once."""
     why = reasons(situation)
     use = {op: resolve(op, backend, situation.device, why[op]) for op, backend in zip(OPS, situation.kernels)}
+    inference = not situation.needs_grad and situation.attention_dropout == 0 and situation.hidden_dropout == 0
+    if tracing() and inference and TRACE_AS_CUSTOM_OPS:
+        traced = custom_ops.traced_ops(use)
+        return Ops(traced["qkv_projection"],
+                   traced["attention"] if situation.padded is None else attention_torch,  # probabilities, custom masks
+                   traced["bias_gelu"], traced["residual_layernorm"],
+                   triton=frozenset(op for op, on in use.items() if on))
     return Ops(
         qkv_projection=_qkv_projection_triton if use["qkv_projection"] else qkv_projection_torch,
         attention=_attention_triton if use["attention"] else attention_torch,
@@ -413,3 +439,6 @@ def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float
 
 def default_scale(head_dim: int) -> float:
     return head_dim ** -0.5  # written as HF writes it, so the float is bit-identical
+
+
+from . import custom_ops  # noqa: E402  (registers the fastbert:: ops; it uses the twins above)

@@ -148,11 +148,30 @@ def test_torch_compile_fullgraph(hf):
     torch._dynamo.reset()
 
 
-def test_torch_export(hf):
-    fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_torch_export(hf, kernels):
+    """The exported graph holds one fastbert:: custom op per op and layer (the twins on CPU; the kernels where the
+    forward resolved to Triton: the interpreter here, CUDA on a GPU)."""
+    fb = fastbert.BertModel.from_hf(hf, kernels=kernels).eval()
     ids, types, ones, _ = _traced_cases()
     with torch.no_grad():
         program = torch.export.export(fb, (ids, ones, types))
+        _check_traced(lambda i, m, t: program.module()(i, m, t), hf, fb)
+    targets = [str(n.target) for n in program.graph.nodes]
+    layers = hf.config.num_hidden_layers
+    for op, per_layer in (("qkv_projection", 1), ("attention", 1), ("bias_gelu", 1), ("residual_layernorm", 2)):
+        assert targets.count(f"fastbert.{op}.default") == per_layer * layers, op
+
+
+def test_export_as_plain_aten_ops(hf):
+    """ops.traced_as_aten(): the twins recorded as aten ops (what an ONNX export needs), same numbers."""
+    from fastbert import ops
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
+    ids, types, ones, _ = _traced_cases()
+    with torch.no_grad(), ops.traced_as_aten():
+        program = torch.export.export(fb, (ids, ones, types))
+    assert not [n for n in program.graph.nodes if "fastbert" in str(n.target)]
+    with torch.no_grad():
         _check_traced(lambda i, m, t: program.module()(i, m, t), hf, fb)
 
 
@@ -223,3 +242,13 @@ def test_graph_runner_refuses_what_it_cannot_capture(hf):
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
             fb.eval().cuda_graphs()
+
+
+def test_eager_forwards_do_not_go_through_the_custom_ops(hf):
+    """The custom ops are for traced graphs; an eager forward calls the twins and kernels directly (the dispatcher
+    would add ~10-20 us per op call)."""
+    from fastbert import ops
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
+    run = fb.resolve_ops(needs_grad=False)
+    assert (run.qkv_projection, run.attention, run.bias_gelu, run.residual_layernorm) == (
+        ops.qkv_projection_torch, ops.attention_torch, ops.bias_gelu_torch, ops.residual_layernorm_torch)

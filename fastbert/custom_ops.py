@@ -1,0 +1,112 @@
+"""The four ops as torch custom ops, so that torch.compile and torch.export see one op each.
+
+A traced forward (torch.compile, torch.export) records `fastbert::qkv_projection`, `fastbert::attention`,
+`fastbert::bias_gelu` and `fastbert::residual_layernorm` as single nodes with fake (shape-only) implementations,
+instead of the Python of a Triton launcher, which a tracer cannot follow. When the graph runs, each node runs the
+Triton kernel (CUDA) or the PyTorch twin (CPU, or when the forward resolved that op to its twin).
+
+Eager forwards never go through here: the dispatcher costs ~10-20 us per call, which a small batch would feel. The
+ops are only used while tracing (ops.plan), for inference (no autograd formula is registered; a traced training
+forward uses the plain twins, which autograd and ONNX export understand).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import ops
+from .layout import TokenLayout
+
+
+def _kernel(op: str):
+    return importlib.import_module(f"fastbert.kernels.{op}")
+
+
+@torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                   use_triton: bool) -> torch.Tensor:
+    """x [T, H] @ W_qkv^T + b -> [T, 3H] (the caller views it as [T, 3, nh, hd])."""
+    if use_triton:
+        return _kernel("qkv_projection").launch(x, weight, bias, num_heads).reshape(x.shape[0], weight.shape[0])
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@qkv_projection.register_fake
+def _(x, weight, bias, num_heads, use_triton):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("fastbert::attention", mutates_args=())
+def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+              key_valid: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
+    """Packed qkv [T, 3, nh, hd] -> [T, nh*hd]; key_valid [n, S] for padded rows (then every row has S tokens)."""
+    if use_triton:
+        return _kernel("attention").launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid)
+    if key_valid is None:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the twin loops over sequences on the host
+        layout = TokenLayout(cu_seqlens, max_seqlen, qkv.shape[0], tuple(lengths), None, len(lengths), max_seqlen)
+        return ops.attention_varlen_torch(qkv, layout, scale)
+    B, S = key_valid.shape
+    mask = ops.AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
+    return ops.attention_padded_torch(qkv, mask, scale)[0]
+
+
+@attention.register_fake
+def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, use_triton):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[2] * qkv.shape[3])
+
+
+@torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
+def bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+              use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        return _kernel("bias_gelu").launch(x, weight, bias, activation)
+    return ops.bias_gelu_torch(x, weight, bias, activation)
+
+
+@bias_gelu.register_fake
+def _(x, weight, bias, activation, use_triton):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("fastbert::residual_layernorm", mutates_args=())
+def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        return _kernel("residual_layernorm").launch(y, weight, bias, residual, ln_weight, ln_bias, eps)
+    return ops.residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps)
+
+
+@residual_layernorm.register_fake
+def _(y, weight, bias, residual, ln_weight, ln_bias, eps, use_triton):
+    return residual.new_empty(residual.shape)
+
+
+# ---- the op callables a traced forward's plan holds (the layer's signatures) -----------------------------------------
+def traced_ops(use: dict) -> dict:
+    """op -> a callable with the twin's signature that records one custom op node."""
+    def run_qkv(x, weight, bias, num_heads):
+        out = torch.ops.fastbert.qkv_projection(x, weight, bias, num_heads, use["qkv_projection"])
+        return out.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
+
+    def run_attention(qkv, attn, scale, dropout_p=0.0, return_probs=False):
+        if isinstance(attn, TokenLayout):
+            cu_seqlens, max_seqlen, key_valid = attn.cu_seqlens, attn.max_seqlen, None
+        else:  # padded rows (what a traced forward runs): uniform cu_seqlens and the key mask
+            B, S = attn.batch_size, attn.seq_len
+            cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=qkv.device)
+            max_seqlen, key_valid = S, attn.key_valid
+            if key_valid is None:
+                key_valid = torch.ones(B, S, dtype=torch.bool, device=qkv.device)
+        return torch.ops.fastbert.attention(qkv, cu_seqlens, max_seqlen, scale, key_valid, use["attention"]), None
+
+    def run_bias_gelu(x, weight, bias, activation="gelu"):
+        return torch.ops.fastbert.bias_gelu(x, weight, bias, activation, use["bias_gelu"])
+
+    def run_residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0):
+        return torch.ops.fastbert.residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps,
+                                                     use["residual_layernorm"])
+
+    return {"qkv_projection": run_qkv, "attention": run_attention, "bias_gelu": run_bias_gelu,
+            "residual_layernorm": run_residual_layernorm}
