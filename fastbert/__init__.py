@@ -1,6 +1,8 @@
 """fastbert: a drop-in Hugging Face BertModel whose four fused ops run as Triton kernels or as PyTorch twins."""
-from .config import BertConfig
-from .modeling import BertModel
-from .ops import BACKENDS, OPS
+__version__ = "0.1.0"
+
+from .config import BertConfig  # noqa: E402
+from .modeling import BertModel  # noqa: E402
+from .ops import BACKENDS, OPS  # noqa: E402
 
 __all__ = ["BertConfig", "BertModel", "OPS", "BACKENDS"]

@@ -240,6 +240,10 @@ def check(args) -> int:
           f"batch size: {args.batch_size}  torch {torch.__version__}  transformers {transformers.__version__}")
     print(f"parity bar (max |delta| vs HF on real tokens): {bar:.1e}"
           + ("" if dtype == torch.float32 else f"  (2x HF's own {args.dtype} error {hf_err:.1e})"))
+    longest = max(int(enc["attention_mask"].sum(1).max()) for _, enc in encodings)
+    tokens = max(int(enc["attention_mask"].sum()) for _, enc in encodings)
+    resolved = model.resolved_kernels(tokens=tokens, max_seqlen=longest)  # on a GPU "auto" measures here
+    print("\"auto\" runs here: " + ", ".join(f"{op}={backend}" for op, backend in resolved.items()))
     header = f"{'backend':<8} {'device':<7} {'dtype':<9} {'max |delta| vs HF':>18} {'cosine (mean-pooled)':>21} " \
              f"{'HF tok/s':>10} {'fastbert tok/s':>15}  verdict"
     print(header + "\n" + "-" * len(header))

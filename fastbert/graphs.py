@@ -87,10 +87,11 @@ class GraphRunner:
         self.buckets = buckets
         self.max_seqs = max_seqs
         self.max_seqlen = min(max_seqlen or model.config.max_position_embeddings, model.config.max_position_embeddings)
-        self.ops = model.resolve_ops(needs_grad=False)
-        if "attention" not in self.ops.triton:
+        # Every bucket's backends are resolved now, "auto" measured included, before anything is captured.
+        self.ops = {b: model.resolve_ops(needs_grad=False, tokens=b, max_seqlen=self.max_seqlen) for b in buckets}
+        if any("attention" not in run.triton for run in self.ops.values()):
             raise ValueError("CUDA graphs need attention on its Triton kernel (the PyTorch twin loops over sequence "
-                             "lengths on the host); set kernels 'auto' or 'triton' for attention")
+                             "lengths on the host); set kernels 'triton' for attention (or 'auto', where it wins)")
         self.stats = GraphStats()
         device, T = weight.device, buckets[-1]
         # Static inputs, shared by every bucket's graph (each reads a prefix of the token buffers).
@@ -113,7 +114,7 @@ class GraphRunner:
     def _encode(self, bucket: int):
         layout = TokenLayout(self.cu_seqlens, self.max_seqlen, bucket, None, None, self.max_seqs, self.max_seqlen)
         x, _, _ = self.model.encode(self.input_ids[:bucket], self.token_type_ids[:bucket], self.position_ids[:bucket],
-                                    layout, self.ops)
+                                    layout, self.ops[bucket])
         return x
 
     def _example_layout(self, bucket: int):
@@ -166,8 +167,11 @@ class GraphRunner:
             if bucket is None:
                 self.stats.eager_calls += 1
                 self.stats.eager_reasons[why] = self.stats.eager_reasons.get(why, 0) + 1
+                tokens, longest = (layout.num_tokens, layout.max_seqlen) if layout is not None else (
+                    batch.shape[0] * batch.shape[1], batch.shape[1])
                 x, _, _ = model.encode(batch.input_ids, batch.token_type_ids, batch.position_ids, batch.attn,
-                                       model.resolve_ops(needs_grad=False), batch.inputs_embeds)
+                                       model.resolve_ops(needs_grad=False, tokens=tokens, max_seqlen=longest),
+                                       batch.inputs_embeds)
             else:
                 T, n = layout.num_tokens, layout.num_seqs
                 self.input_ids[:T].copy_(batch.input_ids)

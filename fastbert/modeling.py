@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from . import ops
+from . import auto, ops
 from .config import BertConfig
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad
@@ -204,6 +204,7 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.activation = ops.ACTIVATIONS[config.hidden_act]
         self._kernels = {op: "auto" for op in OPS}
         self.set_kernels(kernels)
         ops.triton_import_error()  # import the kernels now if they import at all: never inside a traced forward
@@ -253,6 +254,12 @@ class BertModel(nn.Module):
         """op name -> requested backend ("auto", "torch" or "triton")."""
         return dict(self._kernels)
 
+    def resolved_kernels(self, tokens: int = 512, max_seqlen: int = 128) -> dict:
+        """op -> "triton" or "torch": what an inference forward of `tokens` real tokens (longest sequence
+        `max_seqlen`) runs here. On a GPU, "auto" ops are measured for that bucket first if they were not yet."""
+        run = self.resolve_ops(needs_grad=False, tokens=tokens, max_seqlen=max_seqlen)
+        return {op: "triton" if op in run.triton else "torch" for op in OPS}
+
     def set_kernels(self, backend=None, **per_op) -> "BertModel":
         """set_kernels("triton") sets every op; set_kernels(attention="torch", ...) sets single ops; or a dict."""
         if isinstance(backend, dict):
@@ -287,7 +294,9 @@ class BertModel(nn.Module):
             padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
         elif getattr(batch.attn, "custom", False):
             padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-        run = self.resolve_ops(needs_grad, padded)
+        tokens, longest = (batch.layout.num_tokens, batch.layout.max_seqlen) if batch.layout is not None else (
+            batch.shape[0] * batch.shape[1], batch.shape[1])
+        run = self.resolve_ops(needs_grad, padded, tokens, longest)
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
                                                    batch.attn, run, batch.inputs_embeds,
                                                    bool(output_hidden_states), bool(output_attentions))
@@ -341,15 +350,23 @@ class BertModel(nn.Module):
             cross_attentions=() if output_attentions else None,
         )
 
-    def resolve_ops(self, needs_grad: bool = False, padded: str | None = None) -> ops.Ops:
-        """The four ops for this situation (device, dtype, autograd, dropout, and why attention runs padded rows, if
-        it does), resolved once and cached: a forward pays one dictionary lookup for its backend choices."""
+    def resolve_ops(self, needs_grad: bool = False, padded: str | None = None, tokens: int = 0,
+                    max_seqlen: int = 0) -> ops.Ops:
+        """The four ops for this situation (device, dtype, autograd, dropout, why attention runs padded rows if it
+        does, and on a GPU the token and sequence-length buckets "auto" measured for), resolved once and cached: a
+        forward pays one dictionary lookup for its backend choices."""
         weight = self.embeddings.word_embeddings.weight
         cfg = self.config
+        kernels = tuple(self._kernels[op] for op in OPS)
+        shapes = None
+        if weight.device.type in ops.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
+                and not self.training and tokens:
+            shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, cfg.intermediate_size,
+                                 cfg.num_attention_heads, cfg.head_dim, auto.token_bucket(max_seqlen), self.activation)
         situation = ops.Situation(
-            tuple(self._kernels[op] for op in OPS), weight.device, weight.dtype, cfg.head_dim, needs_grad,
+            kernels, weight.device, weight.dtype, cfg.head_dim, needs_grad,
             cfg.attention_probs_dropout_prob if self.training else 0.0,
-            cfg.hidden_dropout_prob if self.training else 0.0, padded)
+            cfg.hidden_dropout_prob if self.training else 0.0, padded, shapes)
         if ops.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return ops.plan(situation)
         run = self._plans.get(situation)

@@ -285,6 +285,12 @@ class Situation:
     attention_dropout: float
     hidden_dropout: float
     padded: str | None  # why attention runs on padded rows ("output_attentions=True needs ...", a custom mask), or None
+    shapes: object = None  # auto.Shapes where "auto" measures (an inference forward on CUDA), else None
+
+
+# Where "auto" picks by measuring (fastbert/auto.py): on a GPU. Elsewhere it takes the kernel wherever one can run
+# (CUDA, or the interpreter in tests) and the twin otherwise.
+MEASURED_DEVICE_TYPES = ("cuda",)
 
 
 def reasons(situation: Situation) -> dict:
@@ -336,6 +342,10 @@ def plan(situation: Situation) -> Ops:
     why = reasons(situation)
     use = {op: resolve(op, backend, situation.device, why[op]) for op, backend in zip(OPS, situation.kernels)}
     inference = not situation.needs_grad and situation.attention_dropout == 0 and situation.hidden_dropout == 0
+    if situation.shapes is not None:
+        for op, backend in zip(OPS, situation.kernels):
+            if backend == "auto" and use[op]:
+                use[op] = _measured(op, situation)
     if tracing() and inference and TRACE_AS_CUSTOM_OPS:
         traced = custom_ops.traced_ops(use)
         return Ops(traced["qkv_projection"],
@@ -349,6 +359,25 @@ def plan(situation: Situation) -> Ops:
         residual_layernorm=_residual_layernorm_triton if use["residual_layernorm"] else residual_layernorm_torch,
         triton=frozenset(op for op, on in use.items() if on),
     )
+
+
+_TWINS = {"qkv_projection": "qkv_projection_torch", "attention": "attention_torch", "bias_gelu": "bias_gelu_torch",
+          "residual_layernorm": "residual_layernorm_torch"}
+_KERNELS = {op: f"_{op}_triton" for op in OPS}
+
+
+def _measured(op: str, situation: Situation) -> bool:
+    """"auto" on a GPU: the kernel when it measured at least as fast as the twin for these shapes (auto.py). While a
+    forward is traced or a CUDA graph captured, nothing is timed: an op not yet measured takes its kernel."""
+    from . import auto
+    choices = auto.choices_for(situation.device)
+    key = auto.op_key(op, situation.dtype, situation.shapes)
+    if tracing() or not choices.known(key) and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return choices.table.get(key, {}).get("choice", "triton") == "triton"
+    g = globals()
+    kernel_fn, twin_fn = auto.contenders(op, situation.dtype, situation.shapes, situation.device, g[_KERNELS[op]],
+                                         g[_TWINS[op]])
+    return choices.choose(key, kernel_fn, twin_fn)
 
 
 # The kernels behind the same signatures as the twins (the plan has already ruled out dropout and autograd). The model

@@ -1,0 +1,147 @@
+""""auto" that measures: on a GPU, each op runs whichever of its Triton kernel and its PyTorch twin is faster there.
+
+A fused kernel is not faster than cuBLAS plus a few elementwise passes on every GPU and every shape (a small T leaves
+SMs idle; a new architecture may favour cuBLAS's GEMMs). So on CUDA, "auto" times both once per (op, dtype, shapes,
+token bucket) with the device's own clock and keeps the answer on disk per GPU name and library versions: fastbert is
+then at worst equal to its twin, op by op, on any GPU, including ones nobody here measured. Explicit "triton" always
+runs Triton; explicit "torch" always the twin.
+
+    Choices.choose(key, kernel_fn, twin_fn) -> True when the kernel wins (ties go to the kernel)
+    the table: ~/.cache/fastbert/auto/<gpu>-torch<v>-triton<v>-fastbert<v>.json  (FASTBERT_CACHE_DIR overrides)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from . import __version__
+
+
+def token_bucket(tokens: int) -> int:
+    """The power of two at or above `tokens` (at least 16): one measurement serves every T in (bucket/2, bucket]."""
+    return max(16, 1 << max(0, tokens - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What an op's speed depends on, besides the op and the dtype."""
+    tokens: int  # the token bucket
+    hidden: int
+    intermediate: int
+    heads: int
+    head_dim: int
+    max_seqlen: int  # attention: a bucket of the longest sequence
+    activation: str
+
+
+def default_timer(fn) -> float:
+    """Milliseconds per call on the device: Triton's do_bench (median over warmed-up repetitions, L2 flushed)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40))
+
+
+class Choices:
+    """The measured table for one device, loaded from and saved to disk."""
+
+    def __init__(self, device: torch.device, timer=None, path: str | None = None):
+        self.device = device
+        self.timer = timer or default_timer
+        self.path = path or self.default_path(device)
+        self.table = self._load()
+
+    @staticmethod
+    def default_path(device: torch.device) -> str:
+        import triton
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        stem = re.sub(r"[^A-Za-z0-9.]+", "-", f"{name}-torch{torch.__version__}-triton{triton.__version__}-"
+                                                  f"fastbert{__version__}").strip("-")
+        root = os.environ.get("FASTBERT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastbert")
+        return os.path.join(root, "auto", stem + ".json")
+
+    def _load(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                table = json.load(f)
+            return table if isinstance(table, dict) else {}
+        except (OSError, ValueError):  # absent, unreadable or corrupt: measure again
+            return {}
+
+    def _save(self) -> None:
+        """Atomically (another process may be measuring too; the last complete table wins)."""
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.table, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only home: the choices still hold for this process
+
+    def choose(self, key: str, kernel_fn, twin_fn) -> bool:
+        """True when the kernel is at least as fast as the twin for `key`; measured the first time only."""
+        entry = self.table.get(key)
+        if entry is None:
+            kernel_ms, twin_ms = self.timer(kernel_fn), self.timer(twin_fn)
+            entry = self.table[key] = {"triton_ms": kernel_ms, "torch_ms": twin_ms,
+                                       "choice": "triton" if kernel_ms <= twin_ms else "torch"}
+            self._save()
+        return entry["choice"] == "triton"
+
+    def known(self, key: str) -> bool:
+        return key in self.table
+
+
+def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
+    dt = str(dtype).replace("torch.", "")
+    if op == "qkv_projection":
+        return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|N{3 * shapes.hidden}"
+    if op == "bias_gelu":
+        return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|{shapes.activation}"
+    if op == "residual_layernorm":
+        return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
+    return f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}"
+
+
+def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin):
+    """(kernel_fn, twin_fn): zero-argument calls of the op on random inputs of these shapes. `kernel` and `twin` are
+    the op's two implementations with the layer's signature (ops.plan's callables)."""
+    from .layout import TokenLayout
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
+
+    T, H, I = shapes.tokens, shapes.hidden, shapes.intermediate
+    if op == "qkv_projection":
+        args = (rand(T, H), rand(3 * H, H, scale=H ** -0.5), rand(3 * H), shapes.heads)
+    elif op == "bias_gelu":
+        args = (rand(T, H), rand(I, H, scale=H ** -0.5), rand(I), shapes.activation)
+    elif op == "residual_layernorm":  # a layer calls it twice: after attention (K = H) and after the FFN (K = I)
+        x, ones, zeros = rand(T, H), torch.ones(H, device=device, dtype=dtype), torch.zeros(H, device=device, dtype=dtype)
+        first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, zeros, 1e-12)
+        second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, zeros, 1e-12)
+        return (lambda: (kernel(*first), kernel(*second))), (lambda: (twin(*first), twin(*second)))
+    else:
+        L = min(shapes.max_seqlen, T)
+        n = max(1, T // L)
+        cu = torch.arange(0, (n + 1) * L, L, dtype=torch.int32, device=device)
+        layout = TokenLayout(cu, L, n * L, (L,) * n, None, n, L)
+        qkv = rand(n * L, 3, shapes.heads, shapes.head_dim)
+        args = (qkv, layout, shapes.head_dim ** -0.5)
+    return (lambda: kernel(*args)), (lambda: twin(*args))
+
+
+_CHOICES: dict = {}
+
+
+def choices_for(device: torch.device, timer=None) -> Choices:
+    """The process's table for `device` (one per device; a timer given here replaces the device clock)."""
+    key = str(device)
+    if key not in _CHOICES or timer is not None:
+        _CHOICES[key] = Choices(device, timer)
+    return _CHOICES[key]
