@@ -408,30 +408,22 @@ def _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, ep
 
 
 # ---- the per-op functions for callers outside the model: resolved per call ------------------------------------------
-def _call_situation(x, *tensors, backend_op: str, dropout: float = 0.0, head_dim: int | None = None, padded=None):
+def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_dim: int | None = None,
+                padded: str | None = None) -> bool:
+    """resolve() for one call of the functions below (the model resolves once per forward instead)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
-    return Situation((), x.device, x.dtype, head_dim or 0, needs_grad,
-                     dropout if backend_op == "attention" else 0.0, dropout, padded)
+    why = reasons(Situation((), x.device, x.dtype, head_dim or 0, needs_grad, dropout, dropout, padded))[op]
 
-
-def _resolve_call(op: str, backend: str, situation: Situation, x: torch.Tensor) -> bool:
-    why = reasons(situation)[op]
-    if op != "attention":
-        why = _with_stride_check(why, x)
-    return resolve(op, backend, situation.device, why)
-
-
-def _with_stride_check(why, x):
     def reason():
         if x.dim() and x.stride(-1) != 1:
             return f"the input's last dimension has stride {x.stride(-1)} (the kernels read unit-stride rows)"
         return why()
-    return reason
+
+    return resolve(op, backend, x.device, reason)
 
 
 def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -> torch.Tensor:
-    situation = _call_situation(x, weight, bias, backend_op="qkv_projection")
-    if _resolve_call("qkv_projection", backend, situation, x):
+    if _use_kernel("qkv_projection", backend, x, weight, bias):
         return _qkv_projection_triton(x, weight, bias, num_heads, checked=True)
     return qkv_projection_torch(x, weight, bias, num_heads)
 
@@ -444,24 +436,20 @@ def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: 
         padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-    situation = _call_situation(qkv, backend_op="attention", dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded)
-    if _resolve_call("attention", backend, situation, qkv):
+    if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
         return _attention_triton(qkv, attn, scale, checked=True)
     return attention_torch(qkv, attn, scale, dropout_p, return_probs)
 
 
 def bias_gelu(x, weight, bias, activation: str = "gelu", *, backend: str = "torch") -> torch.Tensor:
-    situation = _call_situation(x, weight, bias, backend_op="bias_gelu")
-    if _resolve_call("bias_gelu", backend, situation, x):
+    if _use_kernel("bias_gelu", backend, x, weight, bias):
         return _bias_gelu_triton(x, weight, bias, activation, checked=True)
     return bias_gelu_torch(x, weight, bias, activation)
 
 
 def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float, *, dropout_p: float = 0.0,
                        backend: str = "torch") -> torch.Tensor:
-    situation = _call_situation(y, weight, bias, residual, ln_weight, ln_bias, backend_op="residual_layernorm",
-                                dropout=dropout_p)
-    if _resolve_call("residual_layernorm", backend, situation, y):
+    if _use_kernel("residual_layernorm", backend, y, weight, bias, residual, ln_weight, ln_bias, dropout=dropout_p):
         return _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, eps, checked=True)
     return residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)
 
