@@ -325,3 +325,140 @@ def test_options_of_a_built_encoder_are_fixed(minilm_path):
     encoder = SentenceEncoder.from_pretrained(minilm_path, **CPU)
     with pytest.raises(TypeError, match="set when the encoder is built"):
         fastbert.encode(encoder, ["a"], pooling="cls")
+
+
+# ---- python -m fastbert encode ------------------------------------------------------------------------------------
+# In a subprocess as users run it (TRITON_INTERPRET=0: on CPU "auto" is the PyTorch path), or in this process for the
+# error cases (then on CPU with --kernels torch, for the reason given at CPU above).
+IN_PROCESS = [] if torch.cuda.is_available() else ["--kernels", "torch", "--device", "cpu"]
+
+
+def run_cli(*args, stdin=None):
+    env = dict(os.environ, TRITON_INTERPRET="0", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "fastbert", "encode", *map(str, args)], env=env, input=stdin,
+                          capture_output=True, timeout=600)
+
+
+def main_in_process(capsys, *args):
+    from fastbert import __main__ as cli
+    try:
+        code = cli.main(["encode", *map(str, args)])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def lines(texts):
+    """The texts as lines of a file: each on one line (the whole card included), empty lines kept."""
+    return [" ".join(t.split()) if t.strip() else "" for t in texts]
+
+
+def test_cli_txt_and_stdin_match_sentence_transformers(minilm_path, lines, tmp_path):
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = run_cli("--model", minilm_path, "--input", tmp_path / "in.txt", "--output", tmp_path / "a.npy",
+                  "--max-tokens-per-batch", 2048, "--device", "cpu")
+    assert out.returncode == 0, out.stderr.decode()
+    assert b"pooling mean, Normalize, max_seq_length 256: its sentence-transformers config" in out.stdout
+    emb = np.load(tmp_path / "a.npy")
+    assert_close(emb, st_encode(minilm_path, lines))
+    piped = run_cli("--model", minilm_path, "--input", "-", "--output", tmp_path / "b.npy", "--device", "cpu",
+                    stdin=(tmp_path / "in.txt").read_bytes())
+    assert piped.returncode == 0, piped.stderr.decode()
+    np.testing.assert_allclose(np.load(tmp_path / "b.npy"), emb, atol=1e-6)
+
+
+def test_cli_jsonl_with_ids(capsys, minilm_path, cls_folder, lines, tmp_path):
+    """A .jsonl corpus: the text under --text-field, ids (strings or integers) under --id-field written to --ids,
+    line i for row i; pooling and normalisation overridden on the command line."""
+    records = [{"_id": f"doc-{i}" if i % 3 else i, "body": text, "lang": "en"} for i, text in enumerate(lines)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    code, stdout, err = main_in_process(capsys, "--model", minilm_path, "--input", tmp_path / "in.jsonl",
+                                        "--text-field", "body", "--id-field", "_id", "--ids", tmp_path / "ids.txt",
+                                        "--output", tmp_path / "e.npy", "--pooling", "cls", "--no-normalize",
+                                        *IN_PROCESS)
+    assert code == 0, err
+    assert (tmp_path / "ids.txt").read_text(encoding="utf-8").splitlines() == [str(r["_id"]) for r in records]
+    assert_close(np.load(tmp_path / "e.npy"), st_encode(cls_folder, lines))
+    assert "and their ids to" in stdout
+
+
+def test_cli_line_numbers_as_ids_and_the_plain_folder_note(capsys, plain_folder, tmp_path):
+    (tmp_path / "in.txt").write_text("first\n\nthird\n", encoding="utf-8")
+    code, _, err = main_in_process(capsys, "--model", plain_folder, "--input", tmp_path / "in.txt",
+                                   "--ids", tmp_path / "ids.txt", "--output", tmp_path / "e.npy", *IN_PROCESS)
+    assert code == 0
+    notes = [line for line in err.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "pooling mean, no Normalize, max_seq_length 512" in notes[0], err
+    assert (tmp_path / "ids.txt").read_text().splitlines() == ["1", "2", "3"]
+    assert np.load(tmp_path / "e.npy").shape == (3, 384)
+
+
+def test_cli_failing_to_write_keeps_both_old_files(capsys, minilm_path, tmp_path, monkeypatch):
+    (tmp_path / "in.txt").write_text("a\nb\n", encoding="utf-8")
+    (tmp_path / "ids.txt").write_text("old ids\n")
+    np.save(tmp_path / "e.npy", np.arange(3.0))
+
+    def disk_full(file, array, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "save", disk_full)
+    code, _, err = main_in_process(capsys, "--model", minilm_path, "--input", tmp_path / "in.txt",
+                                   "--ids", tmp_path / "ids.txt", "--output", tmp_path / "e.npy", *IN_PROCESS)
+    assert code == 2 and "No space left on device" in err.splitlines()[-1]
+    assert (tmp_path / "ids.txt").read_text() == "old ids\n"
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.load(tmp_path / "e.npy"), np.arange(3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.npy", "ids.txt", "in.txt"]
+
+
+@pytest.mark.parametrize("content, args, words", [
+    ('{"text": "a"}\n{"text": \n', [], "line 2 is not valid JSON"),
+    ('{"text": "a"}\n\n{"text": "c"}\n', [], "line 2 is empty"),
+    ('["a list"]\n', [], "line 1 is a JSON list, not an object"),
+    ('{"body": "a"}\n', [], "line 1 has no field 'text' (its fields: 'body')"),
+    ('{"text": 7}\n', [], "line 1: field 'text' is 7, not a string"),
+    ('{"text": "a", "id": null}\n', ["--id-field", "id", "--ids", "IDS"], "field 'id' is null, not a string or an"),
+    ('{"text": "a", "id": "x\\ny"}\n', ["--id-field", "id", "--ids", "IDS"], "holds a line break"),
+    ('{"text": "a", "id": 1}\n', ["--id-field", "id"], "--id-field needs --ids FILE"),
+    ('{"text": "a"}\n', ["--format", "txt", "--id-field", "id", "--ids", "IDS"], "--id-field reads .jsonl input"),
+    ('{"text": "a"}\n', ["--ids", "OUT"], "is the --output file"),
+    ('{"text": "a"}\n', ["--pooling", "avg"], "argument --pooling: 'avg': the pooling modes are cls, max, mean"),
+    ('{"text": "a"}\n', ["--prompt", "x", "--prompt-name", "query"], "give --prompt or --prompt-name, not both"),
+    ('{"text": "a"}\n', ["--prompt-name", "search"], "'search' is not one of this model's prompts"),
+    ('{"text": "a"}\n', ["--max-tokens-per-batch", "0"], "--max-tokens-per-batch: must be >= 1, got 0"),
+    ('{"text": "a"}\n', ["--max-seq-length", "2"], "max_seq_length must be an integer >= 3"),
+    ('{"text": "a"}\n', ["--max-seq-length", "600"], "max_seq_length 600 exceeds the model's max_position_embeddings"),
+    ('{"text": "a"}\n', ["--model", "DENSE"], "sentence_transformers.models.Dense not implemented"),
+], ids=["bad-json", "blank-line", "not-an-object", "no-field", "not-a-string", "null-id", "id-line-break",
+        "id-without-ids", "id-field-txt", "ids-is-output", "bad-pooling", "prompt-and-name", "unknown-prompt",
+        "zero-budget", "too-short", "too-long", "dense-module"])
+def test_cli_user_errors_are_one_line(capsys, minilm_path, tmp_path, content, args, words):
+    (tmp_path / "in.jsonl").write_text(content, encoding="utf-8")
+    dense = st_folder(minilm_path, tmp_path / "dense", modules=NO_NORMALIZE + [DENSE]) if "DENSE" in args else None
+    replace = {"IDS": tmp_path / "ids.txt", "OUT": tmp_path / "out.npy", "DENSE": dense}
+    args = [replace.get(a, a) for a in args]
+    model = [] if "--model" in args else ["--model", minilm_path]
+    code, _, err = main_in_process(capsys, *model, "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.npy",
+                                   *args, *IN_PROCESS)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert words in lines[0], lines[0]
+    assert not (tmp_path / "out.npy").exists() and not (tmp_path / "ids.txt").exists()
+
+
+def test_cli_help_documents_every_option(capsys):
+    from fastbert.__main__ import encode_parser
+    parser = encode_parser()
+    options = [a for a in parser._actions if a.option_strings]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert len(options) >= 20
+    for action in options:
+        assert action.help and len(action.help) > 10, action.option_strings
+        for name in action.option_strings:
+            assert name in help_text, name
+    assert "python -m fastbert encode --input corpus.txt --output emb.npy" in help_text
