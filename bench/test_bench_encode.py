@@ -5,8 +5,9 @@ the Python distributions installed next to fastbert, split into paragraphs (5 to
 are cut at max_seq_length as both libraries cut them). Each variant is checked against sentence-transformers before
 anything is timed (fp32: cosine >= 0.99999 for every text; fp16/bf16: at most twice sentence-transformers' own error
 in that dtype against its fp32). Then rounds alternate between the two (as in test_bench_ab.py, so bursts of noise
-on a shared machine land on both); the headline is texts/s, with real tokens/s and the tokens each one computes
-(padding included) in extra_info.
+on a shared machine land on both); the headline is texts/s (wall clock), with real tokens/s, the process CPU time
+(steadier than wall time when other jobs share the cores) and the tokens each one computes (padding included) in
+extra_info.
 
 Both run as users run them: sentence-transformers with its defaults (batches of 32 texts, sorted by characters),
 fastbert with its defaults (sorted by tokens, batches of up to 16,384 tokens). Until fastbert's packed forward lands
@@ -102,21 +103,25 @@ def test_encode_corpus(device, dtype, size, benchmark, request):
     assert error <= bound, f"fastbert vs sentence-transformers: 1 - cosine = {error:.3g} > {bound:.3g}; not timed"
 
     times = {name: [] for name in variants}
+    cpu_times = {name: [] for name in variants}  # process CPU seconds: steadier than wall time on a shared CPU
 
     def one_round():  # alternates which side goes first
         order = list(variants) if len(times["fastbert"]) % 2 == 0 else list(reversed(variants))
         for name in order:
             if device == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             variants[name]()  # returns host arrays: the work is done when it returns
             times[name].append(time.perf_counter() - t0)
+            cpu_times[name].append(time.process_time() - c0)
 
     benchmark.group = f"encode a corpus: minilm {dtype} {device}"
     benchmark.pedantic(one_round, rounds=1 if benchmark.disabled else ROUNDS[device],
                        warmup_rounds=0 if benchmark.disabled else 1)
-    timed = {name: t[-(1 if benchmark.disabled else ROUNDS[device]):] for name, t in times.items()}  # no warm-up
+    kept = 1 if benchmark.disabled else ROUNDS[device]  # the warm-up round is dropped
+    timed = {name: t[-kept:] for name, t in times.items()}
     medians = {name: statistics.median(t) for name, t in timed.items()}
+    cpu_medians = {name: statistics.median(t[-kept:]) for name, t in cpu_times.items()}
 
     lengths = [len(x) for x in encoder.tokenizer(texts, truncation=True, max_length=encoder.pipeline.max_seq_length)
                ["input_ids"]]
@@ -134,4 +139,6 @@ def test_encode_corpus(device, dtype, size, benchmark, request):
         **{f"{name}_median_s": m for name, m in medians.items()},
         **{f"{name}_texts_per_s": len(texts) / m for name, m in medians.items()},
         **{f"{name}_tokens_per_s": sum(lengths) / m for name, m in medians.items()},
-        ratio_fastbert_over_sentence_transformers=medians["sentence-transformers"] / medians["fastbert"])
+        ratio_fastbert_over_sentence_transformers=medians["sentence-transformers"] / medians["fastbert"],
+        round_cpu_s={name: t[-kept:] for name, t in cpu_times.items()},
+        cpu_time_ratio_fastbert_over_sentence_transformers=cpu_medians["sentence-transformers"] / cpu_medians["fastbert"])
