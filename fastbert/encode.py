@@ -22,6 +22,7 @@ The work: texts are tokenized a window at a time, sorted by length (longest firs
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -51,6 +52,12 @@ _DEFAULT_PROMPTS = {"query": "", "document": ""}
 _TRANSFORMER_DEFAULTS = {"transformer_task": "feature-extraction",
                          "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
                          "module_output_name": "token_embeddings", "processing_kwargs": {}}
+
+# The Transformer module's settings file, under the names sentence-transformers has written it over the years.
+_TRANSFORMER_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.json",
+                             "sentence_distilbert_config.json", "sentence_camembert_config.json",
+                             "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+                             "sentence_xlnet_config.json")
 
 DEFAULT_MAX_TOKENS_PER_BATCH = 16384
 WINDOW = 32768  # texts tokenized and sorted together: bounds host memory on a large corpus, sorts well enough
@@ -136,15 +143,16 @@ def read_folder(folder: str):
 
     # The Transformer module: the checkpoint, the tokenizer and sentence_bert_config.json
     model_folder = module_folder(0)
-    st_config = {}
-    for name in ("sentence_bert_config.json",):
+    st_config, st_config_path = {}, None
+    for name in _TRANSFORMER_CONFIG_FILES:  # the first one present, as sentence-transformers reads them
         path = os.path.join(model_folder, name)
         if os.path.isfile(path):
-            st_config = _read_json(path, "the Transformer module's settings")
+            st_config, st_config_path = _read_json(path, "the Transformer module's settings"), path
+            break
     for key, default in _TRANSFORMER_DEFAULTS.items():
         if key in st_config and st_config[key] not in (default, None):
-            raise NotImplementedError(f"{os.path.join(model_folder, 'sentence_bert_config.json')}: {key} = "
-                                      f"{st_config[key]!r} is not implemented (fastbert reproduces {default!r})")
+            raise NotImplementedError(f"{st_config_path}: {key} = {st_config[key]!r} is not implemented (fastbert "
+                                      f"reproduces {default!r})")
     tokenizer_kwargs = {k: v for k, v in {**st_config.get("tokenizer_args", {}),
                                           **st_config.get("processor_kwargs", {})}.items()
                         if k != "trust_remote_code"}  # as sentence-transformers: a config may not enable remote code
@@ -279,10 +287,10 @@ class SentenceEncoder:
         if tokenizer is None:
             raise TypeError("a fastbert.BertModel needs its tokenizer: pass "
                             "tokenizer=AutoTokenizer.from_pretrained(...)")
-        self.model, self.tokenizer = model.eval(), tokenizer
+        self.model, self.tokenizer = model.eval(), tokenizer  # eval: no dropout (SentenceTransformer.encode does too)
         base = pipeline or Pipeline()
-        defaulted = [name for name, given in (("pooling", pooling), ("normalize", normalize),
-                                              ("max_seq_length", max_seq_length)) if given is None]
+        defaulted = [option for option, given in (("pooling", pooling), ("normalize", normalize),
+                                                  ("max_seq_length", max_seq_length)) if given is None]
         overrides = {k: v for k, v in dict(pooling=None if pooling is None else check_pooling(pooling),
                                            normalize=normalize, max_seq_length=max_seq_length,
                                            do_lower_case=do_lower_case, include_prompt=include_prompt).items()
@@ -293,8 +301,9 @@ class SentenceEncoder:
         if default is not None and default not in self.pipeline.prompts:
             raise ValueError(f"default_prompt_name {default!r} is not one of the prompts "
                              f"({', '.join(self.pipeline.prompts)})")
-        if self.pipeline.do_lower_case:
-            _lowercase_first(tokenizer)
+        if self.pipeline.do_lower_case:  # on a copy: the caller's tokenizer stays as it was
+            self.tokenizer = copy.deepcopy(tokenizer)
+            _lowercase_first(self.tokenizer)
         if base.source == "defaults" and defaulted:
             warnings.warn(f"fastbert: {name} has no sentence-transformers configuration (modules.json); using "
                           f"sentence-transformers' defaults for a plain model: {self.pipeline.describe()} "

@@ -190,6 +190,15 @@ def test_lowercasing_and_max_seq_length(minilm_path, tmp_path, short_texts):
     assert np.abs(with_case - fastbert.encode(lowered, texts, **CPU)).max() > 1e-2  # lowercasing did something
 
 
+def test_older_settings_file_name(minilm_path, tmp_path, short_texts):
+    """sentence-transformers reads the Transformer settings under older names too (the first one present)."""
+    folder = st_folder(minilm_path, tmp_path, sbert="delete",
+                       files={"sentence_distilbert_config.json": {"max_seq_length": 24}})
+    emb = fastbert.encode(folder, short_texts, **CPU)
+    assert_close(emb, st_encode(folder, short_texts))
+    assert np.abs(emb - fastbert.encode(minilm_path, short_texts, **CPU)).max() > 1e-3  # 24 tokens, not 256
+
+
 # ---- options override the folder; plain folders and in-memory models get sentence-transformers' defaults ----------
 def test_options_override_the_folder(minilm_path, cls_folder, short_texts):
     """pooling/normalize given to the bundled (mean + Normalize) model make it the CLS folder's model; max_seq_length
@@ -226,6 +235,10 @@ def test_in_memory_model_with_its_tokenizer(plain_folder, short_texts, tokenizer
     with pytest.warns(UserWarning, match="no sentence-transformers configuration"):
         emb = fastbert.encode(model.set_kernels("torch"), short_texts, tokenizer=tokenizer)
     assert_close(emb, st_encode(plain_folder, short_texts))
+    normalizer = repr(tokenizer.backend_tokenizer.normalizer)
+    fastbert.encode(model, short_texts[:2], tokenizer=tokenizer, do_lower_case=True, pooling="mean", normalize=False,
+                    max_seq_length=512)
+    assert repr(tokenizer.backend_tokenizer.normalizer) == normalizer  # lowercasing went to a copy
 
 
 def test_empty_corpus(minilm_path):
