@@ -197,8 +197,30 @@ def ab_table(benchmarks: list[dict]) -> str:
                               "fastbert ÷ hf-sdpa"], rows)])
 
 
+def encode_table(benchmarks: list[dict]) -> str:
+    """Corpus embedding (bench/test_bench_encode.py): fastbert.encode and SentenceTransformer.encode, alternating."""
+    rows = []
+    for b in benchmarks:
+        info = b.get("extra_info") or {}
+        if info.get("kind") != "encode" or "ratio_fastbert_over_sentence_transformers" not in info:
+            continue
+        computed = info.get("computed_tokens") or {}
+        rows.append([info["model"], info["dtype"], info["device"], f"{info['texts']} / {info['real_tokens']}",
+                     str(info["rounds"]), _fmt_num(info["fastbert_texts_per_s"]),
+                     _fmt_num(info["sentence-transformers_texts_per_s"]),
+                     _fmt_ratio(info["ratio_fastbert_over_sentence_transformers"]),
+                     f"{computed.get('fastbert', '-')} / {computed.get('sentence-transformers', '-')}"])
+    if not rows:
+        return ""
+    return "\n".join(["### Encoding a corpus (alternating rounds; texts/s, median)", "",
+                      _table(["model", "dtype", "device", "texts / real tokens", "rounds", "fastbert",
+                              "sentence-transformers", "fastbert ÷ s-t", "tokens computed (fastbert / s-t)"],
+                             rows)])
+
+
 def render(benchmarks: list[dict], meta: list[dict]) -> str:
-    parts = [conditions(meta), ab_table(benchmarks), model_tables(model_cells(benchmarks)), op_table(benchmarks)]
+    parts = [conditions(meta), encode_table(benchmarks), ab_table(benchmarks), model_tables(model_cells(benchmarks)),
+             op_table(benchmarks)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

@@ -77,6 +77,15 @@ def test_render_and_files(results, tmp_path):
         assert (out / "tokens_per_s.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_encode_table():
+    info = dict(kind="encode", model="minilm", dtype="fp32", device="cpu", texts=512, real_tokens=30279, rounds=5,
+                fastbert_texts_per_s=30.0, **{"sentence-transformers_texts_per_s": 20.0},
+                ratio_fastbert_over_sentence_transformers=1.5,
+                computed_tokens={"fastbert": 47056, "sentence-transformers": 52544})
+    text = summarize.render([{"group": "g", "name": "n", "extra_info": info, "stats": {"median": 40.0}}], meta=[])
+    assert "| minilm | fp32 | cpu | 512 / 30279 | 5 | 30.0 | 20.0 | 1.50× | 47056 / 52544 |" in text
+
+
 def test_plot_degrades_without_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if it were absent
     cells = {("m", "1x128", "fp16", "cuda"): {"variants": {"hf-sdpa": {"tokens_per_s": 1.0}}}}

@@ -2,12 +2,12 @@
 
     python -m fastbert [--model PATH_OR_ID] [--device cpu|cuda] [--dtype float32|float16|bfloat16]
                        [--batch-size N] [--kernels auto|torch|triton|op=backend,...]
-    python -m fastbert encode --input FILE.txt --output FILE.npy [--model ...] [--batch-size N]
+    python -m fastbert encode --input FILE.txt|FILE.jsonl|- --output FILE.npy [options]   (encode --help lists them)
 
 The first loads the model (the bundled all-MiniLM-L6-v2 by default), encodes a fixed set of real sentences with
 Hugging Face's BertModel and with fastbert on every backend available here, prints one table, and exits 1 when
 fastbert misses the parity bar (fp32: max |delta| <= 1e-5 on real tokens; fp16/bf16: <= 2x HF's own error in
-that dtype against fp32).
+that dtype against fp32). The second embeds a corpus exactly as sentence-transformers would (fastbert/encode.py).
 """
 from __future__ import annotations
 
@@ -101,14 +101,20 @@ def device_of(args) -> torch.device:
     return device
 
 
-def read_lines(path: str) -> list[str]:
-    """One text per line (a trailing newline ends the last line, it does not add an empty one). A line that is not
-    UTF-8 is named by its number."""
+def read_input(path: str) -> bytes:
+    """The bytes of --input: a file, or standard input for '-'."""
+    if path == "-":
+        return sys.stdin.buffer.read()
     if not os.path.isfile(path):
         raise UsageError(f"--input {path!r}: no such file" if not os.path.exists(path) else
                          f"--input {path!r} is not a file")
     with open(path, "rb") as f:
-        data = f.read()
+        return f.read()
+
+
+def split_lines(data: bytes, path: str) -> list[str]:
+    """One text per line (a trailing newline ends the last line, it does not add an empty one; a final \\r is
+    dropped). A line that is not UTF-8 is named by its number."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -122,18 +128,58 @@ def read_lines(path: str) -> list[str]:
     return texts
 
 
-def check_output(path: str) -> None:
+def read_lines(path: str) -> list[str]:
+    """A .txt input: one text per line, empty lines included (each is a text, embedded as sentence-transformers
+    embeds an empty string)."""
+    return split_lines(read_input(path), path)
+
+
+def read_jsonl(path: str, lines: list[str], text_field: str, id_field: str | None) -> tuple[list[str], list[str]]:
+    """A .jsonl input: one JSON object per line, the text under `text_field` (and an id under `id_field`).
+    (texts, ids); ids are the input line numbers when no id field is named."""
+    import json
+
+    texts, ids = [], []
+    for number, line in enumerate(lines, start=1):
+        where = f"--input {path!r}: line {number}"
+        if not line.strip():
+            raise UsageError(f"{where} is empty (a .jsonl file holds one JSON object on every line)")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where} is not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise UsageError(f"{where} is a JSON {type(record).__name__}, not an object")
+        for field, kinds, what in ((text_field, (str,), "a string"), (id_field, (str, int), "a string or an integer")):
+            if field is None:
+                continue
+            if field not in record:
+                fields = ", ".join(map(repr, record)) or "none"
+                raise UsageError(f"{where} has no field {field!r} (its fields: {fields})")
+            value = record[field]
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise UsageError(f"{where}: field {field!r} is {json.dumps(value)[:40]}, not {what}")
+        texts.append(record[text_field])
+        identifier = str(record[id_field]) if id_field is not None else str(number)
+        if "\n" in identifier or "\r" in identifier:
+            raise UsageError(f"{where}: the id {identifier[:40]!r} holds a line break (the ids file has one id a line)")
+        ids.append(identifier)
+    return texts, ids
+
+
+def check_output(path: str, option: str = "--output") -> None:
     """--output: a .npy path whose folder exists and is writable. np.save appends .npy to any other name, so the
-    suffix is required rather than silently changed."""
-    if not path.endswith(".npy"):
+    suffix is required rather than silently changed. --ids: the same, any suffix."""
+    if option == "--output" and not path.endswith(".npy"):
         raise UsageError(f"--output {path!r} must end in .npy (the file is written in NumPy's .npy format)")
     if os.path.isdir(path):
-        raise UsageError(f"--output {path!r} is a folder; give a file name ending in .npy")
+        raise UsageError(f"{option} {path!r} is a folder; give a file name" + (" ending in .npy" if option == "--output"
+                                                                              else ""))
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UsageError(f"--output {path!r}: the folder {folder!r} does not exist")
+        raise UsageError(f"{option} {path!r}: the folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"--output {path!r}: the folder {folder!r} is not writable")
+        raise UsageError(f"{option} {path!r}: the folder {folder!r} is not writable")
 
 
 def save_npy_atomically(path: str, array) -> None:
@@ -152,6 +198,28 @@ def save_npy_atomically(path: str, array) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def write_lines_beside(path: str, lines: list[str]):
+    """Write `lines` (one a line, UTF-8) to a temporary file next to `path` and return a function that renames it
+    over `path` (or, called with discard=True, removes it): the ids land only once the embeddings have."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(line + "\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+    def finish(discard: bool = False) -> None:
+        if discard:
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
+    return finish
 
 
 def parse_kernels(text: str):
@@ -266,27 +334,59 @@ def check(args) -> int:
 
 
 def encode(args) -> int:
-    import numpy as np
-    import transformers
-    from tqdm import tqdm
+    import warnings
 
-    device = device_of(args)
-    texts = read_lines(args.input)
-    if not texts:
+    from .encode import SentenceEncoder
+
+    # Everything that can be checked is checked before the model loads.
+    device = str(device_of(args))
+    fmt = args.format or ("jsonl" if args.input.endswith((".jsonl", ".ndjson")) else "txt")
+    if fmt == "txt" and args.id_field:
+        raise UsageError("--id-field reads .jsonl input (give --format jsonl, or a .jsonl file)")
+    if args.id_field and not args.ids:
+        raise UsageError("--id-field needs --ids FILE to write the ids to")
+    lines = read_lines(args.input)
+    if not lines:
         raise UsageError(f"--input {args.input!r} has no lines")
+    if fmt == "jsonl":
+        texts, ids = read_jsonl(args.input, lines, args.text_field, args.id_field)
+    else:
+        texts, ids = lines, [str(number) for number in range(1, len(lines) + 1)]
     check_output(args.output)
-    path = model_folder(args)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    model = BertModel.from_pretrained(path, dtype=DTYPES[args.dtype], device=device, kernels=args.kernels or "auto")
-    max_length = min(model.config.max_position_embeddings, tokenizer.model_max_length)
-    result = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
-    with torch.no_grad(), tqdm(total=len(texts), unit="text", desc="encode") as bar:
-        for idx, enc in batches(tokenizer, texts, args.batch_size, device, max_length):
-            out = model(**enc).last_hidden_state
-            result[idx] = mean_pool(out, enc["attention_mask"]).cpu().numpy()
-            bar.update(len(idx))
-    save_npy_atomically(args.output, result)
-    print(f"wrote {result.shape[0]} embeddings of size {result.shape[1]} to {args.output}")
+    if args.ids:
+        check_output(args.ids, "--ids")
+        if os.path.abspath(args.ids) == os.path.abspath(args.output):
+            raise UsageError(f"--ids {args.ids!r} is the --output file")
+    if args.prompt is not None and args.prompt_name is not None:
+        raise UsageError("give --prompt or --prompt-name, not both")
+
+    def one_line(message, category, *rest, **kwargs):  # a notice (e.g. defaults for a plain folder): one line
+        text = " ".join(str(message).split())
+        print(f"python -m fastbert encode: note: {text.removeprefix('fastbert: ')}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line
+        warnings.filterwarnings("always", message="fastbert:")
+        encoder = SentenceEncoder.from_pretrained(
+            args.model or default_model(), pooling=args.pooling, normalize=args.normalize,
+            max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
+            dtype=args.dtype, device=device, kernels=args.kernels or "auto")
+        result = encoder.encode(texts, prompt=args.prompt, prompt_name=args.prompt_name,
+                                max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
+                                progress=False if args.no_progress else None)
+    finish_ids = write_lines_beside(args.ids, ids) if args.ids else None
+    try:
+        save_npy_atomically(args.output, result)
+    except BaseException:
+        if finish_ids:
+            finish_ids(discard=True)
+        raise
+    if finish_ids:
+        finish_ids()
+    source = "its sentence-transformers config" if encoder.pipeline.source == "sentence-transformers" else "defaults"
+    print(f"wrote {result.shape[0]} embeddings of size {result.shape[1]} to {args.output}"
+          + (f" and their ids to {args.ids}" if args.ids else "")
+          + f" ({encoder.pipeline.describe()}: {source})")
     return 0
 
 
@@ -307,25 +407,108 @@ def _count(minimum: int):
     return parse
 
 
-def main(argv=None) -> int:
-    parser = _Parser(prog="python -m fastbert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", nargs="?", choices=["check", "encode"], default="check")
+def _pooling(text: str) -> tuple[str, ...]:
+    from .encode import POOLING_MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: the pooling modes are {', '.join(POOLING_MODES)} "
+                                         f"(several, comma-separated, are concatenated)")
+    return modes
+
+
+ENCODE_EPILOG = """\
+examples:
+  python -m fastbert encode --input corpus.txt --output emb.npy
+  python -m fastbert encode --model FOLDER --input docs.jsonl --text-field body --id-field _id --ids ids.txt \\
+      --output emb.npy --device cuda --dtype bfloat16 --max-tokens-per-batch 32768
+  cat queries.txt | python -m fastbert encode --input - --output q.npy --prompt-name query
+
+Row i of the .npy is the i-th input text (input order is kept). A sentence-transformers folder's own settings
+(modules.json: pooling, Normalize; sentence_bert_config.json: max_seq_length, do_lower_case; prompts) apply unless
+an option overrides them. A plain Hugging Face folder gets sentence-transformers' defaults for it (mean pooling, no
+Normalize, max_seq_length = the tokenizer's limit) and a one-line note says so. A model with modules fastbert does
+not reproduce (Dense, LayerNorm, ...) is refused. Exit codes: 0 done, 2 a user error (one line on stderr)."""
+
+
+def encode_parser() -> _Parser:
+    from .encode import DEFAULT_MAX_TOKENS_PER_BATCH
+
+    parser = _Parser(prog="python -m fastbert encode", description="Sentence embeddings of a corpus, as "
+                     "sentence-transformers computes them, written to a .npy file.", epilog=ENCODE_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    io = parser.add_argument_group("input and output")
+    io.add_argument("--input", metavar="FILE|-", help="the texts: a .txt file (one text a line; empty lines are "
+                    "texts too), a .jsonl file (one JSON object a line), or - for standard input (UTF-8)")
+    io.add_argument("--output", metavar="FILE.npy", help="the embeddings, float32 [texts, dim], row i for input "
+                    "text i; written to a temporary file and renamed, so a failed run leaves no partial file")
+    io.add_argument("--format", choices=("txt", "jsonl"), help="how to read --input (default: jsonl for a .jsonl "
+                    "or .ndjson file, txt otherwise, standard input included)")
+    io.add_argument("--text-field", default="text", metavar="NAME",
+                    help="jsonl: the field that holds the text (default: text)")
+    io.add_argument("--id-field", metavar="NAME", help="jsonl: a field (string or integer) that identifies each "
+                    "record; its values go to --ids")
+    io.add_argument("--ids", metavar="FILE", help="also write one id a line, line i for row i: the --id-field "
+                    "value, else the input line number (from 1); written atomically with --output")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", metavar="PATH_OR_ID", help="a sentence-transformers or Hugging Face BERT folder, "
+                       "or a Hub id in the local cache (default: the bundled all-MiniLM-L6-v2)")
+    model.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the model's dtype (default: what the "
+                       "folder says, else the checkpoint's own, as transformers' dtype='auto'); pooling runs in fp32")
+    model.add_argument("--kernels", type=parse_kernels, default=None,
+                       help="auto (default), torch, triton, or op=backend,...")
+    pipe = parser.add_argument_group("how token vectors become one vector (each overrides the folder's setting)")
+    pipe.add_argument("--pooling", type=_pooling, metavar="MODE[,MODE]",
+                      help="cls, mean, max, mean_sqrt_len_tokens, weightedmean or lasttoken; several are concatenated")
+    pipe.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                      help="L2-normalise each vector (sentence-transformers' Normalize module), or not")
+    pipe.add_argument("--max-seq-length", type=_count(1), metavar="N",
+                      help="truncate each text to N tokens, special tokens included")
+    pipe.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
+                      help="lowercase the texts before tokenizing (sentence-transformers' do_lower_case), or not")
+    pipe.add_argument("--include-prompt", action=argparse.BooleanOptionalAction, default=None,
+                      help="pool the prompt's tokens too, or leave them out (the Pooling config's include_prompt)")
+    pipe.add_argument("--prompt", metavar="TEXT", help="a text put before every input text (\"\" turns off the "
+                      "model's default prompt)")
+    pipe.add_argument("--prompt-name", metavar="NAME", help="one of the model's prompts (config_sentence_"
+                      "transformers.json), e.g. query or document")
+    work = parser.add_argument_group("batching")
+    work.add_argument("--max-tokens-per-batch", type=_count(1), default=DEFAULT_MAX_TOKENS_PER_BATCH, metavar="N",
+                      help=f"texts are sorted by length and packed up to N tokens per forward (padding counted "
+                           f"while the forward is padded; default {DEFAULT_MAX_TOKENS_PER_BATCH})")
+    work.add_argument("--batch-size", type=_count(1), metavar="N",
+                      help="at most N texts per forward (default: the token budget alone decides)")
+    work.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (it shows texts/s and tokens/s on a terminal, after one second)")
+    return parser
+
+
+def check_parser() -> _Parser:
+    parser = _Parser(prog="python -m fastbert", description=__doc__.split("\n\n")[0],
+                     epilog="python -m fastbert encode --help: the options of encode")
+    parser.add_argument("command", nargs="?", choices=["check"], default="check")
     parser.add_argument("--model", help="local folder or Hub id (default: the bundled all-MiniLM-L6-v2)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--batch-size", type=_count(1), default=8)
     parser.add_argument("--kernels", type=parse_kernels, default=None,
                         help="auto, torch, triton, or op=backend,... (default: every available backend in turn)")
-    parser.add_argument("--repeats", type=_count(0), default=3, help="timed passes over the sentences (check only)")
-    parser.add_argument("--limit", type=_count(0), default=0,
-                        help="use only the first N built-in sentences (check only; 0 = all)")
-    parser.add_argument("--input", help="encode: a UTF-8 text file, one text per line")
-    parser.add_argument("--output", help="encode: the .npy file to write (replaced atomically)")
-    args = parser.parse_args(argv)
-    if args.command == "encode" and (not args.input or not args.output):
+    parser.add_argument("--repeats", type=_count(0), default=3, help="timed passes over the sentences")
+    parser.add_argument("--limit", type=_count(0), default=0, help="use only the first N built-in sentences (0 = all)")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = "encode" if argv[:1] == ["encode"] else "check"
+    parser = encode_parser() if command == "encode" else check_parser()
+    args = parser.parse_args(argv[1:] if command == "encode" else argv)
+    if command == "encode" and (not args.input or not args.output):
         parser.error("encode needs --input FILE.txt and --output FILE.npy")
     try:
-        return encode(args) if args.command == "encode" else check(args)
+        return encode(args) if command == "encode" else check(args)
     except USER_ERRORS as e:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"{parser.prog}: error: {message}", file=sys.stderr)

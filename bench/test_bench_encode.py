@@ -1,0 +1,144 @@
+"""Embedding a corpus: fastbert.encode against SentenceTransformer.encode, the same model, texts and device, in one run.
+
+The corpus is real text no one here wrote and of mixed lengths: the descriptions (METADATA) and licence files of
+the Python distributions installed next to fastbert, split into paragraphs (5 to thousands of tokens; longer ones
+are cut at max_seq_length as both libraries cut them). Each variant is checked against sentence-transformers before
+anything is timed (fp32: cosine >= 0.99999 for every text; fp16/bf16: at most twice sentence-transformers' own error
+in that dtype against its fp32). Then rounds alternate between the two (as in test_bench_ab.py, so bursts of noise
+on a shared machine land on both); the headline is texts/s (wall clock), with real tokens/s, the process CPU time
+(steadier than wall time when other jobs share the cores) and the tokens each one computes (padding included) in
+extra_info.
+
+Both run as users run them: sentence-transformers with its defaults (batches of 32 texts, sorted by characters),
+fastbert with its defaults (sorted by tokens, batches of up to 16,384 tokens). Until fastbert's packed forward lands
+both compute their padding; what fastbert saves today is only what its token-length sort and budget save.
+With --benchmark-disable (CI) a small slice of the corpus is checked and encoded once per side.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from bench import harness
+from bench.conftest import skip_reason_for_device
+
+CASES = [("cpu", "fp32", 512), ("cuda", "fp16", 8192), ("cuda", "bf16", 8192)]  # device, dtype, texts
+CI_TEXTS = 48
+ROUNDS = {"cpu": 5, "cuda": 10}
+COSINE = 0.99999
+ST_BATCH_SIZE = 32  # SentenceTransformer.encode's default
+
+
+def corpus(n: int) -> list[str]:
+    """`n` paragraphs spread evenly over every installed distribution's description and licence files (sorted by
+    distribution name; duplicates dropped, paragraphs under 20 characters dropped)."""
+    paragraphs, seen = [], set()
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        texts = [dist.metadata.get_payload() or ""]
+        for file in dist.files or []:
+            if re.search(r"LICEN[CS]E|COPYING|NOTICE", file.name, re.IGNORECASE) and file.locate().is_file():
+                texts.append(file.read_text() or "")
+        for text in texts:
+            for paragraph in re.split(r"\n\s*\n", text):
+                paragraph = " ".join(paragraph.split())
+                if len(paragraph) >= 20 and paragraph not in seen:
+                    seen.add(paragraph)
+                    paragraphs.append(paragraph)
+    if len(paragraphs) < n:
+        raise harness.Unavailable(f"the installed packages give {len(paragraphs)} paragraphs, {n} wanted")
+    step = len(paragraphs) / n
+    return [paragraphs[int(i * step)] for i in range(n)]
+
+
+def computed_tokens(lengths: list[int], batches: list[list[int]]) -> int:
+    """Tokens a padded forward computes over these batches: each batch is as long as its longest text."""
+    return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+
+def one_minus_cosine(a, b):
+    return 1 - (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.mark.parametrize("device, dtype, size", CASES, ids=[f"{d}-{t}" for d, t, _ in CASES])
+def test_encode_corpus(device, dtype, size, benchmark, request):
+    reason = skip_reason_for_device(request.config, device)
+    if reason:
+        pytest.skip(reason)
+    import fastbert
+    from fastbert.encode import DEFAULT_MAX_TOKENS_PER_BATCH, plan_batches
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+
+    torch_dtype = harness.DTYPES[dtype]
+    try:
+        path = str(harness.minilm_path())
+        texts = corpus(CI_TEXTS if benchmark.disabled else size)
+    except harness.Unavailable as e:
+        pytest.skip(str(e))
+    # on CPU the PyTorch path: "auto" would take Triton's interpreter where TRITON_INTERPRET=1 is set
+    encoder = fastbert.SentenceEncoder.from_pretrained(path, device=device, dtype=torch_dtype,
+                                                       kernels="torch" if device == "cpu" else "auto")
+    st = sentence_transformers.SentenceTransformer(path, device=device, model_kwargs={"dtype": torch_dtype})
+    variants = {"fastbert": lambda: encoder.encode(texts, progress=False),
+                "sentence-transformers": lambda: st.encode(texts, batch_size=ST_BATCH_SIZE,
+                                                                 show_progress_bar=False)}
+
+    # Check before timing (the first calls also pay one-time costs: Triton autotuning, allocator growth)
+    started = time.perf_counter()
+    ours = variants["fastbert"]()
+    first_call_s = time.perf_counter() - started
+    theirs = variants["sentence-transformers"]().astype(np.float32)
+    if torch_dtype == torch.float32:
+        error = float(one_minus_cosine(ours, theirs).max())
+        bound = 1 - COSINE
+    else:
+        reference = sentence_transformers.SentenceTransformer(path, device=device).encode(texts)
+        error = float(one_minus_cosine(ours, reference).max())
+        bound = 2 * float(one_minus_cosine(theirs, reference).max()) + 1e-6
+    assert error <= bound, f"fastbert vs sentence-transformers: 1 - cosine = {error:.3g} > {bound:.3g}; not timed"
+
+    times = {name: [] for name in variants}
+    cpu_times = {name: [] for name in variants}  # process CPU seconds: steadier than wall time on a shared CPU
+
+    def one_round():  # alternates which side goes first
+        order = list(variants) if len(times["fastbert"]) % 2 == 0 else list(reversed(variants))
+        for name in order:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0, c0 = time.perf_counter(), time.process_time()
+            variants[name]()  # returns host arrays: the work is done when it returns
+            times[name].append(time.perf_counter() - t0)
+            cpu_times[name].append(time.process_time() - c0)
+
+    benchmark.group = f"encode a corpus: minilm {dtype} {device}"
+    benchmark.pedantic(one_round, rounds=1 if benchmark.disabled else ROUNDS[device],
+                       warmup_rounds=0 if benchmark.disabled else 1)
+    kept = 1 if benchmark.disabled else ROUNDS[device]  # the warm-up round is dropped
+    timed = {name: t[-kept:] for name, t in times.items()}
+    medians = {name: statistics.median(t) for name, t in timed.items()}
+    cpu_medians = {name: statistics.median(t[-kept:]) for name, t in cpu_times.items()}
+
+    lengths = [len(x) for x in encoder.tokenizer(texts, truncation=True, max_length=encoder.pipeline.max_seq_length)
+               ["input_ids"]]
+    by_chars = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # sentence-transformers sorts by characters
+    benchmark.extra_info.update(
+        kind="encode", model="minilm", dtype=dtype, device=device, device_name=harness.device_name(device),
+        texts=len(texts), real_tokens=sum(lengths), max_seq_length=encoder.pipeline.max_seq_length,
+        rounds=len(timed["fastbert"]), round_s=timed, first_call_s=first_call_s, max_one_minus_cosine=error,
+        bound=bound, sentence_transformers_batch_size=ST_BATCH_SIZE,
+        fastbert_max_tokens_per_batch=DEFAULT_MAX_TOKENS_PER_BATCH,
+        computed_tokens={
+            "fastbert": computed_tokens(lengths, plan_batches(lengths, DEFAULT_MAX_TOKENS_PER_BATCH)),
+            "sentence-transformers": computed_tokens(lengths, [by_chars[i:i + ST_BATCH_SIZE]
+                                                              for i in range(0, len(texts), ST_BATCH_SIZE)])},
+        **{f"{name}_median_s": m for name, m in medians.items()},
+        **{f"{name}_texts_per_s": len(texts) / m for name, m in medians.items()},
+        **{f"{name}_tokens_per_s": sum(lengths) / m for name, m in medians.items()},
+        ratio_fastbert_over_sentence_transformers=medians["sentence-transformers"] / medians["fastbert"],
+        round_cpu_s={name: t[-kept:] for name, t in cpu_times.items()},
+        cpu_time_ratio_fastbert_over_sentence_transformers=cpu_medians["sentence-transformers"] / cpu_medians["fastbert"])

@@ -1,0 +1,505 @@
+"""Sentence embeddings as sentence-transformers computes them, in batches formed by a token budget.
+
+    fastbert.encode("path/to/model", texts)              -> np.ndarray [len(texts), dim], float32, in input order
+    encoder = fastbert.SentenceEncoder.from_pretrained("path/to/model", dtype="bfloat16", device="cuda")
+    encoder.encode(texts, prompt_name="query")
+
+What a sentence-transformers folder says, and what fastbert does with it:
+    modules.json                        Transformer -> Pooling -> optional Normalize. Those three modules are
+                                        reproduced exactly; any other (Dense, LayerNorm, Router, ...) is refused,
+                                        never skipped: skipping it would return a different vector without a word.
+    sentence_bert_config.json           max_seq_length (texts are truncated to it, special tokens included),
+                                        do_lower_case (a Lowercase normaliser in front of the tokenizer's own)
+    1_Pooling/config.json               pooling mode(s): cls, max, mean, mean_sqrt_len_tokens, weightedmean, lasttoken
+                                        (several modes are concatenated in the order given); include_prompt
+    config_sentence_transformers.json   prompts and default_prompt_name
+Every setting can be overridden by an argument of the same name. A plain Hugging Face folder (no modules.json) gets
+what sentence-transformers gives such a folder: mean pooling, no Normalize, max_seq_length = the smaller of the
+tokenizer's model_max_length and max_position_embeddings; fastbert says so in a one-line warning.
+
+The work: texts are tokenized a window at a time, sorted by length (longest first), and cut into batches of at most
+`max_tokens_per_batch` tokens; each batch runs through the model, is pooled in fp32, and lands in its texts' rows.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .loading import resolve_folder
+from .modeling import BertModel
+
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# sentence-transformers' older Pooling configs: one flag per mode; several set flags concatenate in this order.
+_LEGACY_POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                         "pooling_mode_mean_tokens": "mean",
+                         "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                         "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+# The prompts every SentenceTransformer knows, empty unless the folder fills them.
+_DEFAULT_PROMPTS = {"query": "", "document": ""}
+# sentence_bert_config.json keys that change the vectors in ways fastbert does not reproduce when not at their
+# defaults (multi-modal inputs, a different output of the model, chat templates, per-call processor options).
+_TRANSFORMER_DEFAULTS = {"transformer_task": "feature-extraction",
+                         "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+                         "module_output_name": "token_embeddings", "processing_kwargs": {}}
+
+# The Transformer module's settings file, under the names sentence-transformers has written it over the years.
+_TRANSFORMER_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.json",
+                             "sentence_distilbert_config.json", "sentence_camembert_config.json",
+                             "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+                             "sentence_xlnet_config.json")
+
+DEFAULT_MAX_TOKENS_PER_BATCH = 16384
+WINDOW = 32768  # texts tokenized and sorted together: bounds host memory on a large corpus, sorts well enough
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What the folder says
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pipeline:
+    """How token vectors become one vector per text. `source` says where the settings came from."""
+
+    pooling: tuple[str, ...] = ("mean",)
+    include_prompt: bool = True
+    normalize: bool = False
+    max_seq_length: int | None = None       # None: the tokenizer's model_max_length capped at max_position_embeddings
+    do_lower_case: bool = False
+    prompts: dict = field(default_factory=lambda: dict(_DEFAULT_PROMPTS))
+    default_prompt_name: str | None = None
+    source: str = "defaults"                # "sentence-transformers" or "defaults"
+
+    def describe(self) -> str:
+        return (f"pooling {'+'.join(self.pooling)}, {'Normalize' if self.normalize else 'no Normalize'}, "
+                f"max_seq_length {self.max_seq_length}")
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); {what}") from None
+
+
+def _module_kind(entry, index: int, path: str) -> str:
+    """'Transformer', 'Pooling', 'Normalize' or the type's own name, from a modules.json entry."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
+        raise ValueError(f"{path}: entry {index} has no \"type\" string (got {entry!r})")
+    return entry["type"].rsplit(".", 1)[-1] if entry["type"].startswith("sentence_transformers.") else entry["type"]
+
+
+def parse_pooling(config: dict, path: str) -> tuple[tuple[str, ...], bool, int | None]:
+    """(modes, include_prompt, embedding dimension) from a Pooling config, old (one flag per mode) or new style."""
+    if "pooling_mode" in config:
+        modes = config["pooling_mode"]
+        modes = (modes,) if isinstance(modes, str) else tuple(modes)
+    else:
+        modes = tuple(mode for key, mode in _LEGACY_POOLING_FLAGS.items() if config.get(key)) or ("mean",)
+    return (check_pooling(modes, where=path), bool(config.get("include_prompt", True)),
+            config.get("embedding_dimension", config.get("word_embedding_dimension")))
+
+
+def check_pooling(modes, where: str = "pooling") -> tuple[str, ...]:
+    modes = (modes,) if isinstance(modes, str) else tuple(modes)
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if not modes or bad:
+        raise ValueError(f"{where}: pooling mode {', '.join(map(repr, bad)) or '(none)'} is not one of "
+                         f"{', '.join(POOLING_MODES)}")
+    return modes
+
+
+def read_folder(folder: str):
+    """(the folder holding the BERT checkpoint and tokenizer, Pipeline, tokenizer kwargs, default dtype) from a
+    sentence-transformers folder; for a folder without modules.json, (folder, None, {}, None)."""
+    modules_path = os.path.join(folder, "modules.json")
+    if not os.path.isfile(modules_path):
+        return folder, None, {}, None
+    modules = _read_json(modules_path, "modules.json lists the modules of a sentence-transformers model")
+    if not isinstance(modules, list) or not modules:
+        raise ValueError(f"{modules_path}: expected a non-empty list of modules, got {type(modules).__name__}")
+    kinds = [_module_kind(m, i, modules_path) for i, m in enumerate(modules)]
+    supported = ["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]
+    if kinds not in supported:
+        other = [f"{i}: {m['type']}" for i, (m, k) in enumerate(zip(modules, kinds))
+                 if k not in ("Transformer", "Pooling", "Normalize")]
+        raise NotImplementedError(
+            f"{modules_path}: fastbert reproduces Transformer -> Pooling -> optional Normalize, this model has "
+            f"{' -> '.join(kinds)}" + (f" ({'; '.join(other)} not implemented)" if other else "")
+            + "; its embeddings would differ from sentence-transformers', so it is refused")
+
+    def module_folder(i: int) -> str:
+        return os.path.join(folder, modules[i].get("path") or "")
+
+    # The Transformer module: the checkpoint, the tokenizer and sentence_bert_config.json
+    model_folder = module_folder(0)
+    st_config, st_config_path = {}, None
+    for name in _TRANSFORMER_CONFIG_FILES:  # the first one present, as sentence-transformers reads them
+        path = os.path.join(model_folder, name)
+        if os.path.isfile(path):
+            st_config, st_config_path = _read_json(path, "the Transformer module's settings"), path
+            break
+    for key, default in _TRANSFORMER_DEFAULTS.items():
+        if key in st_config and st_config[key] not in (default, None):
+            raise NotImplementedError(f"{st_config_path}: {key} = {st_config[key]!r} is not implemented (fastbert "
+                                      f"reproduces {default!r})")
+    tokenizer_kwargs = {k: v for k, v in {**st_config.get("tokenizer_args", {}),
+                                          **st_config.get("processor_kwargs", {})}.items()
+                        if k != "trust_remote_code"}  # as sentence-transformers: a config may not enable remote code
+    model_kwargs = {**st_config.get("model_args", {}), **st_config.get("model_kwargs", {})}
+    dtype = model_kwargs.get("dtype", model_kwargs.get("torch_dtype"))
+
+    # The Pooling module
+    pooling_path = os.path.join(module_folder(1), "config.json")
+    if not os.path.isfile(pooling_path):
+        raise FileNotFoundError(f"no Pooling config: {pooling_path} is missing (modules.json names it)")
+    modes, include_prompt, dimension = parse_pooling(_read_json(pooling_path, "the Pooling module's settings"),
+                                                     pooling_path)
+
+    # The Normalize module (its config is optional; only the default feature names are reproduced)
+    normalize = len(kinds) == 3
+    if normalize:
+        path = os.path.join(module_folder(2), "config.json")
+        config = _read_json(path, "the Normalize module's settings") if os.path.isfile(path) else {}
+        for key in ("module_input_name", "module_output_name"):
+            if config.get(key, "sentence_embedding") != "sentence_embedding":
+                raise NotImplementedError(f"{path}: Normalize with {key} = {config[key]!r} is not implemented "
+                                          f"(fastbert normalises the sentence embedding)")
+
+    # Prompts (config_sentence_transformers.json, in the model's root folder)
+    prompts, default_prompt_name = dict(_DEFAULT_PROMPTS), None
+    path = os.path.join(folder, "config_sentence_transformers.json")
+    if os.path.isfile(path):
+        config = _read_json(path, "the model's prompts and type")
+        if config.get("model_type", "SentenceTransformer") != "SentenceTransformer":
+            raise NotImplementedError(f"{path}: model_type {config['model_type']!r} is not implemented (fastbert "
+                                      f"computes SentenceTransformer embeddings)")
+        prompts.update({k: v for k, v in (config.get("prompts") or {}).items() if v is not None})
+        default_prompt_name = config.get("default_prompt_name")
+
+    pipeline = Pipeline(pooling=modes, include_prompt=include_prompt, normalize=normalize,
+                        max_seq_length=st_config.get("max_seq_length"),
+                        do_lower_case=bool(st_config.get("do_lower_case", False)),
+                        prompts=prompts, default_prompt_name=default_prompt_name, source="sentence-transformers")
+    return model_folder, (pipeline, dimension), tokenizer_kwargs, dtype
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pooling: sentence-transformers' formulas on a padded batch, in fp32
+# --------------------------------------------------------------------------------------------------------------------
+def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
+    """[B, S, H] token vectors, [B, S] 0/1 mask of the tokens to pool (padding and excluded prompt tokens are 0),
+    right-padded -> [B, len(modes) * H] float32, the modes concatenated in order. Rows whose mask is all 0 (only when
+    a prompt is excluded and covers the whole truncated text) get what sentence-transformers gives them."""
+    h = hidden.float()
+    keep = mask.bool()
+    m = keep.unsqueeze(-1).float()                                                   # [B, S, 1]
+    B, S, _ = h.shape
+    rows = torch.arange(B, device=h.device)
+    out = []
+    for mode in modes:
+        if mode == "cls":  # the first pooled token (the [CLS] token unless a prompt is excluded)
+            out.append(h[rows, keep.int().argmax(dim=1)])
+        elif mode == "max":
+            out.append(h.masked_fill(~keep.unsqueeze(-1), float("-inf")).max(dim=1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            count = m.sum(dim=1).clamp(min=1e-9)                                     # [B, 1]
+            out.append((h * m).sum(dim=1) / (count if mode == "mean" else count.sqrt()))
+        elif mode == "weightedmean":  # token i (from 1) weighs i: later tokens count more (SGPT)
+            w = m * torch.arange(1, S + 1, device=h.device, dtype=h.dtype).view(1, S, 1)
+            out.append((h * w).sum(dim=1) / w.sum(dim=1).clamp(min=1e-9))
+        elif mode == "lasttoken":  # the last pooled token ([SEP] for BERT)
+            found, from_end = keep.int().flip(1).max(dim=1)
+            last = torch.where(found == 0, S - 1, S - 1 - from_end)
+            out.append((h * m)[rows, last])
+        else:
+            raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
+    return torch.cat(out, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokens to batches
+# --------------------------------------------------------------------------------------------------------------------
+def plan_batches(lengths: Sequence[int], max_tokens: int, max_texts: int | None = None,
+                 count_padding: bool = True) -> list[list[int]]:
+    """Indices into `lengths`, sorted longest first (ties in input order), cut into batches of at most `max_tokens`
+    tokens and `max_texts` texts. count_padding: a batch costs (texts x its longest text), the tokens a padded forward
+    computes; otherwise the sum of its lengths, the tokens a packed forward computes. A text longer than the budget
+    is a batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current, cost = [], [], 0
+    for i in order:
+        n = lengths[i]
+        new_cost = (len(current) + 1) * lengths[current[0]] if count_padding and current else cost + n
+        if current and (new_cost > max_tokens or (max_texts is not None and len(current) >= max_texts)):
+            batches.append(current)
+            current, new_cost = [], n
+        current.append(i)
+        cost = new_cost
+    if current:
+        batches.append(current)
+    return batches
+
+
+def padded(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids and attention_mask [n, longest], int64, on the CPU."""
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    keep = np.arange(lengths.max()) < lengths[:, None]
+    input_ids = np.full(keep.shape, pad_id, dtype=np.int64)
+    input_ids[keep] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
+    return torch.from_numpy(input_ids), torch.from_numpy(keep.astype(np.int64))
+
+
+def token_vectors(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The one place the model runs: a right-padded batch in, [B, S, H] token vectors out (padded positions are
+    masked out by pooling, whatever they hold). This is where the packed call
+    model(input_ids=flat_ids, cu_seqlens=..., max_seqlen=...) will go, with plan_batches(count_padding=False)."""
+    return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The encoder
+# --------------------------------------------------------------------------------------------------------------------
+_LOAD_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "include_prompt", "dtype", "device",
+                 "kernels", "tokenizer")
+
+
+class SentenceEncoder:
+    """A fastbert model, its tokenizer and the pipeline that turns token vectors into one vector per text.
+    Build it once with `from_pretrained` (or from a model and a tokenizer) and call `encode` as often as needed."""
+
+    def __init__(self, model: BertModel, tokenizer, *, pooling=None, normalize=None, max_seq_length=None,
+                 do_lower_case=None, include_prompt=None, pipeline: Pipeline | None = None, name: str = "the model"):
+        if not isinstance(model, BertModel):
+            raise TypeError(f"model must be a fastbert.BertModel, got {type(model).__name__} (load a folder with "
+                            f"SentenceEncoder.from_pretrained, or convert a transformers model with "
+                            f"fastbert.BertModel.from_hf)")
+        if tokenizer is None:
+            raise TypeError("a fastbert.BertModel needs its tokenizer: pass "
+                            "tokenizer=AutoTokenizer.from_pretrained(...)")
+        self.model, self.tokenizer = model.eval(), tokenizer  # eval: no dropout (SentenceTransformer.encode does too)
+        base = pipeline or Pipeline()
+        defaulted = [option for option, given in (("pooling", pooling), ("normalize", normalize),
+                                                  ("max_seq_length", max_seq_length)) if given is None]
+        overrides = {k: v for k, v in dict(pooling=None if pooling is None else check_pooling(pooling),
+                                           normalize=normalize, max_seq_length=max_seq_length,
+                                           do_lower_case=do_lower_case, include_prompt=include_prompt).items()
+                     if v is not None}
+        self.pipeline = replace(base, **overrides)
+        self.pipeline = replace(self.pipeline, max_seq_length=self._check_max_seq_length())
+        default = self.pipeline.default_prompt_name
+        if default is not None and default not in self.pipeline.prompts:
+            raise ValueError(f"default_prompt_name {default!r} is not one of the prompts "
+                             f"({', '.join(self.pipeline.prompts)})")
+        if self.pipeline.do_lower_case:  # on a copy: the caller's tokenizer stays as it was
+            self.tokenizer = copy.deepcopy(tokenizer)
+            _lowercase_first(self.tokenizer)
+        if base.source == "defaults" and defaulted:
+            warnings.warn(f"fastbert: {name} has no sentence-transformers configuration (modules.json); using "
+                          f"sentence-transformers' defaults for a plain model: {self.pipeline.describe()} "
+                          f"(the options {', '.join(defaulted)} choose otherwise)", stacklevel=3)
+        self._prompt_lengths: dict[str, int] = {}
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, *, pooling=None, normalize=None, max_seq_length=None, do_lower_case=None,
+                        include_prompt=None, dtype=None, device=None, kernels="auto") -> "SentenceEncoder":
+        """A sentence-transformers folder (modules.json) or a plain Hugging Face BERT folder, or a Hub id in the
+        local cache. dtype: None = what the folder says (sentence_bert_config's model_kwargs, else the checkpoint's
+        own, like transformers' dtype="auto"); device: None = cuda when available, else cpu."""
+        import transformers
+
+        path = os.fspath(name_or_path)
+        # a sentence-transformers folder may keep the checkpoint in a sub-folder (modules.json's Transformer path)
+        is_st_folder = os.path.isdir(path) and os.path.isfile(os.path.join(path, "modules.json"))
+        folder = path if is_st_folder else resolve_folder(path, weights=False)
+        model_folder, st, tokenizer_kwargs, folder_dtype = read_folder(folder)
+        model = BertModel.from_pretrained(resolve_folder(model_folder), add_pooling_layer=False, kernels=kernels,
+                                          dtype=dtype if dtype is not None else (folder_dtype or "auto"),
+                                          device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        pipeline = None
+        if st is not None:
+            pipeline, dimension = st
+            if dimension is not None and dimension != model.config.hidden_size:
+                raise ValueError(f"the Pooling config says embedding dimension {dimension}, the model's hidden_size "
+                                 f"is {model.config.hidden_size}")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_folder, **tokenizer_kwargs)
+        if "model_max_length" in tokenizer_kwargs and pipeline is not None:  # wins over max_seq_length, as in s-t
+            pipeline = replace(pipeline, max_seq_length=tokenizer_kwargs["model_max_length"])
+        return cls(model, tokenizer, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length,
+                   do_lower_case=do_lower_case, include_prompt=include_prompt, pipeline=pipeline,
+                   name=os.fspath(name_or_path))
+
+    def _check_max_seq_length(self) -> int:
+        limit = self.model.config.max_position_embeddings
+        value = self.pipeline.max_seq_length
+        if value is None:  # sentence-transformers: the tokenizer's limit, capped at the position table
+            return min(self.tokenizer.model_max_length, limit)
+        smallest = self.tokenizer.num_special_tokens_to_add() + 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+            raise ValueError(f"max_seq_length must be an integer >= {smallest} (the special tokens and one more), "
+                             f"got {value!r}")
+        if value > limit:
+            raise ValueError(f"max_seq_length {value} exceeds the model's max_position_embeddings {limit}")
+        return value
+
+    @property
+    def dimension(self) -> int:
+        return len(self.pipeline.pooling) * self.model.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embeddings.word_embeddings.weight.device
+
+    def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
+        """sentence-transformers' rule: `prompt` as given, else the named prompt, else the default prompt name's."""
+        if prompt is not None and prompt_name is not None:
+            raise ValueError("give either prompt or prompt_name, not both")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+            return prompt
+        name = prompt_name if prompt_name is not None else self.pipeline.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.pipeline.prompts:
+            raise ValueError(f"prompt_name {name!r} is not one of this model's prompts "
+                             f"({', '.join(map(repr, self.pipeline.prompts))})")
+        return self.pipeline.prompts[name]
+
+    def _prompt_length(self, prompt: str) -> int:
+        """Tokens of the prompt at the start of every text, [CLS] included and a trailing special token not
+        (sentence-transformers' count; the pooling mask drops them when include_prompt is False)."""
+        if prompt not in self._prompt_lengths:
+            ids = self.tokenizer([prompt], truncation=True, max_length=self.pipeline.max_seq_length)["input_ids"][0]
+            self._prompt_lengths[prompt] = len(ids) - (ids[-1] in self.tokenizer.all_special_ids)
+        return self._prompt_lengths[prompt]
+
+    def encode(self, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None,
+               max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH, batch_size: int | None = None,
+               progress: bool | None = None) -> np.ndarray:
+        """[len(texts), dimension] float32, row i for texts[i]. progress: None = a bar on stderr when it is a
+        terminal and the work takes more than a second; True / False = always / never."""
+        texts = _check_texts(texts)
+        for name, value in (("max_tokens_per_batch", max_tokens_per_batch), ("batch_size", batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        prompt = self.resolve_prompt(prompt, prompt_name)
+        skip = self._prompt_length(prompt) if prompt and not self.pipeline.include_prompt else 0
+        result = np.empty((len(texts), self.dimension), dtype=np.float32)
+        bar = _progress_bar(len(texts), progress)
+        started, tokens = time.perf_counter(), 0
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        with torch.inference_mode():
+            for start in range(0, len(texts), WINDOW):
+                window = texts[start:start + WINDOW]
+                ids = self.tokenizer([prompt + t for t in window] if prompt else window, truncation=True,
+                                     max_length=self.pipeline.max_seq_length, return_attention_mask=False,
+                                     return_token_type_ids=False)["input_ids"]
+                out = torch.empty((len(window), self.dimension), dtype=torch.float32, device=self.device)
+                for batch in plan_batches([len(x) for x in ids], max_tokens_per_batch, batch_size):
+                    input_ids, attention_mask = padded([ids[i] for i in batch], pad_id)
+                    input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+                    hidden = token_vectors(self.model, input_ids, attention_mask)
+                    if skip:
+                        attention_mask = attention_mask.clone()
+                        attention_mask[:, :skip] = 0
+                    vectors = pool(hidden, attention_mask, self.pipeline.pooling)
+                    if self.pipeline.normalize:
+                        vectors = F.normalize(vectors, p=2, dim=-1)
+                    out[torch.tensor(batch, device=self.device)] = vectors
+                    if bar is not None:
+                        tokens += sum(len(ids[i]) for i in batch)
+                        bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tokens/s",
+                                            refresh=False)
+                        bar.update(len(batch))
+                result[start:start + len(window)] = out.cpu().numpy()
+        if bar is not None:
+            bar.close()
+        return result
+
+
+def _check_texts(texts) -> list[str]:
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be a list of strings, got a single string (for one text, pass [text])")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] is a {type(t).__name__}, not a string")
+    return texts
+
+
+def _progress_bar(total: int, progress: bool | None):
+    if progress is False or total == 0 or (progress is None and not sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="text", desc="encode", file=sys.stderr, delay=0 if progress else 1.0)
+
+
+def _lowercase_first(tokenizer) -> None:
+    """sentence-transformers' do_lower_case: a Lowercase normaliser in front of the tokenizer's own (unless one is
+    there already); on a slow tokenizer, its do_lower_case flag."""
+    if getattr(tokenizer, "is_fast", False):
+        from tokenizers.normalizers import Lowercase, Sequence as NormalizerSequence
+        normalizer = tokenizer.backend_tokenizer.normalizer
+        present = isinstance(normalizer, Lowercase) or (
+            isinstance(normalizer, NormalizerSequence) and any(isinstance(n, Lowercase) for n in normalizer))
+        if not present:
+            rest = list(normalizer) if isinstance(normalizer, NormalizerSequence) else \
+                [normalizer] if normalizer is not None else []
+            tokenizer.backend_tokenizer.normalizer = NormalizerSequence([Lowercase(), *rest])
+    else:
+        try:
+            tokenizer.do_lower_case = True
+        except AttributeError:
+            tokenizer.basic_tokenizer.do_lower_case = True
+
+
+def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None,
+           max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH, batch_size: int | None = None,
+           progress: bool | None = None, **options) -> np.ndarray:
+    """Sentence embeddings of `texts` as sentence-transformers computes them: [len(texts), dim] float32, in order.
+
+    model_or_path: a folder or cached Hub id (sentence-transformers or plain Hugging Face BERT), a SentenceEncoder,
+        or a fastbert.BertModel together with tokenizer=.
+    options, when loading (see SentenceEncoder.from_pretrained): pooling (a mode or a list of modes), normalize,
+        max_seq_length, do_lower_case, include_prompt (each overrides the folder's setting), dtype, device, kernels;
+        tokenizer (with a BertModel).
+    prompt / prompt_name: a text put before every text, or the name of one of the model's prompts (the folder's
+        default_prompt_name applies when neither is given; prompt="" turns it off).
+    max_tokens_per_batch: the token budget of one forward (padding counted while the forward is padded);
+        batch_size: at most this many texts per forward (default: the token budget alone decides).
+    """
+    unknown = sorted(set(options) - set(_LOAD_OPTIONS))
+    if unknown:
+        raise TypeError(f"encode() got unexpected keyword argument(s) {', '.join(unknown)}; the options are "
+                        f"prompt, prompt_name, max_tokens_per_batch, batch_size, progress, {', '.join(_LOAD_OPTIONS)}")
+    if isinstance(model_or_path, SentenceEncoder):
+        if options:
+            raise TypeError(f"{', '.join(sorted(options))}: set when the encoder is built "
+                            f"(SentenceEncoder.from_pretrained(..., {sorted(options)[0]}=...)), not per call")
+        encoder = model_or_path
+    elif isinstance(model_or_path, BertModel):
+        load_only = sorted(set(options) & {"dtype", "device", "kernels"})
+        if load_only:
+            raise TypeError(f"{', '.join(load_only)}: a model already built is used as it is (move or cast it "
+                            f"yourself)")
+        encoder = SentenceEncoder(model_or_path, **options)
+    elif isinstance(model_or_path, (str, os.PathLike)):
+        if "tokenizer" in options:
+            raise TypeError("tokenizer: a folder brings its own tokenizer")
+        encoder = SentenceEncoder.from_pretrained(model_or_path, **options)
+    else:
+        raise TypeError(f"model_or_path must be a folder, a Hub id, a SentenceEncoder or a fastbert.BertModel, "
+                        f"got {type(model_or_path).__name__}")
+    return encoder.encode(texts, prompt=prompt, prompt_name=prompt_name, max_tokens_per_batch=max_tokens_per_batch,
+                          batch_size=batch_size, progress=progress)
