@@ -262,8 +262,8 @@ def padded(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 
 def token_vectors(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The one place the model runs: a right-padded batch in, [B, S, H] token vectors out (padded positions are
-    masked out by pooling, whatever they hold). This is where the packed call
-    model(input_ids=flat_ids, cu_seqlens=..., max_seqlen=...) will go, with plan_batches(count_padding=False)."""
+    masked out by pooling, whatever they hold). A padding-free model (the default) gathers the real tokens inside and
+    computes nothing else, so the padded call costs only the gather and the scatter back."""
     return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
@@ -406,7 +406,9 @@ class SentenceEncoder:
                                      max_length=self.pipeline.max_seq_length, return_attention_mask=False,
                                      return_token_type_ids=False)["input_ids"]
                 out = torch.empty((len(window), self.dimension), dtype=torch.float32, device=self.device)
-                for batch in plan_batches([len(x) for x in ids], max_tokens_per_batch, batch_size):
+                # A padding-free model computes real tokens only, so the budget counts real tokens
+                for batch in plan_batches([len(x) for x in ids], max_tokens_per_batch, batch_size,
+                                          count_padding=not self.model.padding_free):
                     input_ids, attention_mask = padded([ids[i] for i in batch], pad_id)
                     input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
                     hidden = token_vectors(self.model, input_ids, attention_mask)
