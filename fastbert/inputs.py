@@ -271,7 +271,7 @@ class _Reads:
                   "position_ids": cfg.max_position_embeddings}
         for name, t in tensors.items():
             if t is not None and t.numel():
-                low, high = torch.aminmax(t)
+                low, high = t.min(), t.max()  # (aminmax's full reduction has no ONNX translation)
                 self.add(name + " min", low)
                 self.add(name + " max", high)
                 self.checks.append((name, limits[name]))
