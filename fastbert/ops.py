@@ -145,14 +145,14 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
                            "(a captured CUDA graph runs the Triton kernel)")
-    pieces, start = [], 0
+    out, start = qkv.new_empty(T, nh * hd), 0
     for length in layout.lengths:
         if length:
             q, k, v = qkv[start:start + length].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
             ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
-            pieces.append(ctx.transpose(1, 2).reshape(length, nh * hd))
+            out[start:start + length].view(length, nh, hd).copy_(ctx[0].transpose(0, 1))  # one copy, no cat
         start += length
-    return torch.cat(pieces) if pieces else qkv.new_empty(0, nh * hd)
+    return out
 
 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
