@@ -476,8 +476,8 @@ def encode_parser() -> _Parser:
                       "transformers.json), e.g. query or document")
     work = parser.add_argument_group("batching")
     work.add_argument("--max-tokens-per-batch", type=_count(1), default=DEFAULT_MAX_TOKENS_PER_BATCH, metavar="N",
-                      help=f"texts are sorted by length and packed up to N tokens per forward (padding counted "
-                           f"while the forward is padded; default {DEFAULT_MAX_TOKENS_PER_BATCH})")
+                      help=f"texts are sorted by length and packed up to N real tokens per forward (the forward "
+                           f"computes no padding; default {DEFAULT_MAX_TOKENS_PER_BATCH})")
     work.add_argument("--batch-size", type=_count(1), metavar="N",
                       help="at most N texts per forward (default: the token budget alone decides)")
     work.add_argument("--no-progress", action="store_true",
