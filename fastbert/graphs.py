@@ -167,11 +167,8 @@ class GraphRunner:
             if bucket is None:
                 self.stats.eager_calls += 1
                 self.stats.eager_reasons[why] = self.stats.eager_reasons.get(why, 0) + 1
-                tokens, longest = (layout.num_tokens, layout.max_seqlen) if layout is not None else (
-                    batch.shape[0] * batch.shape[1], batch.shape[1])
                 x, _, _ = model.encode(batch.input_ids, batch.token_type_ids, batch.position_ids, batch.attn,
-                                       model.resolve_ops(needs_grad=False, tokens=tokens, max_seqlen=longest),
-                                       batch.inputs_embeds)
+                                       model.resolve_ops(False, None, *batch.size), batch.inputs_embeds)
             else:
                 T, n = layout.num_tokens, layout.num_seqs
                 self.input_ids[:T].copy_(batch.input_ids)

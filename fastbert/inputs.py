@@ -44,6 +44,21 @@ class Batch:
     def layout(self) -> TokenLayout | None:
         return self.attn if isinstance(self.attn, TokenLayout) else None
 
+    @property
+    def size(self) -> tuple[int, int]:
+        """(tokens computed, longest sequence): what the backend choice of a GPU forward depends on."""
+        if self.layout is not None:
+            return self.layout.num_tokens, self.layout.max_seqlen
+        return self.shape[0] * self.shape[1], self.shape[1]
+
+    def why_padded(self, output_attentions: bool) -> str | None:
+        """Why attention runs on padded rows in a way only the twin serves (None when the kernel can)."""
+        if output_attentions:
+            return "output_attentions=True needs the probabilities (flash attention never forms them)"
+        if getattr(self.attn, "custom", False):
+            return "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
+        return None
+
 
 def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
             output_attentions=False, cu_seqlens=None, max_seqlen=None, **kwargs) -> Batch:
@@ -59,7 +74,6 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids and inputs_embeds "
                          f"(got {'both' if input_ids is not None else 'neither'})")
-    cfg = model.config
     device = model.embeddings.word_embeddings.weight.device
     first = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
     if first[1].device != device:
@@ -148,24 +162,23 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         position_ids = torch.arange(S, device=device).expand(B, S)
     elif position_ids.shape[0] == 1 and B != 1:
         position_ids = position_ids.expand(B, S)
-    embeds = None if inputs_embeds is None else inputs_embeds
 
-    padded_reason = output_attentions or custom or not model.padding_free or ops.tracing()
-    if not padded_reason and (keep is None or values["real_tokens"] == B * S):
+    padded_rows = output_attentions or custom or not model.padding_free or ops.tracing()
+    if not padded_rows and (keep is None or values["real_tokens"] == B * S):
         layout = TokenLayout.dense(B, S, device)  # nothing padded: packed order is batch order
-    elif not padded_reason:
+    elif not padded_rows:
         layout = TokenLayout.from_mask(keep, values["lengths"], values["real_tokens"])
     else:
         flags = None if values is None or keep is None else (
             values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
         mask = AttentionMask.build(attention_mask, B, S, model.embeddings.word_embeddings.weight.dtype, flags)
         real_tokens = mask.key_valid if model.padding_free else None
-        return Batch(input_ids.reshape(B * S) if input_ids is not None else None, token_type_ids.reshape(B * S),
-                     position_ids.reshape(B * S), None if embeds is None else embeds.reshape(B * S, -1), mask,
-                     "padded", shape, real_tokens)
+        return Batch(None if input_ids is None else input_ids.reshape(B * S), token_type_ids.reshape(B * S),
+                     position_ids.reshape(B * S), None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1),
+                     mask, "padded", shape, real_tokens)
     return Batch(None if input_ids is None else unpad(input_ids, layout), unpad(token_type_ids, layout),
-                 unpad(position_ids, layout), None if embeds is None else unpad(embeds, layout), layout, "padded",
-                 shape)
+                 unpad(position_ids, layout), None if inputs_embeds is None else unpad(inputs_embeds, layout), layout,
+                 "padded", shape)
 
 
 # --------------------------------------------------------------------------------------------------------------------

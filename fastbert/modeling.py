@@ -289,14 +289,7 @@ class BertModel(nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or (batch.inputs_embeds is not None and batch.inputs_embeds.requires_grad))
-        padded = None
-        if output_attentions:
-            padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
-        elif getattr(batch.attn, "custom", False):
-            padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-        tokens, longest = (batch.layout.num_tokens, batch.layout.max_seqlen) if batch.layout is not None else (
-            batch.shape[0] * batch.shape[1], batch.shape[1])
-        run = self.resolve_ops(needs_grad, padded, tokens, longest)
+        run = self.resolve_ops(needs_grad, batch.why_padded(bool(output_attentions)), *batch.size)
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
                                                    batch.attn, run, batch.inputs_embeds,
                                                    bool(output_hidden_states), bool(output_attentions))
