@@ -1,6 +1,6 @@
 """fastbert: a drop-in Hugging Face BertModel whose four fused ops run as Triton kernels or as PyTorch twins."""
-from .config import BertConfig
-from .modeling import BertModel
+from .config import MODEL_TYPES
+from .modeling import AutoModel, BertModel
 from .ops import BACKENDS, OPS
 
-__all__ = ["BertConfig", "BertModel", "OPS", "BACKENDS"]
+__all__ = ["AutoModel", "BertModel", "MODEL_TYPES", "OPS", "BACKENDS"]
