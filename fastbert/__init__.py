@@ -2,5 +2,6 @@
 from .config import MODEL_TYPES
 from .modeling import AutoModel, BertModel
 from .ops import BACKENDS, OPS
+from .patch import optimize, restore
 
-__all__ = ["AutoModel", "BertModel", "MODEL_TYPES", "OPS", "BACKENDS"]
+__all__ = ["AutoModel", "BertModel", "MODEL_TYPES", "OPS", "BACKENDS", "optimize", "restore"]

@@ -397,6 +397,9 @@ class BertModel(nn.Module):
         for layer in self.encoder.layer:
             layer.gradient_checkpointing = False
 
+    activation_checkpointing_enable = gradient_checkpointing_enable  # transformers 5's newer names
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
     @property
     def is_gradient_checkpointing(self) -> bool:
         return any(layer.gradient_checkpointing for layer in self.encoder.layer)
