@@ -86,7 +86,7 @@ class GraphRunner:
         self.model = model
         self.buckets = buckets
         self.max_seqs = max_seqs
-        self.max_seqlen = min(max_seqlen or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.max_seqlen = min(max_seqlen or model.embeddings.max_length, model.embeddings.max_length)
         self.ops = model.resolve_ops(needs_grad=False)
         if "attention" not in self.ops.triton:
             raise ValueError("CUDA graphs need attention on its Triton kernel (the PyTorch twin loops over sequence "
