@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
 from . import ops
@@ -37,6 +38,10 @@ from . import config as configs
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad
 from .ops import OPS
+
+# With output_attentions, transformers 5 reports an empty cross_attentions tuple alongside attentions (part of the
+# return_dict=False tuple); 4.x reports None, which the tuple leaves out.
+_EMPTY_CROSS_ATTENTIONS = () if int(transformers.__version__.split(".")[0]) >= 5 else None
 
 
 class BertEmbeddings(nn.Module):
@@ -508,8 +513,7 @@ class BertModel(nn.Module):
             pooler_output=self.pooler(first(x)) if self.pooler is not None else None,
             hidden_states=tuple(shaped(h) for h in hidden_states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
-            # transformers 5 reports an empty cross_attentions tuple alongside attentions; so do we (tuple order)
-            cross_attentions=() if output_attentions else None,
+            cross_attentions=_EMPTY_CROSS_ATTENTIONS if output_attentions else None,  # as the installed transformers
         )
 
     def resolve_ops(self, needs_grad: bool = False, padded: str | None = None) -> ops.Ops:

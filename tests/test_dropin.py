@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import fastbert
-from conftest import random_hf_bert
+from conftest import hf_dtype, random_hf_bert
 
 B, S, VOCAB = 3, 9, 99
 IDS = torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
@@ -84,12 +84,18 @@ def test_each_head_before_after_optimize_and_after_restore(name):
 def test_head_loss_and_kwargs_a_trainer_passes():
     model = perturbed(transformers.BertForSequenceClassification(bert_config()))
     labels = torch.tensor([0, 2, 1])
+    inputs = head_inputs("BertForSequenceClassification")
     with torch.no_grad():
-        ref = model(**head_inputs("BertForSequenceClassification"), labels=labels)
+        ref = model(**inputs, labels=labels)
         fastbert.optimize(model, kernels="torch")
-        out = model(**head_inputs("BertForSequenceClassification"), labels=labels,
-                    num_items_in_batch=torch.tensor(3))
+        out = model(**inputs, labels=labels)
+        # transformers 5's heads pass Trainer's keywords down to the encoder (4.x heads take none)
+        plain = model.bert(**inputs)
+        passed = model.bert(**inputs, num_items_in_batch=torch.tensor(3), output_router_logits=False, return_dict=True)
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-6
+    assert torch.equal(plain.pooler_output, passed.pooler_output)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'attention_masks'"):
+        model.bert(IDS, attention_masks=MASK)
 
 
 def test_unsupported_configs_and_models_are_refused_and_nothing_changes():
@@ -159,21 +165,15 @@ def train_steps(model, steps=5, lr=1e-2, seed=0, optimizer=torch.optim.AdamW):
 
 
 def no_dropout_bert(seed=0):
-    return perturbed(random_hf_bert(hidden=64, heads=4, vocab=VOCAB, max_pos=32, seed=seed)).train()
-
-
-def zero_dropout(model):
-    model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model
+    """Dropout off from construction (transformers 4.x's sdpa attention reads its probability once, at __init__)."""
+    config = bert_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return perturbed(transformers.BertModel(config), seed=seed).train()
 
 
 def test_training_a_from_hf_model_trains_the_hf_model():
     """5 AdamW steps on a from_hf model: the HF model it came from holds the trained weights (it once kept its old
     query/key/value, 0.285 away)."""
-    hf = zero_dropout(no_dropout_bert())
+    hf = no_dropout_bert()
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")
     before = copy.deepcopy(hf.state_dict())
     train_steps(fb)
@@ -190,7 +190,7 @@ def test_training_a_from_hf_model_trains_the_hf_model():
 def test_optimize_train_restore_lands_in_hf_and_saves(tmp_path):
     """optimize, train, restore: the HF model holds what training changed, equal to training HF itself, and saves
     with plain safetensors (query/key/value own their storage again)."""
-    reference = zero_dropout(no_dropout_bert())
+    reference = no_dropout_bert()
     model = copy.deepcopy(reference)
     initial = copy.deepcopy(reference.state_dict())
     # SGD: AdamW would turn the key bias's zero gradient (softmax ignores it) into lr-sized steps of rounding noise
@@ -279,12 +279,14 @@ def test_gradient_checkpointing_through_the_head():
     grad = model.bert.encoder.layer[1].attention.self.qkv_weight.grad
     assert len(recomputed) == 2 and (grad - ref_grad).abs().max() <= 1e-5
     fastbert.restore(model)
-    assert model.bert.encoder.layer[1].gradient_checkpointing
+    assert model.is_gradient_checkpointing  # carried back to HF's modules
     assert torch.equal(model.bert.encoder.layer[1].attention.self.query.weight.grad, grad[:64])
 
 
-def test_trainer_step_equal_loss_and_weights_land_in_hf(tmp_path):
-    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the test extras)")
+def test_trainer_step_equal_loss_and_weights_land_in_hf(tmp_path, monkeypatch):
+    for name in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_IPEX"):  # Trainer sets these: unset afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     config = bert_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
     reference = perturbed(transformers.BertForSequenceClassification(config))
     model = copy.deepcopy(reference)
@@ -335,6 +337,14 @@ def test_sentence_transformer_optimize_save_reload_restore(minilm_path, tmp_path
     st.save(str(tmp_path / "restored"))
 
 
+def modules_of(cross_encoder):
+    """The BertForSequenceClassification inside a CrossEncoder (sentence-transformers 6: in its first module;
+    3.x: its .model, the CrossEncoder itself not being a torch module)."""
+    if isinstance(cross_encoder, torch.nn.Module):
+        return next(m for m in cross_encoder.modules() if hasattr(m, "bert"))
+    return cross_encoder.model
+
+
 def test_cross_encoder_optimize_save_reload(minilm_path, tmp_path):
     from sentence_transformers import CrossEncoder
     torch.manual_seed(0)
@@ -342,18 +352,18 @@ def test_cross_encoder_optimize_save_reload(minilm_path, tmp_path):
     pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[0]), (SENTENCES[1], SENTENCES[1])]
     ref = torch.as_tensor(ce.predict(pairs))
     fastbert.optimize(ce, kernels="torch")
-    assert any(isinstance(m, fastbert.BertModel) for m in ce.modules())
+    assert isinstance(modules_of(ce).bert, fastbert.BertModel)
     assert (torch.as_tensor(ce.predict(pairs)) - ref).abs().max() <= 1e-5
     ce.save(str(tmp_path / "ce"))
     reloaded = CrossEncoder(str(tmp_path / "ce"), device="cpu")
     assert (torch.as_tensor(reloaded.predict(pairs)) - ref).abs().max() <= 1e-5
     fastbert.restore(ce)
-    assert not any(isinstance(m, fastbert.BertModel) for m in ce.modules())
+    assert type(modules_of(ce).bert) is transformers.BertModel
     assert (torch.as_tensor(ce.predict(pairs)) - ref).abs().max() <= 1e-6
 
 
 def test_feature_extraction_pipeline(minilm_path):
-    model = transformers.BertModel.from_pretrained(minilm_path, dtype=torch.float32).eval()
+    model = transformers.BertModel.from_pretrained(minilm_path, **hf_dtype(torch.float32)).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
     pipe = transformers.pipeline("feature-extraction", model=model, tokenizer=tokenizer, device="cpu")
     ref = [torch.tensor(pipe(s)) for s in SENTENCES]
