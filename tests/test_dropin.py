@@ -373,3 +373,30 @@ def test_feature_extraction_pipeline(minilm_path):
         assert (torch.tensor(pipe(s)) - r).abs().max() <= 1e-5
     fastbert.restore(pipe)
     assert pipe.model is model
+
+
+@pytest.mark.parametrize("name", ["RobertaForSequenceClassification", "XLMRobertaForTokenClassification",
+                                  "CamembertForMaskedLM", "ElectraForPreTraining", "ElectraForSequenceClassification"])
+def test_heads_of_the_other_architectures(name):
+    """The RoBERTa-family and ELECTRA heads: their encoder (roberta / electra) is swapped and put back; real-token
+    outputs equal before, during and after."""
+    from test_architectures import inputs, random_hf
+    arch = {"Roberta": "roberta", "XLMRoberta": "xlm-roberta", "Camembert": "camembert", "Electra": "electra"}[
+        name.split("For")[0]]
+    config = random_hf(arch).config
+    model = perturbed(getattr(transformers, name)(config))
+    encoder = model.base_model
+    ids, tt, mask = inputs(encoder, "right")
+    field = "logits"
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask, token_type_ids=tt)[field]
+        fastbert.optimize(model, kernels="torch")
+        assert isinstance(model.base_model, fastbert.BertModel)
+        during = model(ids, attention_mask=mask, token_type_ids=tt)[field]
+        assert fastbert.restore(model).base_model is encoder
+        after = model(ids, attention_mask=mask, token_type_ids=tt)[field]
+    per_token = before.dim() == 3 or "PreTraining" in name  # ElectraForPreTraining: one logit per token
+    real = mask.bool()
+    pick = (lambda t: t[real]) if per_token else (lambda t: t)
+    assert (pick(during) - pick(before)).abs().max() <= 1e-5
+    assert torch.equal(pick(after), pick(before))
