@@ -194,6 +194,7 @@ def from_hf(cls, hf_model, kernels="auto", padding_free=True, where: str = "the 
     base = encoder_of(hf_model)
     model = check_hf(cls, base, kernels, padding_free, where)
     share_hf(model, base)
+    model.__dict__["_hf_encoder"] = base  # fastbert.restore(model) gives it back, untied (not a submodule)
     return model
 
 

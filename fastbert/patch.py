@@ -112,7 +112,7 @@ def optimize(model, kernels="auto", padding_free: bool = True):
 
 def restore(model):
     """Put back the transformers encoders optimize() replaced, holding the current weights; returns the model (for
-    a model optimize() returned as a bare fastbert module, the transformers encoder)."""
+    a bare fastbert module that optimize() or BertModel.from_hf returned, the transformers encoder)."""
     root = _root(model)
     references = _references(root)
     swapped = {id(m): (path, m) for path, m in root.named_modules() if "_hf_encoder" in getattr(m, "__dict__", {})}

@@ -170,7 +170,7 @@ def no_dropout_bert(seed=0):
     return perturbed(transformers.BertModel(config), seed=seed).train()
 
 
-def test_training_a_from_hf_model_trains_the_hf_model():
+def test_training_a_from_hf_model_trains_the_hf_model(tmp_path):
     """5 AdamW steps on a from_hf model: the HF model it came from holds the trained weights (it once kept its old
     query/key/value, 0.285 away)."""
     hf = no_dropout_bert()
@@ -185,6 +185,12 @@ def test_training_a_from_hf_model_trains_the_hf_model():
     with torch.no_grad():
         d = (hf(IDS, attention_mask=MASK).last_hidden_state - fb(IDS, attention_mask=MASK).last_hidden_state)
     assert d[MASK.bool()].abs().max() <= 1e-5
+    trained = copy.deepcopy(fb.state_dict())
+    assert fastbert.restore(fb) is hf  # query/key/value own their storage again: plain safetensors saves it
+    from safetensors.torch import save_model
+    save_model(hf, str(tmp_path / "hf.safetensors"))
+    for name, value in hf.state_dict().items():
+        assert torch.equal(value, trained[name]), name
 
 
 def test_optimize_train_restore_lands_in_hf_and_saves(tmp_path):
