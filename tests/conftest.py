@@ -103,6 +103,13 @@ def random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, act="gelu", v
     return model
 
 
+def hf_dtype(dtype) -> dict:
+    """from_pretrained's dtype keyword for the installed transformers: `dtype` since 4.56, `torch_dtype` before."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
 @pytest.fixture(scope="session")
 def minilm_path():
     """The bundled real model. In CI (and wherever the test extras are installed) it comes from the

@@ -84,14 +84,18 @@ def test_unsupported_configs_raise_at_construction(field, value, words):
 
 
 def test_config_sources(tmp_path):
+    """The model's config is a transformers config: the object given (kept as is, so a head that shares it sees
+    every change), or built from a dict or a config.json path as transformers.AutoConfig would."""
     hf_cfg = transformers.BertConfig(hidden_size=48, num_attention_heads=3, intermediate_size=50)
     hf_cfg.save_pretrained(tmp_path)
+    assert fastbert.BertModel(hf_cfg).config is hf_cfg
     for source in (hf_cfg, hf_cfg.to_dict(), str(tmp_path), str(tmp_path / "config.json")):
-        cfg = fastbert.BertConfig.from_any(source)
-        assert (cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, cfg.head_dim) == (48, 3, 50, 16)
-    assert fastbert.BertConfig.from_pretrained(str(tmp_path)).hidden_size == 48
-    with pytest.raises(TypeError, match="cannot build a BertConfig from int"):
-        fastbert.BertConfig.from_any(3)
+        model = fastbert.BertModel(source)
+        cfg = model.config
+        assert isinstance(cfg, transformers.BertConfig)
+        assert (cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, model.head_dim) == (48, 3, 50, 16)
+    with pytest.raises(TypeError, match="cannot build a model from a config of type int"):
+        fastbert.BertModel(3)
 
 
 # ---- more bad input: each was once a wrong answer or an error pointing at the wrong thing ---------------------------

@@ -48,12 +48,21 @@ def test_dtype_device_and_torch_dtype_alias(hf_folder):
         fastbert.BertModel.from_pretrained(str(hf_folder), dtype=torch.float16, torch_dtype=torch.bfloat16)
 
 
-def test_from_hf_shares_weights_except_fused_qkv(hf):
+def test_from_hf_is_one_copy_of_the_weights(hf):
+    """Every parameter is HF's own object but the fused QKV weight, and HF's query/key/value are views of that."""
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")
-    hf_ptrs = {p.data_ptr() for p in hf.parameters()}
+    hf_params = {id(p) for p in hf.parameters()}
     for name, p in fb.named_parameters():
-        assert (p.data_ptr() in hf_ptrs) == ("qkv_" not in name), name
+        assert (id(p) in hf_params) == ("qkv_" not in name), name
+    for hf_layer, layer in zip(hf.encoder.layer, fb.encoder.layer):
+        fused = layer.attention.self
+        for i, part in enumerate((hf_layer.attention.self.query, hf_layer.attention.self.key,
+                                  hf_layer.attention.self.value)):
+            assert part.weight.data_ptr() == fused.qkv_weight[i * 32:(i + 1) * 32].data_ptr()
+            assert part.bias.data_ptr() == fused.qkv_bias[i * 32:(i + 1) * 32].data_ptr()
     assert same_output(fb, hf)
+    again = fastbert.BertModel.from_hf(hf, kernels="torch")  # a second model over the same HF model: still one copy
+    assert again.encoder.layer[0].attention.self.qkv_weight is fb.encoder.layer[0].attention.self.qkv_weight
 
 
 def test_state_dict_round_trips_with_hf(hf):
@@ -117,14 +126,20 @@ def test_missing_unexpected_and_wrong_shape_keys_are_listed(hf, tmp_path):
 
 
 def test_checkpoint_without_pooler(hf, tmp_path):
+    """BERT-architecture embedding models (BGE, E5, GTE) ship no pooler weights: they load without a pooler, never
+    with a random one; asking for one explicitly is an error naming the missing keys."""
     state = {k: v for k, v in hf.state_dict().items() if not k.startswith("pooler.")}
     folder = _write(tmp_path / "nopool", hf, state)
-    with pytest.raises(ValueError, match="missing keys.*pooler.dense.bias.*add_pooling_layer=False"):
-        fastbert.BertModel.from_pretrained(folder)
-    fb = fastbert.BertModel.from_pretrained(folder, add_pooling_layer=False, kernels="torch")
-    with torch.no_grad():
-        out = fb(IDS, attention_mask=MASK)
-    assert out.pooler_output is None
+    with pytest.raises(ValueError, match="missing keys.*pooler.dense.bias.*add_pooling_layer=None or False"):
+        fastbert.BertModel.from_pretrained(folder, add_pooling_layer=True)
+    for fb in (fastbert.BertModel.from_pretrained(folder, kernels="torch"),
+               fastbert.BertModel.from_pretrained(folder, add_pooling_layer=False, kernels="torch")):
+        assert fb.pooler is None
+        with torch.no_grad():
+            out, ref = fb(IDS, attention_mask=MASK), hf(IDS, attention_mask=MASK)
+        assert out.pooler_output is None
+        assert (out.last_hidden_state - ref.last_hidden_state)[MASK.bool()].abs().max() <= 1e-6
+    assert fastbert.BertModel.from_pretrained(str(_write(tmp_path / "pool", hf, hf.state_dict()))).pooler is not None
 
 
 def test_folder_without_weights_and_missing_paths(hf, tmp_path):
@@ -152,18 +167,23 @@ def test_hub_id_from_the_local_cache(hf_folder, tmp_path):
 
 
 # ---- configs and checkpoints fastbert must refuse, naming the file and the field -------------------------------------
-def test_other_architectures_are_refused_not_loaded_as_bert(tmp_path):
-    """A RoBERTa checkpoint has BERT's key names; loading it as BERT would run (wrong position ids) and be off by ~3."""
-    cfg = transformers.RobertaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=40, max_position_embeddings=20)
-    roberta = transformers.RobertaModel(cfg).eval()
-    roberta.save_pretrained(tmp_path)
-    with pytest.raises(NotImplementedError, match=r"model_type='roberta' is not implemented by fastbert"):
-        fastbert.BertModel.from_pretrained(str(tmp_path))
-    with pytest.raises(NotImplementedError, match=r"model_type='roberta'"):
-        fastbert.BertModel.from_hf(roberta)
-    with pytest.raises(NotImplementedError, match=r"config .*config.json: model_type='roberta'"):
-        fastbert.BertConfig.from_any(str(tmp_path))
+def test_other_architectures_are_refused_by_model_type(tmp_path):
+    """Outside the BERT family a checkpoint is refused by its model_type, never loaded as BERT (nor a wall of key
+    errors)."""
+    config = transformers.DistilBertConfig(vocab_size=50, dim=32, n_layers=1, n_heads=2, hidden_dim=40,
+                                           max_position_embeddings=20)
+    distilbert = transformers.DistilBertModel(config).eval()
+    distilbert.save_pretrained(tmp_path / "distilbert")
+    with pytest.raises(NotImplementedError, match=r"config .*config.json: model_type='distilbert' is not "
+                                                   r"implemented by fastbert"):
+        fastbert.AutoModel.from_pretrained(str(tmp_path / "distilbert"))
+    with pytest.raises(NotImplementedError, match=r"model_type='distilbert'"):
+        fastbert.BertModel.from_hf(distilbert)
+    import json
+    (tmp_path / "modernbert").mkdir()  # the config alone decides: refused before any weight is read
+    (tmp_path / "modernbert" / "config.json").write_text(json.dumps({"model_type": "modernbert", "hidden_size": 32}))
+    with pytest.raises(NotImplementedError, match=r"model_type='modernbert' is not implemented by fastbert"):
+        fastbert.AutoModel.from_pretrained(str(tmp_path / "modernbert"))
 
 
 @pytest.mark.parametrize("field, value, words", [

@@ -22,6 +22,24 @@ def test_wheel_holds_fastbert_kernels_and_no_top_level_kernels(tmp_path):
     assert zipfile.ZipFile(tmp_path / wheel).read(top_level).decode().split() == ["fastbert"]
 
 
+def test_distribution_metadata(tmp_path):
+    """Distributed as fastbert-triton ("fastbert" on the index is another project), imported as fastbert; Apache-2.0
+    with the license text in the wheel; the README as the long description; the transformers range CI tests."""
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), REPO], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
+    assert wheel.startswith("fastbert_triton-")
+    archive = zipfile.ZipFile(tmp_path / wheel)
+    metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Name: fastbert-triton" in metadata and "License: Apache-2.0" in metadata
+    assert "Classifier: License :: OSI Approved :: Apache Software License" in metadata
+    assert "Requires-Dist: transformers<6,>=4.41" in metadata
+    assert "Description-Content-Type: text/markdown" in metadata and "## The two commands" in metadata
+    license_text = archive.read(next(n for n in archive.namelist() if n.endswith("/LICENSE"))).decode()
+    assert "Apache License" in license_text and "END OF TERMS AND CONDITIONS" in license_text
+
+
 def test_transformers_does_not_mistake_our_kernels_for_hfs():
     from transformers.utils import import_utils
     import fastbert.kernels  # noqa: F401  (imported, as a model forward on CUDA would)

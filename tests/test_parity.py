@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastbert
-from conftest import random_hf_bert
+from conftest import hf_dtype, random_hf_bert
 
 CONFIGS = {  # hidden, heads, layers, intermediate, act  (head dims 16, 32, 64; intermediates not multiples of 64)
     "h32-nh1-L1-gelu": (32, 1, 1, 37, "gelu"),
@@ -207,7 +207,7 @@ SENTENCES = ["A man is eating food.", "The new movie is awesome, I would watch i
 def minilm(minilm_path, request):
     import transformers
     f32 = torch.float32  # explicit: a packed copy of the model (bench/pack_minilm.py) stores fp16
-    hf = {a: transformers.BertModel.from_pretrained(minilm_path, attn_implementation=a, dtype=f32).eval()
+    hf = {a: transformers.BertModel.from_pretrained(minilm_path, attn_implementation=a, **hf_dtype(f32)).eval()
           for a in ("eager", "sdpa")}
     return hf, fastbert.BertModel.from_pretrained(minilm_path, kernels="torch", dtype=f32, padding_free=request.param)
 

@@ -5,7 +5,7 @@ import transformers
 
 import fastbert
 from fastbert import ops
-from conftest import DEVICE, random_hf_bert
+from conftest import DEVICE, hf_dtype, random_hf_bert
 from test_parity import assert_close_on, assert_pooler_matches, make_inputs
 
 pytestmark = pytest.mark.filterwarnings("error::UserWarning")  # "auto" must not fall back silently or noisily here
@@ -111,7 +111,7 @@ def test_fp16_error_at_most_twice_hf():
 
 def test_minilm_all_triton_short_ragged_batch(minilm_path, tokenizer):
     hf = transformers.BertModel.from_pretrained(minilm_path, attn_implementation="sdpa",
-                                                dtype=torch.float32).eval().to(DEVICE)
+                                                **hf_dtype(torch.float32)).eval().to(DEVICE)
     fb = fastbert.BertModel.from_pretrained(minilm_path, kernels="triton", device=DEVICE, dtype=torch.float32)
     enc = tokenizer(["A man is eating food.", "Hi", "The weather is lovely today, let's go for a walk."],
                     padding=True, return_tensors="pt").to(DEVICE)

@@ -1,0 +1,151 @@
+"""fastbert.optimize(model) / fastbert.restore(model): fastbert in place of the transformers encoders a model holds.
+
+    model = fastbert.optimize(model)       # a BertFor* head, a SentenceTransformer, a CrossEncoder, a pipeline, ...
+    ...                                    # inference, fine-tuning, Trainer, save()
+    model = fastbert.restore(model)        # transformers' own modules again, holding what training changed
+
+optimize finds every transformers encoder fastbert runs (BertModel, RobertaModel, XLMRobertaModel, CamembertModel,
+ElectraModel) anywhere in the model's module tree (a pipeline: in its .model) and puts a fastbert.BertModel in its
+place, at every reference to it. The fastbert module is built with BertModel.from_hf: one copy of the weights (it
+holds HF's own embedding, dense and LayerNorm modules; HF's query/key/value become views of its fused QKV weight) and
+HF's config object itself. restore puts each HF encoder back where it was: modules fastbert replaced meanwhile (a
+resized vocabulary) go back into it, and query/key/value get their own storage again, holding the fused weight's
+current values, so the HF model saves with safetensors as before.
+
+Use the return value: for a bare encoder (optimize(BertModel)), the fastbert module itself is what comes back.
+Nothing is changed when optimize refuses: every encoder is checked (the config's fields, the modules' layout) before
+the first one is swapped.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from . import config as configs
+from .loading import check_hf, share_hf, shared_leaves
+from .modeling import BertModel
+
+# transformers' encoder classes of the family (their heads hold one of these as base_model)
+SUPPORTED_CLASSES = ("BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel")
+
+
+def _root(model):
+    """The module tree to search: the model itself, or a pipeline's model."""
+    if isinstance(model, nn.Module):
+        return model
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module):
+        return inner
+    raise TypeError(f"fastbert.optimize takes a torch module (a transformers model, a SentenceTransformer, a "
+                    f"CrossEncoder, ...) or a transformers pipeline; got {type(model).__name__}")
+
+
+def _set_root(model, new):
+    """Replace the root itself: for a pipeline its .model; for a bare module, the caller gets `new` back."""
+    if not isinstance(model, nn.Module):
+        model.model = new
+        return model
+    return new
+
+
+def _references(root):
+    """module id -> [the paths under which it appears] (a module held in two places is swapped in both)."""
+    paths = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    return paths
+
+
+def _put(root, path, module):
+    parent, _, name = path.rpartition(".")
+    root.get_submodule(parent)._modules[name] = module
+
+
+def _is_base_encoder(module) -> bool:
+    """A transformers model that is its own base model (an encoder, not a head around one)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel) and getattr(module, "base_model", None) is module
+
+
+def _describe(path: str) -> str:
+    return f"module {path!r}" if path else "the model"
+
+
+def optimize(model, kernels="auto", padding_free: bool = True):
+    """Swap fastbert in for every supported transformers encoder inside `model`; returns the model (for a bare
+    encoder, the fastbert module). `kernels`, `padding_free`: as BertModel takes them."""
+    root = _root(model)
+    references = _references(root)
+    found, others = {}, []
+    for path, module in root.named_modules():
+        if isinstance(module, BertModel) or not _is_base_encoder(module):
+            continue
+        kind = type(module).__name__
+        if kind in SUPPORTED_CLASSES and type(module).__module__.startswith("transformers."):
+            found[id(module)] = (path, module)
+        else:
+            others.append(f"{_describe(path)} ({kind}, model_type={getattr(module.config, 'model_type', None)!r})")
+    if not found:
+        already = any(isinstance(m, BertModel) for m in root.modules())
+        if already:
+            return model  # optimized already
+        what = f"; it holds {', '.join(others)}, which fastbert does not implement" if others else ""
+        raise ValueError(f"fastbert.optimize: no supported encoder in {type(root).__name__} (fastbert runs "
+                         f"{', '.join(SUPPORTED_CLASSES)}, model_type {', '.join(configs.MODEL_TYPES)}){what}")
+
+    # Check every encoder before changing any: an error leaves the model as it was.
+    built = [(path, hf, check_hf(BertModel, hf, kernels, padding_free, where=_describe(path)))
+             for path, hf in found.values()]
+    for path, hf, fb in built:
+        share_hf(fb, hf)
+        fb.__dict__["_hf_encoder"] = hf  # not a submodule: its parameters are not the fastbert module's
+        if any(getattr(m, "gradient_checkpointing", False) for m in hf.modules()):
+            fb.gradient_checkpointing_enable()
+        if path == "":
+            return _set_root(model, fb)
+        for where in references[id(hf)]:
+            _put(root, where, fb)
+    return model
+
+
+def restore(model):
+    """Put back the transformers encoders optimize() replaced, holding the current weights; returns the model (for
+    a bare fastbert module that optimize() or BertModel.from_hf returned, the transformers encoder)."""
+    root = _root(model)
+    references = _references(root)
+    swapped = {id(m): (path, m) for path, m in root.named_modules() if "_hf_encoder" in getattr(m, "__dict__", {})}
+    if not swapped:
+        raise ValueError(f"fastbert.restore: {type(root).__name__} holds no module that fastbert.optimize swapped in")
+    for path, fb in swapped.values():
+        hf = write_back(fb)
+        if path == "":
+            return _set_root(model, hf)
+        for where in references[id(fb)]:
+            _put(root, where, hf)
+    return model
+
+
+def write_back(fb: BertModel):
+    """The HF encoder a fastbert module replaced, brought up to date with it; the fastbert module lets go of it."""
+    hf = fb.__dict__.pop("_hf_encoder")
+    for name, module in shared_leaves(fb):  # a module fastbert's side replaced (resize_token_embeddings, ...)
+        parent, _, leaf = name.rpartition(".")
+        holder = hf.get_submodule(parent)
+        if holder._modules.get(leaf) is not module:
+            holder._modules[leaf] = module
+    for layer in fb.encoder.layer:
+        layer.attention.self.untie()
+    device = fb.device  # buffers (HF's position_ids) to wherever the weights went meanwhile
+    for module in hf.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+    checkpointing = fb.is_gradient_checkpointing
+    for module in hf.modules():
+        if hasattr(module, "gradient_checkpointing") and module.gradient_checkpointing != checkpointing:
+            if checkpointing:
+                module._gradient_checkpointing_func = fb.encoder.layer[0]._gradient_checkpointing_func
+            module.gradient_checkpointing = checkpointing
+    return hf.train(fb.training)

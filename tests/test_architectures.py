@@ -1,0 +1,208 @@
+"""The BERT family against each architecture's own transformers class, random weights, fp32, on both backends
+("torch": the twins; "triton": the kernels, through Triton's interpreter on CPU).
+
+The architectures differ only in their embeddings: RoBERTa / XLM-RoBERTa / CamemBERT count positions from
+padding_idx + 1 over the non-padding tokens (a padding_idx token inside a sentence stays at padding_idx); ELECTRA's
+embeddings are narrower than its layers, widened by a projection; BERT-architecture embedding models (BGE, E5, GTE)
+have no pooler. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and the pooler.
+"""
+import pytest
+import torch
+import transformers
+
+import fastbert
+from conftest import DEVICE
+from test_parity import assert_close_on
+
+VOCAB, PAD_ROBERTA = 99, 1
+ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler")
+BACKENDS = ("torch", "triton")
+
+
+def random_hf(arch, hidden=64, heads=2, layers=2, intermediate=100, max_len=24, seed=0):
+    """A transformers encoder of `arch` with random, non-trivial weights (LayerNorms and biases perturbed too).
+    max_len: the longest sequence it takes (RoBERTa's table is padding_idx + 1 rows longer)."""
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  intermediate_size=intermediate, hidden_act="gelu", attn_implementation="eager")
+    if arch in ("bert", "bert-no-pooler"):
+        model = transformers.BertModel(transformers.BertConfig(**common, max_position_embeddings=max_len,
+                                                               type_vocab_size=3),
+                                       add_pooling_layer=arch == "bert")
+    elif arch == "electra":
+        model = transformers.ElectraModel(transformers.ElectraConfig(**common, embedding_size=hidden // 2,
+                                                                     max_position_embeddings=max_len,
+                                                                     type_vocab_size=3))
+    else:
+        cls = {"roberta": (transformers.RobertaConfig, transformers.RobertaModel),
+               "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel),
+               "camembert": (transformers.CamembertConfig, transformers.CamembertModel)}[arch]
+        model = cls[1](cls[0](**common, max_position_embeddings=max_len + PAD_ROBERTA + 1, pad_token_id=PAD_ROBERTA,
+                              type_vocab_size=1 if arch == "xlm-roberta" else 2))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.05)
+            else:
+                p.copy_(torch.randn_like(p) * 0.05)  # padding rows too: HF reads them, so must fastbert
+    return model.eval().to(DEVICE)
+
+
+def pad_id(hf):
+    return hf.config.pad_token_id if hf.config.model_type in ("roberta", "xlm-roberta", "camembert") else 0
+
+
+def inputs(hf, padding, B=3, S=11, seed=1):
+    """ids / token types / mask. Padded positions hold the pad id (as a tokenizer writes them); for RoBERTa one real
+    token of row 0 is the pad id too (HF gives it position padding_idx: so must fastbert, packed or not)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (B, S), generator=g)
+    tt = torch.randint(0, hf.config.type_vocab_size, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    if padding == "right":
+        for b, n in enumerate([S, 5, 1][:B]):
+            mask[b, n:] = 0
+    elif padding == "left":
+        for b, n in enumerate([S, 4, 2][:B]):
+            mask[b, :S - n] = 0
+    ids = ids.masked_fill(mask == 0, pad_id(hf))
+    if pad_id(hf):
+        ids[0, 3] = pad_id(hf)
+    return ids.to(DEVICE), tt.to(DEVICE), mask.to(DEVICE)
+
+
+def pooler_of(hf):
+    return getattr(hf, "pooler", None)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hf(request):
+    return random_hf(request.param)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def fb(request, hf):
+    return fastbert.BertModel.from_hf(hf, kernels=request.param)
+
+
+def check_outputs(out, ref, hf, ids, mask, tt, padding_free=True):
+    for h_out, h_ref in zip(out.hidden_states, ref.hidden_states, strict=True):
+        assert_close_on(h_out, h_ref, mask, padding_free)
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, padding_free)
+    if pooler_of(hf) is None:
+        assert out.pooler_output is None
+        return
+    # the pooler reads each row's first real token: HF's pooler_output where that is position 0, else HF's pooler
+    # applied to HF's own hidden state of that token
+    for b in range(ids.shape[0]):
+        first = mask[b].nonzero()[0, 0]
+        want = ref.pooler_output[b] if first == 0 else torch.tanh(hf.pooler.dense(ref.last_hidden_state[b, first]))
+        assert (out.pooler_output[b] - want).abs().max() <= 1e-5, f"pooler row {b}"
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_matches_hf(hf, fb, padding):
+    ids, tt, mask = inputs(hf, padding)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        out = fb(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+    check_outputs(out, ref, hf, ids, mask, tt)
+
+
+def test_padded_execution_matches_hf(hf):
+    """padding_free=False: HF's values at padded positions too."""
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch", padding_free=False)
+    ids, tt, mask = inputs(hf, "right")
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        out = fb(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+    for h_out, h_ref in zip(out.hidden_states, ref.hidden_states, strict=True):
+        assert_close_on(h_out, h_ref, mask, padding_free=False)
+
+
+def test_packed_input_matches_each_sequence_alone(hf, fb):
+    """cu_seqlens input: positions restart in every sequence (RoBERTa's from padding_idx + 1, counting only
+    non-padding tokens), as HF computes them for each sequence run alone."""
+    ids, tt, mask = inputs(hf, "right")
+    lengths = mask.sum(1).tolist()
+    packed = torch.cat([ids[b, :n] for b, n in enumerate(lengths)])
+    packed_tt = torch.cat([tt[b, :n] for b, n in enumerate(lengths)])
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        out = fb(packed, token_type_ids=packed_tt, cu_seqlens=cu)
+        for b, n in enumerate(lengths):
+            ref = hf(ids[b:b + 1, :n], token_type_ids=tt[b:b + 1, :n])
+            got = out.last_hidden_state[cu[b]:cu[b + 1]]
+            assert (got - ref.last_hidden_state[0]).abs().max() <= 1e-5, f"sequence {b}"
+            if pooler_of(hf) is not None:
+                assert (out.pooler_output[b] - ref.pooler_output[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_inputs_embeds_match_hf(hf, fb, padding):
+    """From inputs_embeds HF cannot see padding: positions run on over every column (RoBERTa: from
+    padding_idx + 1). Width: ELECTRA's embedding_size."""
+    ids, tt, mask = inputs(hf, padding)
+    embeds = hf.embeddings.word_embeddings(ids).detach()
+    assert embeds.shape[-1] == fb.get_input_embeddings().embedding_dim
+    with torch.no_grad():
+        ref = hf(inputs_embeds=embeds, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        out = fb(inputs_embeds=embeds, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+    check_outputs(out, ref, hf, ids, mask, tt)
+
+
+def test_longest_sequence_and_one_past_it(hf):
+    """The usable length: max_position_embeddings, or for RoBERTa max_position_embeddings - padding_idx - 1."""
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    limit = 24
+    assert fb.embeddings.max_length == limit
+    ids = torch.randint(2, VOCAB, (2, limit), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        ref, out = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    with pytest.raises(ValueError, match=f"sequence length {limit + 1} exceeds .*{limit}"):
+        fb(torch.full((1, limit + 1), 5, device=DEVICE))
+
+
+def test_from_pretrained_picks_by_model_type(hf, tmp_path):
+    """AutoModel (and BertModel, which runs the whole family) load a saved HF model of each architecture, base or
+    head checkpoint; save_pretrained writes what that architecture's transformers class loads back."""
+    hf.save_pretrained(tmp_path / "base")
+    head_cls = {"bert": transformers.BertForSequenceClassification, "electra": transformers.ElectraForSequenceClassification,
+                "roberta": transformers.RobertaForSequenceClassification,
+                "xlm-roberta": transformers.XLMRobertaForSequenceClassification,
+                "camembert": transformers.CamembertForSequenceClassification}[hf.config.model_type]
+    head = head_cls(hf.config)
+    head.base_model.load_state_dict(hf.state_dict(), strict=False)
+    head.save_pretrained(tmp_path / "head")
+    ids, tt, mask = inputs(hf, "right")
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, token_type_ids=tt)
+    for folder in ("base", "head"):
+        fb = fastbert.AutoModel.from_pretrained(str(tmp_path / folder), kernels="torch", device=DEVICE)
+        assert fb.config.model_type == hf.config.model_type
+        # a pooler exactly when the checkpoint has one (of the heads, only BERT's sequence classifier keeps one)
+        has_pooler = pooler_of(hf) is not None if folder == "base" else hf.config.model_type == "bert"
+        assert (fb.pooler is not None) == has_pooler
+        with torch.no_grad():
+            out = fb(ids, attention_mask=mask, token_type_ids=tt)
+        assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    fb = fastbert.AutoModel.from_pretrained(str(tmp_path / "base"), kernels="torch")
+    fb.save_pretrained(tmp_path / "again")
+    back = type(hf).from_pretrained(tmp_path / "again").eval().to(DEVICE)
+    with torch.no_grad():
+        again = back(ids, attention_mask=mask, token_type_ids=tt)
+    assert (again.last_hidden_state - ref.last_hidden_state).abs().max() <= 1e-6
+
+
+def test_electra_projection_and_no_pooler():
+    hf = random_hf("electra")
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    assert fb.embeddings_project is hf.embeddings_project and fb.embeddings_project.in_features == 32
+    assert fb.pooler is None
+    with pytest.raises(ValueError, match="ELECTRA model has no pooler"):
+        fastbert.BertModel(hf.config, add_pooling_layer=True)
