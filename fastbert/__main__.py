@@ -277,12 +277,13 @@ def check(args) -> int:
     device = device_of(args)
     dtype = DTYPES[args.dtype]
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    max_length = transformers.AutoConfig.from_pretrained(path).max_position_embeddings
+    model = BertModel.from_pretrained(path, dtype=dtype, device=device)  # any model_type fastbert runs
+    max_length = min(tokenizer.model_max_length, model.embeddings.max_length)
     sentences = SENTENCES[:args.limit] if args.limit else SENTENCES
     encodings = list(batches(tokenizer, sentences, args.batch_size, device, max_length))
 
-    def hf_model(d):
-        return transformers.BertModel.from_pretrained(path, attn_implementation="sdpa", dtype=d).to(device).eval()
+    def hf_model(d):  # HF's own class for this checkpoint, base model only (no head)
+        return transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=d).to(device).eval()
 
     hf_ref, _ = run(hf_model(torch.float32), encodings, 0)  # fp32 reference
     hf = hf_model(dtype)
@@ -303,7 +304,6 @@ def check(args) -> int:
         reason = ops.triton_unavailable(device)
         backends.append(("triton", "triton") if reason is None else ("triton", reason))
 
-    model = BertModel.from_pretrained(path, dtype=dtype, device=device)
     print(f"model: {path}\ndevice: {device}  dtype: {args.dtype}  sentences: {len(sentences)}  "
           f"batch size: {args.batch_size}  torch {torch.__version__}  transformers {transformers.__version__}")
     print(f"parity bar (max |delta| vs HF on real tokens): {bar:.1e}"

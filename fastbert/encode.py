@@ -340,7 +340,7 @@ class SentenceEncoder:
                    name=os.fspath(name_or_path))
 
     def _check_max_seq_length(self) -> int:
-        limit = self.model.config.max_position_embeddings
+        limit = self.model.embeddings.max_length  # the position table's usable length (RoBERTa's starts after pad)
         value = self.pipeline.max_seq_length
         if value is None:  # sentence-transformers: the tokenizer's limit, capped at the position table
             return min(self.tokenizer.model_max_length, limit)
@@ -349,7 +349,7 @@ class SentenceEncoder:
             raise ValueError(f"max_seq_length must be an integer >= {smallest} (the special tokens and one more), "
                              f"got {value!r}")
         if value > limit:
-            raise ValueError(f"max_seq_length {value} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"max_seq_length {value} exceeds the {limit} positions the model can take")
         return value
 
     @property

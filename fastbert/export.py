@@ -78,10 +78,10 @@ def export_onnx(model_or_encoder, path, *, example_length: int = 16, opset: int 
         raise TypeError(f"export_onnx takes a fastbert.BertModel or a fastbert.SentenceEncoder, got "
                         f"{type(model_or_encoder).__name__}")
     device = model.embeddings.word_embeddings.weight.device
-    length = max(2, min(example_length, model.config.max_position_embeddings))
+    length = max(2, min(example_length, model.embeddings.max_length))
     ids = torch.randint(0, model.config.vocab_size, (2, length), device=device)
     example = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
-    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence", max=model.config.max_position_embeddings)
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence", max=model.embeddings.max_length)
     was_training = model.training
     model.eval()
     try:

@@ -303,7 +303,7 @@ DENSE = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformer
     ({"modules": MODULES[:1]}, NotImplementedError, "this model has Transformer"),
     ({"pooling": {"embedding_dimension": 384, "pooling_mode": "median"}}, ValueError, "'median' is not one of"),
     ({"pooling": {"embedding_dimension": 768, "pooling_mode": "mean"}}, ValueError, "embedding dimension 768"),
-    ({"sbert": {"max_seq_length": 1024}}, ValueError, "exceeds the model's max_position_embeddings 512"),
+    ({"sbert": {"max_seq_length": 1024}}, ValueError, "exceeds the 512 positions the model can take"),
     ({"sbert": {"max_seq_length": 128, "transformer_task": "fill-mask"}}, NotImplementedError, "transformer_task"),
     ({"prompts": {"model_type": "CrossEncoder"}}, NotImplementedError, "model_type 'CrossEncoder'"),
     ({"prompts": {"prompts": {"query": "q: "}, "default_prompt_name": "search"}}, ValueError, "'search'"),
@@ -442,7 +442,7 @@ def test_cli_failing_to_write_keeps_both_old_files(capsys, minilm_path, tmp_path
     ('{"text": "a"}\n', ["--prompt-name", "search"], "'search' is not one of this model's prompts"),
     ('{"text": "a"}\n', ["--max-tokens-per-batch", "0"], "--max-tokens-per-batch: must be >= 1, got 0"),
     ('{"text": "a"}\n', ["--max-seq-length", "2"], "max_seq_length must be an integer >= 3"),
-    ('{"text": "a"}\n', ["--max-seq-length", "600"], "max_seq_length 600 exceeds the model's max_position_embeddings"),
+    ('{"text": "a"}\n', ["--max-seq-length", "600"], "max_seq_length 600 exceeds the 512 positions the model can take"),
     ('{"text": "a"}\n', ["--model", "DENSE"], "sentence_transformers.models.Dense not implemented"),
 ], ids=["bad-json", "blank-line", "not-an-object", "no-field", "not-a-string", "null-id", "id-line-break",
         "id-without-ids", "id-field-txt", "ids-is-output", "bad-pooling", "prompt-and-name", "unknown-prompt",
@@ -475,3 +475,29 @@ def test_cli_help_documents_every_option(capsys):
         for name in action.option_strings:
             assert name in help_text, name
     assert "python -m fastbert encode --input corpus.txt --output emb.npy" in help_text
+
+
+# ---- the rest of the BERT family -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta", "electra"])
+def test_other_architectures_match_sentence_transformers(minilm_path, tmp_path, short_texts, family):
+    """A sentence-transformers folder around a RoBERTa / XLM-R / ELECTRA checkpoint (random weights, the bundled
+    tokenizer): the same vectors, texts cut where the architecture's positions end (RoBERTa's table starts after its
+    pad id, so 40 positions hold 38 tokens)."""
+    import transformers
+    common = dict(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                  max_position_embeddings=40, pad_token_id=0)
+    config = {"roberta": transformers.RobertaConfig, "xlm-roberta": transformers.XLMRobertaConfig,
+              "electra": lambda **kw: transformers.ElectraConfig(embedding_size=32, **kw)}[family](**common)
+    torch.manual_seed(0)
+    hf = transformers.AutoModel.from_config(config).eval()
+    folder = tmp_path / "model"
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(os.path.join(minilm_path, name), folder / name)
+    (folder / "modules.json").write_text(json.dumps(MODULES))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
+    limit = 38 if family != "electra" else 40
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": limit, "do_lower_case": False}))
+    assert_close(fastbert.encode(folder, short_texts, **CPU), st_encode(folder, short_texts))
