@@ -2,9 +2,11 @@
 __version__ = "0.1.0"
 
 from .config import BertConfig  # noqa: E402
+from .distributed import encode_dataset, load_embeddings  # noqa: E402  (imports ray only when called)
 from .encode import SentenceEncoder, encode  # noqa: E402
 from .export import export_onnx  # noqa: E402
 from .modeling import BertModel  # noqa: E402
 from .ops import BACKENDS, OPS  # noqa: E402
 
-__all__ = ["BertConfig", "BertModel", "OPS", "BACKENDS", "SentenceEncoder", "encode", "export_onnx"]
+__all__ = ["BertConfig", "BertModel", "OPS", "BACKENDS", "SentenceEncoder", "encode", "encode_dataset", "export_onnx",
+           "load_embeddings"]
