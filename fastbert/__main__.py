@@ -554,7 +554,7 @@ def encode_parser() -> _Parser:
     ray.add_argument("--gpus-per-worker", type=_fraction, metavar="X",
                      help="GPUs per actor (default 1; 0.5 puts two models on each GPU)")
     ray.add_argument("--cpus-per-worker", type=_fraction, metavar="X",
-                     help="CPUs per actor (default: 1 with GPUs; on CPU 2, its torch threads)")
+                     help="CPUs per actor (default 1; on CPU they are its torch threads)")
     ray.add_argument("--rows-per-shard", type=_count(1), metavar="N",
                      help="rows per Parquet shard: the unit of work and of resume (default 10000)")
     ray.add_argument("--overwrite", action="store_true",

@@ -428,9 +428,9 @@ def test_an_output_folder_of_another_job_is_refused(cluster, tmp_path, minilm_pa
 @pytest.mark.parametrize("resources, options, expected", [
     ({"CPU": 64, "GPU": 8}, {}, {"device": "cuda", "workers": 8, "gpus": 1, "cpus": 1, "threads": None}),
     ({"CPU": 64, "GPU": 8}, {"gpus_per_worker": 0.5}, {"device": "cuda", "workers": 16, "gpus": 0.5}),
-    ({"CPU": 64, "GPU": 8}, {"device": "cpu"}, {"device": "cpu", "workers": 32, "gpus": 0, "cpus": 2, "threads": 2}),
-    ({"CPU": 2}, {}, {"device": "cpu", "workers": 1, "cpus": 2, "threads": 2}),
-    ({"CPU": 2}, {"cpus_per_worker": 1}, {"device": "cpu", "workers": 2, "cpus": 1, "threads": 1}),
+    ({"CPU": 64, "GPU": 8}, {"device": "cpu"}, {"device": "cpu", "workers": 64, "gpus": 0, "cpus": 1, "threads": 1}),
+    ({"CPU": 2}, {}, {"device": "cpu", "workers": 2, "cpus": 1, "threads": 1}),
+    ({"CPU": 16}, {"cpus_per_worker": 4}, {"device": "cpu", "workers": 4, "cpus": 4, "threads": 4}),
     ({"CPU": 16}, {"workers": 3}, {"workers": 3}),
     ({"CPU": 64, "GPU": 8}, {"pending": 3}, {"workers": 3}),  # never more actors than shards left
 ])

@@ -18,11 +18,15 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
+from ..encode import check_pooling, read_folder
 from . import corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
 DEFAULT_ROWS_PER_SHARD = 10_000
-DEFAULT_CPUS_PER_CPU_WORKER = 2  # threads per CPU actor when the option is not given (bench/RESULTS.md)
+# CPUs (= torch threads) per actor on a CPU cluster: one model per core. On the shared 2-core machine of
+# bench/RESULTS.md two 1-thread actors out-ran one 2-thread actor, and 2 threads per process collapse when other work
+# competes for the cores; cpus_per_worker trades that for fewer copies of the model in memory.
+DEFAULT_CPUS_PER_CPU_WORKER = 1
 INSTALL_HINT = "pip install 'fastbert[ray]' (or pip install 'ray[data]')"
 # The loading options that change the vectors: a rerun with different ones is a different job. (device, kernels,
 # max_tokens_per_batch and batch_size change only the rounding.)
@@ -77,8 +81,7 @@ class ShardEncoder:
         self.host, self.pid = socket.gethostname(), os.getpid()
 
     def __call__(self, batch: dict) -> dict:
-        out = {k: [] for k in ("name", "rows", "dimension", "error", "host", "pid", "device", "load_s", "ready_at",
-                               "seconds")}
+        out = {k: [] for k in ("name", "rows", "error", "host", "pid", "device", "load_s", "ready_at", "seconds")}
         for i in range(len(batch["name"])):
             started = time.perf_counter()
             split = Split(**{k: int(batch[k][i]) for k in ("file", "part", "first_row", "rows", "offset")})
@@ -92,7 +95,6 @@ class ShardEncoder:
                 error = str(e)
             out["name"].append(name)
             out["rows"].append(split.rows)
-            out["dimension"].append(self.encoder.dimension)
             out["error"].append(error)
             out["host"].append(self.host)
             out["pid"].append(self.pid)
@@ -124,7 +126,7 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
     rows_per_shard: rows per split, the unit of work and of resume.
     workers, cpus_per_worker, gpus_per_worker, device: the actor pool. device None: cuda when the cluster has GPUs.
         On GPUs: one actor per GPU (gpus_per_worker=1; 0.5 puts two models on each GPU), 1 CPU each. On CPU:
-        cpus_per_worker threads each (default 2), as many workers as the cluster's CPUs hold.
+        one actor per CPU, each one torch thread (cpus_per_worker=4: a quarter of the actors, 4 threads each).
     address: the Ray cluster to connect to when this process has not already called ray.init ("auto", "host:6379",
         "ray://host:10001"); None follows ray.init: $RAY_ADDRESS, else a cluster started on this machine with
         `ray start`, else a new local one, which is shut down again at the end.
@@ -153,7 +155,10 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
     if os.path.isdir(root) and (output == root or output.startswith(root + os.sep)):
         raise ValueError(f"the output folder {output!r} is inside the input folder {root!r}: a rerun would read "
                          f"the shards as input")
-    spec = {"model": model, "options": {k: options.get(k) for k in _VECTOR_OPTIONS}, "prompt": prompt,
+    vector_options = {k: options.get(k) for k in _VECTOR_OPTIONS}
+    if vector_options["pooling"] is not None:  # "cls", ("cls",) and ["cls"] are one job
+        vector_options["pooling"] = list(check_pooling(vector_options["pooling"]))
+    spec = {"model": model, "options": vector_options, "prompt": prompt,
             "prompt_name": prompt_name, "input": root, "format": format, "text_field": text_field,
             "id_field": id_field, "rows_per_shard": rows_per_shard, "files": [asdict(f) for f in files]}
     key = shards.job_key(spec)
@@ -200,7 +205,6 @@ def _check_model(model, options: dict, prompt_name: str | None) -> str:
     """The model's folder read on the driver (its sentence-transformers files parsed, config.json present), so that
     a wrong path or an unsupported module fails here, once, rather than in every actor. Returns what the actors
     load: an absolute path for a local folder, else the Hub id."""
-    from ..encode import check_pooling, read_folder
     from ..loading import resolve_folder
 
     if not isinstance(model, (str, os.PathLike)):
