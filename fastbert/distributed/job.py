@@ -262,8 +262,10 @@ def _difference(old: dict, new: dict) -> str:
         after = {f["path"]: f for f in new.get("files", [])}
         changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
         return f"the input files differ ({', '.join(changed[:5])}: added, removed, or changed size or time)"
-    fields = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    return "its " + ", ".join(f"{k} was {old.get(k)!r}, now {new.get(k)!r}" for k in fields)
+    flat_old, flat_new = ({**{k: v for k, v in spec.items() if k != "options"}, **(spec.get("options") or {})}
+                          for spec in (old, new))
+    fields = sorted(k for k in set(flat_old) | set(flat_new) if flat_old.get(k) != flat_new.get(k))
+    return "its " + ", ".join(f"{k} was {flat_old.get(k)!r}, now {flat_new.get(k)!r}" for k in fields)
 
 
 def _names(splits: list[Split], files: int) -> list[str]:
