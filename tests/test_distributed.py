@@ -264,6 +264,9 @@ def test_without_ray_the_command_says_how_to_install_it(tmp_path, monkeypatch, c
     code, err = run_cli(capsys, "--ray", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"))
     assert code == 2 and err == ["python -m fastbert encode: error: --ray needs Ray Data, which is not installed: "
                                  "pip install 'fastbert[ray]' (or pip install 'ray[data]')"]
+    with pytest.raises(ImportError, match=r"needs Ray Data: pip install 'fastbert\[ray\]'"):
+        fastbert.encode_dataset("any/model", tmp_path / "a.txt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # said before anything is read or written
 
 
 @pytest.mark.parametrize("setup, args, message", [

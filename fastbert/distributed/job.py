@@ -134,6 +134,7 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
         do_lower_case, include_prompt, dtype, kernels): as fastbert.encode.
     """
     started = time.time()
+    require_ray()  # before anything is read or written: without Ray Data no job can run
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"encode_dataset() got unexpected keyword argument(s) {', '.join(unknown)}; the model "
