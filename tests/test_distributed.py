@@ -136,7 +136,7 @@ def finished_shards(folder) -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "part-*.parquet")))
 
 
-# ---- on the cluster ---------------------------------------------------------------------------------------------------
+# ---- on the cluster --------------------------------------------------------------------------------------------------
 def test_two_workers_match_single_process_encode(cluster, corpus_dir, reference, minilm_path, tmp_path):
     """Three formats in one folder, 12 shards of up to 7 rows (a shard never spans files; Parquet shards cross
     row groups), a pool of two actors of one CPU each."""
@@ -348,7 +348,8 @@ def test_parquet_splits_cover_every_row_once_across_row_groups(tmp_path, every):
     values = [f"row {i}" for i in range(23)]
     pq.write_table(pa.table({"text": values, "key": list(range(23))}), tmp_path / "t.parquet", row_group_size=5)
     files = [corpus.describe(str(tmp_path), "t.parquet", "parquet")]
-    for id_field, expected_ids in ((None, [f"t.parquet:{i}" for i in range(1, 24)]), ("key", list(map(str, range(23))))):
+    for id_field, expected_ids in ((None, [f"t.parquet:{i}" for i in range(1, 24)]),
+                                   ("key", [str(i) for i in range(23)])):
         texts, ids = [], []
         for s in corpus.plan(str(tmp_path), files, every, "text", id_field):
             t, i = corpus.read_split(str(tmp_path), files[0], s, "text", id_field)

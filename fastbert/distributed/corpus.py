@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 SUFFIXES = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 FORMATS = ("txt", "jsonl", "parquet")
@@ -54,9 +54,8 @@ def list_files(root: str, format: str | None = None) -> list[tuple[str, str]]:
         raise CorpusError(f"{root!r}: no such file or folder")
     if os.path.isfile(root):
         names = [os.path.basename(root)]
-        base = os.path.dirname(root)
     elif os.path.isdir(root):
-        base, names = root, []
+        names = []
         for folder, subfolders, files in os.walk(root):
             subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))
             rel = os.path.relpath(folder, root)
@@ -78,7 +77,7 @@ def list_files(root: str, format: str | None = None) -> list[tuple[str, str]]:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise CorpusError(f"{root!r}: {shown}: not a corpus file (the suffixes read are "
                           f"{', '.join(SUFFIXES)}; a format option reads every file as one format)")
-    return [(name, kind) for name, kind in out]
+    return out
 
 
 def full_path(root: str, rel: str) -> str:
@@ -267,7 +266,3 @@ def _read_parquet_rows(path: str, rel: str, split: Split, text_field: str,
     if not id_field:
         ids = [f"{rel}:{split.first_row + k + 1}" for k in range(len(texts))]
     return texts, ids
-
-
-def to_json(obj) -> dict:
-    return asdict(obj)

@@ -18,7 +18,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..encode import check_pooling, read_folder
+from ..encode import SentenceEncoder, check_pooling, read_folder
 from . import corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
@@ -71,8 +71,6 @@ class ShardEncoder:
 
         if threads:
             torch.set_num_threads(threads)
-        from ..encode import SentenceEncoder
-
         self.encoder = SentenceEncoder.from_pretrained(model, **load)
         self.encode_options, self.job = encode, job
         self.files = [CorpusFile(**f) for f in job["files"]]
@@ -237,8 +235,9 @@ def _open_output(output: str, spec: dict, key: str, overwrite: bool, root: str,
             if previous.get("key") == key:
                 return [Split(*s) for s in previous["splits"]]
             if not overwrite:
-                raise ValueError(f"the output folder {output!r} holds another job: {_difference(previous['spec'], spec)}"
-                                 f"; give a new folder, or overwrite=True (--overwrite) to replace it")
+                raise ValueError(f"the output folder {output!r} holds another job: "
+                                 f"{_difference(previous['spec'], spec)}; give a new folder, or overwrite=True "
+                                 f"(--overwrite) to replace it")
         else:
             leftover = [n for n in os.listdir(output) if not n.startswith(".")]
             if leftover and not overwrite:
