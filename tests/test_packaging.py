@@ -17,6 +17,7 @@ def test_wheel_holds_fastbert_kernels_and_no_top_level_kernels(tmp_path):
     for op in ("qkv_projection", "attention", "bias_gelu", "residual_layernorm", "gemm"):
         assert f"fastbert/kernels/{op}.py" in names
     assert "fastbert/modeling.py" in names
+    assert "fastbert/distributed/job.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert zipfile.ZipFile(tmp_path / wheel).read(top_level).decode().split() == ["fastbert"]
