@@ -10,8 +10,8 @@ on a shared machine land on both); the headline is texts/s (wall clock), with re
 extra_info.
 
 Both run as users run them: sentence-transformers with its defaults (batches of 32 texts, sorted by characters),
-fastbert with its defaults (sorted by tokens, batches of up to 16,384 tokens). Until fastbert's packed forward lands
-both compute their padding; what fastbert saves today is only what its token-length sort and budget save.
+fastbert with its defaults (sorted by tokens, batches of up to 16,384 real tokens, padding-free: it computes the
+real tokens only, sentence-transformers each batch padded to its longest text).
 With --benchmark-disable (CI) a small slice of the corpus is checked and encoded once per side.
 """
 from __future__ import annotations
