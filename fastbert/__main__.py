@@ -138,33 +138,21 @@ def read_lines(path: str) -> list[str]:
 
 def read_jsonl(path: str, lines: list[str], text_field: str, id_field: str | None) -> tuple[list[str], list[str]]:
     """A .jsonl input: one JSON object per line, the text under `text_field` (and an id under `id_field`).
-    (texts, ids); ids are the input line numbers when no id field is named."""
-    import json
+    (texts, ids); ids are the input line numbers when no id field is named. Each line is read as the corpus reader
+    of --ray reads it (fastbert/distributed/corpus.py, which imports neither ray nor pyarrow)."""
+    from .distributed.corpus import CorpusError, parse_jsonl
 
     texts, ids = [], []
     for number, line in enumerate(lines, start=1):
-        where = f"--input {path!r}: line {number}"
-        if not line.strip():
-            raise UsageError(f"{where} is empty (a .jsonl file holds one JSON object on every line)")
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where} is not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise UsageError(f"{where} is a JSON {type(record).__name__}, not an object")
-        for field, kinds, what in ((text_field, (str,), "a string"), (id_field, (str, int), "a string or an integer")):
-            if field is None:
-                continue
-            if field not in record:
-                fields = ", ".join(map(repr, record)) or "none"
-                raise UsageError(f"{where} has no field {field!r} (its fields: {fields})")
-            value = record[field]
-            if not isinstance(value, kinds) or isinstance(value, bool):
-                raise UsageError(f"{where}: field {field!r} is {json.dumps(value)[:40]}, not {what}")
-        texts.append(record[text_field])
-        identifier = str(record[id_field]) if id_field is not None else str(number)
+            text, identifier = parse_jsonl(line, f"--input {path!r}", number, text_field, id_field)
+        except CorpusError as e:
+            raise UsageError(str(e)) from None
+        identifier = str(number) if identifier is None else identifier
         if "\n" in identifier or "\r" in identifier:
-            raise UsageError(f"{where}: the id {identifier[:40]!r} holds a line break (the ids file has one id a line)")
+            raise UsageError(f"--input {path!r}: line {number}: the id {identifier[:40]!r} holds a line break (the "
+                             f"ids file has one id a line)")
+        texts.append(text)
         ids.append(identifier)
     return texts, ids
 

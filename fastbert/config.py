@@ -116,6 +116,15 @@ def from_dict(values: dict, where: str = "config"):
     return config
 
 
+def read_json(path: str):
+    """config.json's contents; a file that is not JSON is a ValueError naming it."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config {path} is not valid JSON: {e}") from None
+
+
 def load(config):
     """A transformers config (kept as is: the very object), a dict, or a path to config.json or its folder."""
     if isinstance(config, dict):
@@ -124,12 +133,7 @@ def load(config):
         path = os.fspath(config)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as f:
-            try:
-                contents = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"config {path} is not valid JSON: {e}") from None
-        return from_dict(contents, where=f"config {path}")
+        return from_dict(read_json(path), where=f"config {path}")
     if hasattr(config, "to_dict") and hasattr(config, "model_type"):  # transformers.PretrainedConfig
         check_supported(config)
         return config

@@ -143,11 +143,7 @@ def resolve_dtype(dtype, config_values: dict, state: dict) -> torch.dtype | None
 def read_config(folder: str):
     """config.json -> (the transformers config, checked; its raw contents)."""
     path = os.path.join(folder, "config.json")
-    with open(path, encoding="utf-8") as f:
-        try:
-            values = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"config {path} is not valid JSON: {e}") from None
+    values = configs.read_json(path)
     return configs.from_dict(values, where=f"config {path}"), values
 
 
