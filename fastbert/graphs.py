@@ -161,14 +161,19 @@ class GraphRunner:
         with torch.inference_mode():
             batch = prepare(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, False,
                             cu_seqlens, max_seqlen, **kwargs)
-            layout = batch.layout
-            bucket, why = (None, "padded rows (padding_free=False)") if layout is None else (
-                (None, "inputs_embeds") if batch.inputs_embeds is not None else self.bucket_for(layout))
+            layout, padded = batch.layout, batch.why_padded(False)
+            if layout is None:
+                bucket, why = None, padded or "padded rows (padding_free=False)"
+            elif batch.inputs_embeds is not None:
+                bucket, why = None, "inputs_embeds"
+            else:
+                bucket, why = self.bucket_for(layout)
             if bucket is None:
                 self.stats.eager_calls += 1
                 self.stats.eager_reasons[why] = self.stats.eager_reasons.get(why, 0) + 1
+                # resolved as the model's own forward resolves it: a custom mask keeps attention off the kernel
                 x, _, _ = model.encode(batch.input_ids, batch.token_type_ids, batch.position_ids, batch.attn,
-                                       model.resolve_ops(False, None, *batch.size), batch.inputs_embeds)
+                                       model.resolve_ops(False, padded, *batch.size), batch.inputs_embeds)
             else:
                 T, n = layout.num_tokens, layout.num_seqs
                 self.input_ids[:T].copy_(batch.input_ids)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fastbert
+from fastbert import ops
 from conftest import DEVICE, random_hf_bert
 from fastbert.graphs import EagerGraph, GraphRunner
 from test_parity import assert_close_on, assert_pooler_matches
@@ -231,6 +232,29 @@ def test_graph_runner_packed_input_and_max_seqlen(hf):
     ids, types, mask, *_ = ragged([17, 2])  # a sequence longer than max_seqlen=16
     runner(ids, attention_mask=mask, token_type_ids=types)
     assert runner.stats.eager_reasons == {"a sequence longer than max_seqlen=16": 1}
+
+
+def test_graph_runner_custom_mask_runs_as_the_model_runs_it(hf, monkeypatch):
+    """A custom 3-D mask runs eagerly and is resolved as the model's own forward resolves it: attention asked for
+    "triton" refuses it there as in the model (the kernel takes key masks only), and "auto" takes the twin, with
+    the model's numbers. Never the kernel with the custom mask dropped."""
+    ids, types, mask, *_ = ragged([9, 5])
+    custom = mask[:, None, :].expand(-1, mask.shape[1], -1).clone()
+    custom[:, :, 0] = 0  # no query may attend to the first key: not expressible as a [B, S] key mask
+    custom[:, 0, 0] = 1
+    fb, runner = _runner(hf, token_buckets=(16, 64), max_seqs=6)
+    for call in (fb, runner):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="custom 3-D/4-D attention mask"):
+            call(ids, attention_mask=custom, token_type_ids=types)
+    fb.set_kernels(attention="auto")
+    monkeypatch.setattr(ops, "_WARNED", set())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "auto" says once that the twin serves custom masks
+        want = fb(ids, attention_mask=custom, token_type_ids=types).last_hidden_state
+        got = runner(ids, attention_mask=custom, token_type_ids=types).last_hidden_state
+    assert (got - want).abs().max() <= 1e-6
+    assert runner.stats.eager_reasons == {
+        "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)": 2}
 
 
 def test_graph_runner_refuses_what_it_cannot_capture(hf):
