@@ -307,6 +307,7 @@ def test_trainer_step_equal_loss_and_weights_land_in_hf(tmp_path, monkeypatch):
         # noise, different noise for any two implementations
         return transformers.Trainer(model=m, args=args, train_dataset=data).train().training_loss
 
+    initial = model.bert.encoder.layer[0].attention.self.query.weight.detach().clone()
     ref_loss = train(reference, "hf")
     fastbert.optimize(model, kernels="torch")
     loss = train(model, "fastbert")
@@ -315,10 +316,7 @@ def test_trainer_step_equal_loss_and_weights_land_in_hf(tmp_path, monkeypatch):
     assert type(model.bert) is transformers.BertModel
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert (p - q).abs().max() <= 1e-5, name
-    with torch.no_grad():
-        assert not torch.equal(model.bert.encoder.layer[0].attention.self.query.weight,
-                               perturbed(transformers.BertForSequenceClassification(config))
-                               .bert.encoder.layer[0].attention.self.query.weight)
+    assert not torch.equal(model.bert.encoder.layer[0].attention.self.query.weight.detach(), initial)  # it trained
 
 
 # ---- sentence-transformers and pipelines, on the bundled real model --------------------------------------------------

@@ -472,8 +472,10 @@ def test_kv_end_is_not_taken_from_callers():
     """kv_end bounds every key the kernel reads, so the launcher computes it from key_valid itself (and the kernel
     clamps it into [0, S]); a caller can no longer pass one that reads past a row."""
     qkv, mask = _good()
-    with pytest.raises(TypeError, match="kv_end"):
-        padded_attention(qkv, 5, 0.125, key_valid=mask.key_valid, kv_end=torch.full((2,), 99, dtype=torch.int32))
+    cu_seqlens, kv_end = uniform_cu_seqlens(2, 5, qkv.device), torch.full((2,), 99, dtype=torch.int32)
+    for entry in (attention, attention_module.launch):  # the checked entry point and the model's unchecked one
+        with pytest.raises(TypeError, match="kv_end"):
+            entry(qkv, cu_seqlens, 5, 0.125, key_valid=mask.key_valid, kv_end=kv_end)
 
 
 # --------------------------------------------------------------------------------------------------------------------
