@@ -129,8 +129,7 @@ def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin
     else:
         L = min(shapes.max_seqlen, T)
         n = max(1, T // L)
-        cu = torch.arange(0, (n + 1) * L, L, dtype=torch.int32, device=device)
-        layout = TokenLayout(cu, L, n * L, (L,) * n, None, n, L)
+        layout = TokenLayout.dense(n, L, device)
         qkv = rand(n * L, 3, shapes.heads, shapes.head_dim)
         args = (qkv, layout, shapes.head_dim ** -0.5)
     return (lambda: kernel(*args)), (lambda: twin(*args))

@@ -45,7 +45,7 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
         return _kernel("attention").launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid)
     if key_valid is None:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the twin loops over sequences on the host
-        layout = TokenLayout(cu_seqlens, max_seqlen, qkv.shape[0], tuple(lengths), None, len(lengths), max_seqlen)
+        layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, lengths)
         return ops.attention_varlen_torch(qkv, layout, scale)
     B, S = key_valid.shape
     mask = ops.AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))

@@ -191,7 +191,6 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
 # --------------------------------------------------------------------------------------------------------------------
 def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                     output_attentions, cu_seqlens, max_seqlen, hf_packed):
-    cfg = model.config
     device = model.embeddings.word_embeddings.weight.device
     if hf_packed:  # transformers' form: [1, T] ids, cu_seq_lens_q / max_length_q, position_ids restarting per sequence
         if cu_seqlens is not None:
@@ -266,8 +265,7 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         position_ids = model.embeddings.position_ids(input_ids, torch.arange(T, device=device) - starts)
     if token_type_ids is None:
         token_type_ids = torch.zeros(T, dtype=torch.long, device=device)
-    layout = TokenLayout(cu_seqlens.to(torch.int32), max_seqlen, T, tuple(values["lengths"]), None,
-                         cu_seqlens.shape[0] - 1, max_seqlen)
+    layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, values["lengths"])
     return Batch(input_ids, token_type_ids, position_ids, inputs_embeds, layout, output,
                  (layout.num_seqs, max_seqlen))
 

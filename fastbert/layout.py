@@ -61,11 +61,11 @@ class TokenLayout:
         return TokenLayout(cu, max(lengths, default=0), num_tokens, tuple(lengths), indices, B, S)
 
     @staticmethod
-    def from_cu_seqlens(cu_seqlens: torch.Tensor, max_seqlen: int, lengths: list | None = None) -> "TokenLayout":
-        """Packed input given by the caller: n sequences back to back, T = cu_seqlens[-1] tokens."""
-        T = int(sum(lengths)) if lengths is not None else None
-        return TokenLayout(cu_seqlens.to(torch.int32), int(max_seqlen), T, tuple(lengths) if lengths else lengths,
-                           None, cu_seqlens.shape[0] - 1, int(max_seqlen))
+    def from_cu_seqlens(cu_seqlens: torch.Tensor, max_seqlen: int, lengths) -> "TokenLayout":
+        """Sequences back to back: sequence i is tokens cu_seqlens[i] : cu_seqlens[i + 1], of lengths[i] (host ints,
+        read from cu_seqlens), T = sum(lengths) tokens."""
+        return TokenLayout(cu_seqlens.to(torch.int32), max_seqlen, sum(lengths), tuple(lengths), None, len(lengths),
+                           max_seqlen)
 
 
 def unpad(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:

@@ -29,7 +29,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
@@ -452,19 +451,20 @@ class BertModel(nn.Module):
         [1, T] ids are accepted as transformers takes them. Unset output flags take the config's values, as HF's do;
         keywords a head or Trainer passes that an encoder has no use for (num_items_in_batch, ...) are ignored."""
         cfg = self.config
-        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
-        output_attentions = getattr(cfg, "output_attentions", False) if output_attentions is None else output_attentions
+        output_hidden_states = bool(cfg.output_hidden_states if output_hidden_states is None else output_hidden_states)
+        output_attentions = bool(getattr(cfg, "output_attentions", False) if output_attentions is None
+                                 else output_attentions)
         return_dict = getattr(cfg, "return_dict", True) if return_dict is None else return_dict
         batch = prepare(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                        bool(output_attentions), cu_seqlens, max_seqlen, **kwargs)
+                        output_attentions, cu_seqlens, max_seqlen, **kwargs)
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or (batch.inputs_embeds is not None and batch.inputs_embeds.requires_grad))
-        run = self.resolve_ops(needs_grad, batch.why_padded(bool(output_attentions)), *batch.size)
+        run = self.resolve_ops(needs_grad, batch.why_padded(output_attentions), *batch.size)
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
-                                                   batch.attn, run, batch.inputs_embeds,
-                                                   bool(output_hidden_states), bool(output_attentions))
-        out = self.finish(batch, x, hidden_states, attentions, bool(output_hidden_states), bool(output_attentions))
+                                                   batch.attn, run, batch.inputs_embeds, output_hidden_states,
+                                                   output_attentions)
+        out = self.finish(batch, x, hidden_states, attentions, output_hidden_states, output_attentions)
         return out if return_dict else out.to_tuple()
 
     def cuda_graphs(self, token_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), max_seqs: int = 256,
