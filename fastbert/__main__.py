@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default model is bundled; never reach for a hub implicitly
@@ -172,44 +171,27 @@ def check_output(path: str, option: str = "--output") -> None:
         raise UsageError(f"{option} {path!r}: the folder {folder!r} is not writable")
 
 
-def save_npy_atomically(path: str, array) -> None:
-    """Write to a temporary file in the same folder, then rename it over `path`: a run that fails half way (a full
-    disk, a kill) leaves an existing file untouched and no partial file behind."""
+def save_outputs(output: str, embeddings, ids_path: str | None, ids: list[str]) -> None:
+    """The .npy (and the ids file), each whole or not at all (fastbert/files.py): a run that fails half way (a full
+    disk, a kill) leaves existing files untouched and no partial file behind. The ids are written first and land
+    last, once the embeddings have."""
     import numpy as np
 
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from .files import write_atomically
 
+    def write_npy(tmp):
+        with open(tmp, "xb") as f:  # a file object: given a name without .npy, np.save would append it
+            np.save(f, embeddings)
 
-def write_lines_beside(path: str, lines: list[str]):
-    """Write `lines` (one a line, UTF-8) to a temporary file next to `path` and return a function that renames it
-    over `path` (or, called with discard=True, removes it): the ids land only once the embeddings have."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.writelines(line + "\n" for line in lines)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    def write_ids_then_npy(tmp):
+        with open(tmp, "x", encoding="utf-8", newline="\n") as f:
+            f.writelines(line + "\n" for line in ids)
+        write_atomically(output, write_npy)
 
-    def finish(discard: bool = False) -> None:
-        if discard:
-            os.unlink(tmp)
-        else:
-            os.replace(tmp, path)
-    return finish
+    if ids_path:
+        write_atomically(ids_path, write_ids_then_npy)
+    else:
+        write_atomically(output, write_npy)
 
 
 def parse_kernels(text: str):
@@ -374,15 +356,7 @@ def encode(args) -> int:
         result = encoder.encode(texts, prompt=args.prompt, prompt_name=args.prompt_name,
                                 max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
                                 progress=False if args.no_progress else None)
-    finish_ids = write_lines_beside(args.ids, ids) if args.ids else None
-    try:
-        save_npy_atomically(args.output, result)
-    except BaseException:
-        if finish_ids:
-            finish_ids(discard=True)
-        raise
-    if finish_ids:
-        finish_ids()
+    save_outputs(args.output, result, args.ids, ids)
     source = "its sentence-transformers config" if encoder.pipeline.source == "sentence-transformers" else "defaults"
     print(f"wrote {result.shape[0]} embeddings of size {result.shape[1]} to {args.output}"
           + (f" and their ids to {args.ids}" if args.ids else "")

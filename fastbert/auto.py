@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from . import __version__
+from .files import write_atomically
 
 
 def token_bucket(tokens: int) -> int:
@@ -73,12 +73,13 @@ class Choices:
 
     def _save(self) -> None:
         """Atomically (another process may be measuring too; the last complete table wins)."""
+        def write(tmp):
+            with open(tmp, "x", encoding="utf-8") as f:
+                json.dump(self.table, f, indent=1, sort_keys=True)
+
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.table, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            write_atomically(self.path, write)
         except OSError:
             pass  # a read-only home: the choices still hold for this process
 

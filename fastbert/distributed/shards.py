@@ -17,7 +17,8 @@ import hashlib
 import json
 import os
 import re
-import uuid
+
+from ..files import write_atomically
 
 JOB_FILE = "_fastbert_job.json"
 MANIFEST = "_manifest.json"
@@ -34,23 +35,6 @@ def shard_name(file: int, part: int, files: int, parts: int) -> str:
 
 def job_key(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def write_atomically(path: str, write) -> None:
-    """write(temporary path) creates and fills a hidden file in the same folder, which is then renamed over `path`:
-    a reader, or a rerun, never sees a partial file under the final name. (The temporary file is created by
-    `write`, so it gets the usual permissions, not mkstemp's owner-only ones.)"""
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_json(path: str, obj) -> None:
@@ -86,11 +70,10 @@ def shard_is_done(path: str, rows: int, key: str) -> bool:
     if not os.path.isfile(path):
         return False
     try:
-        meta = pq.read_metadata(path)
-        stored = pq.read_schema(path).metadata or {}
+        meta = pq.read_metadata(path)  # the footer: the row count and the key-value metadata, in one read
     except (pa.ArrowException, OSError):
         return False
-    return meta.num_rows == rows and stored.get(KEY) == key.encode()
+    return meta.num_rows == rows and (meta.metadata or {}).get(KEY) == key.encode()
 
 
 def remove_temporaries(folder: str) -> int:
