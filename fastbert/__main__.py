@@ -115,18 +115,17 @@ def read_input(path: str) -> bytes:
 
 def split_lines(data: bytes, path: str) -> list[str]:
     """One text per line (a trailing newline ends the last line, it does not add an empty one; a final \\r is
-    dropped). A line that is not UTF-8 is named by its number."""
+    dropped). A line that is not UTF-8 is named by its number. Each line is decoded as the corpus reader of --ray
+    decodes it (fastbert/distributed/corpus.py)."""
+    from .distributed.corpus import CorpusError, decode_line
+
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    texts = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            texts.append(line.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError as e:
-            raise UsageError(f"--input {path!r}: line {number} is not valid UTF-8 ({e.reason} at byte {e.start})") \
-                from None
-    return texts
+    try:
+        return [decode_line(line, f"--input {path!r}", number) for number, line in enumerate(lines, start=1)]
+    except CorpusError as e:
+        raise UsageError(str(e)) from None
 
 
 def read_lines(path: str) -> list[str]:

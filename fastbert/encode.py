@@ -84,6 +84,39 @@ class Pipeline:
                 f"max_seq_length {self.max_seq_length}")
 
 
+def locate(name_or_path):
+    """A sentence-transformers folder (modules.json; it may keep the checkpoint in a sub-folder, modules.json's
+    Transformer path), a plain Hugging Face folder, or a Hub id in the local cache -> read_folder's (model folder,
+    sentence-transformers pipeline or None, tokenizer kwargs, dtype). Reads no weights."""
+    path = os.fspath(name_or_path)
+    is_st_folder = os.path.isdir(path) and os.path.isfile(os.path.join(path, "modules.json"))
+    return read_folder(path if is_st_folder else resolve_folder(path, weights=False))
+
+
+def resolve_prompt(pipeline: Pipeline, prompt: str | None, prompt_name: str | None) -> str:
+    """sentence-transformers' rule: `prompt` as given, else the named prompt, else the default prompt name's."""
+    if prompt is not None and prompt_name is not None:
+        raise ValueError("give either prompt or prompt_name, not both")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+        return prompt
+    name = prompt_name if prompt_name is not None else pipeline.default_prompt_name
+    if name is None:
+        return ""
+    if name not in pipeline.prompts:
+        raise ValueError(f"prompt_name {name!r} is not one of this model's prompts "
+                         f"({', '.join(map(repr, pipeline.prompts))})")
+    return pipeline.prompts[name]
+
+
+def check_counts(**values) -> None:
+    """Each value None or a positive integer, else a ValueError naming it."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _read_json(path: str, what: str):
     try:
         with open(path, encoding="utf-8") as f:
@@ -318,12 +351,8 @@ class SentenceEncoder:
         own, like transformers' dtype="auto"); device: None = cuda when available, else cpu."""
         import transformers
 
-        path = os.fspath(name_or_path)
-        # a sentence-transformers folder may keep the checkpoint in a sub-folder (modules.json's Transformer path)
-        is_st_folder = os.path.isdir(path) and os.path.isfile(os.path.join(path, "modules.json"))
-        folder = path if is_st_folder else resolve_folder(path, weights=False)
-        model_folder, st, tokenizer_kwargs, folder_dtype = read_folder(folder)
-        model = BertModel.from_pretrained(resolve_folder(model_folder), add_pooling_layer=False, kernels=kernels,
+        model_folder, st, tokenizer_kwargs, folder_dtype = locate(name_or_path)
+        model = BertModel.from_pretrained(model_folder, add_pooling_layer=False, kernels=kernels,
                                           dtype=dtype if dtype is not None else (folder_dtype or "auto"),
                                           device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
         pipeline = None
@@ -361,20 +390,7 @@ class SentenceEncoder:
         return self.model.embeddings.word_embeddings.weight.device
 
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
-        """sentence-transformers' rule: `prompt` as given, else the named prompt, else the default prompt name's."""
-        if prompt is not None and prompt_name is not None:
-            raise ValueError("give either prompt or prompt_name, not both")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-            return prompt
-        name = prompt_name if prompt_name is not None else self.pipeline.default_prompt_name
-        if name is None:
-            return ""
-        if name not in self.pipeline.prompts:
-            raise ValueError(f"prompt_name {name!r} is not one of this model's prompts "
-                             f"({', '.join(map(repr, self.pipeline.prompts))})")
-        return self.pipeline.prompts[name]
+        return resolve_prompt(self.pipeline, prompt, prompt_name)
 
     def _prompt_length(self, prompt: str) -> int:
         """Tokens of the prompt at the start of every text, [CLS] included and a trailing special token not
@@ -390,9 +406,7 @@ class SentenceEncoder:
         """[len(texts), dimension] float32, row i for texts[i]. progress: None = a bar on stderr when it is a
         terminal and the work takes more than a second; True / False = always / never."""
         texts = _check_texts(texts)
-        for name, value in (("max_tokens_per_batch", max_tokens_per_batch), ("batch_size", batch_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_counts(max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size)
         prompt = self.resolve_prompt(prompt, prompt_name)
         skip = self._prompt_length(prompt) if prompt and not self.pipeline.include_prompt else 0
         result = np.empty((len(texts), self.dimension), dtype=np.float32)

@@ -282,8 +282,9 @@ def test_without_ray_the_command_says_how_to_install_it(tmp_path, monkeypatch, c
     ("txt", ["--input", "{tmp}/in", "--output", "{tmp}/in/out"], "is inside the input folder"),
     ("txt", ["--input", "{tmp}/in", "--id-field", "n"], "a .txt line has no fields"),
     ("txt", ["--input", "{tmp}/in", "--device", "cuda:1"], "device must be 'cpu' or 'cuda'"),
+    ("txt", ["--input", "{tmp}/in", "--prompt-name", "search"], "prompt_name 'search' is not one of this model's"),
 ], ids=["missing", "empty", "no-text-field", "no-text-column", "unknown-suffix", "npy-output", "stdin", "ids-file",
-        "output-inside-input", "txt-id-field", "device-index"])
+        "output-inside-input", "txt-id-field", "device-index", "unknown-prompt"])
 def test_bad_inputs_are_one_line_errors_before_any_worker_starts(tmp_path, capsys, minilm_path, setup, args,
                                                                  message):
     """Exit 2, one line on stderr, no output folder: found on the driver before any worker starts."""

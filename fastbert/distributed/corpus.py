@@ -171,6 +171,15 @@ def check_first_record(path: str, text_field: str, id_field: str | None) -> None
 # --------------------------------------------------------------------------------------------------------------------
 # Reading one split (on the worker)
 # --------------------------------------------------------------------------------------------------------------------
+def decode_line(raw: bytes, path: str, number: int) -> str:
+    """One line's bytes (its newline removed) as text, a final \\r dropped; a CorpusError naming the file and line
+    when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8").rstrip("\r")
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{path}: line {number} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 def parse_jsonl(line: str, path: str, number: int, text_field: str, id_field: str | None) -> tuple[str, str | None]:
     """(text, id or None) of one .jsonl line; a CorpusError naming the file, the line and what is wrong."""
     where = f"{path}: line {number}"
@@ -214,13 +223,7 @@ def read_split(root: str, file: CorpusFile, split: Split, text_field: str,
         for k in range(split.rows):
             raw = f.readline()
             number = split.first_row + k + 1
-            if raw.endswith(b"\n"):
-                raw = raw[:-1]
-            try:
-                line = raw.decode("utf-8").rstrip("\r")
-            except UnicodeDecodeError as e:
-                raise CorpusError(f"{path}: line {number} is not valid UTF-8 ({e.reason} at byte {e.start})") \
-                    from None
+            line = decode_line(raw[:-1] if raw.endswith(b"\n") else raw, path, number)
             if file.format == "jsonl":
                 text, identifier = parse_jsonl(line, path, number, text_field, id_field)
             else:

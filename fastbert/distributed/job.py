@@ -18,7 +18,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..encode import SentenceEncoder, check_pooling, read_folder
+from ..encode import Pipeline, SentenceEncoder, check_counts, check_pooling, locate, resolve_prompt
 from . import corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
@@ -137,8 +137,8 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
     if unknown:
         raise TypeError(f"encode_dataset() got unexpected keyword argument(s) {', '.join(unknown)}; the model "
                         f"options are {', '.join(_OPTIONS)}")
-    _check_counts(rows_per_shard=rows_per_shard, workers=workers, max_tokens_per_batch=max_tokens_per_batch,
-                  batch_size=batch_size)
+    check_counts(rows_per_shard=rows_per_shard, workers=workers, max_tokens_per_batch=max_tokens_per_batch,
+                 batch_size=batch_size)
     for name, value in (("cpus_per_worker", cpus_per_worker), ("gpus_per_worker", gpus_per_worker)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -146,17 +146,17 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
         raise ValueError(f"device must be 'cpu' or 'cuda' (each actor sees its own GPUs as cuda), got {device!r}")
     if prompt is not None and prompt_name is not None:
         raise ValueError("give either prompt or prompt_name, not both")
+    vector_options = {k: options.get(k) for k in _VECTOR_OPTIONS}
+    if vector_options["pooling"] is not None:  # "cls", ("cls",) and ["cls"] are one job
+        vector_options["pooling"] = list(check_pooling(vector_options["pooling"]))
 
     root = os.path.abspath(os.fspath(input))
     output = os.path.abspath(os.fspath(output))
-    model = _check_model(model, options, prompt_name)
+    model = _check_model(model, prompt, prompt_name)
     files = [corpus.describe(root, rel, kind) for rel, kind in corpus.list_files(root, format)]
     if os.path.isdir(root) and (output == root or output.startswith(root + os.sep)):
         raise ValueError(f"the output folder {output!r} is inside the input folder {root!r}: a rerun would read "
                          f"the shards as input")
-    vector_options = {k: options.get(k) for k in _VECTOR_OPTIONS}
-    if vector_options["pooling"] is not None:  # "cls", ("cls",) and ["cls"] are one job
-        vector_options["pooling"] = list(check_pooling(vector_options["pooling"]))
     spec = {"model": model, "options": vector_options, "prompt": prompt,
             "prompt_name": prompt_name, "input": root, "format": format, "text_field": text_field,
             "id_field": id_field, "rows_per_shard": rows_per_shard, "files": [asdict(f) for f in files]}
@@ -194,30 +194,19 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
 # --------------------------------------------------------------------------------------------------------------------
 # Before any worker starts
 # --------------------------------------------------------------------------------------------------------------------
-def _check_counts(**values) -> None:
-    for name, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_model(model, options: dict, prompt_name: str | None) -> str:
-    """The model's folder read on the driver (its sentence-transformers files parsed, config.json present), so that
-    a wrong path or an unsupported module fails here, once, rather than in every actor. Returns what the actors
-    load: an absolute path for a local folder, else the Hub id."""
+def _check_model(model, prompt: str | None, prompt_name: str | None) -> str:
+    """The model's folder read on the driver (its sentence-transformers files parsed, config.json present, the
+    prompt resolved), so that a wrong path, an unsupported module or an unknown prompt name fails here, once,
+    rather than in every actor after its model loads. Returns what the actors load: an absolute path for a local
+    folder, else the Hub id."""
     from ..loading import resolve_folder
 
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a folder or a Hub id (each actor loads it), got {type(model).__name__}")
     path = os.fspath(model)
-    is_st_folder = os.path.isdir(path) and os.path.isfile(os.path.join(path, "modules.json"))
-    folder = path if is_st_folder else resolve_folder(path, weights=False)
-    model_folder, st, _, _ = read_folder(folder)
+    model_folder, st, _, _ = locate(path)
     resolve_folder(model_folder, weights=False)
-    if options.get("pooling") is not None:
-        check_pooling(options["pooling"])
-    if prompt_name is not None and st is not None and prompt_name not in st[0].prompts:
-        raise ValueError(f"prompt_name {prompt_name!r} is not one of this model's prompts "
-                         f"({', '.join(map(repr, st[0].prompts))})")
+    resolve_prompt(st[0] if st is not None else Pipeline(), prompt, prompt_name)
     return os.path.abspath(path) if os.path.isdir(path) else path
 
 
