@@ -65,12 +65,6 @@ CUDA_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _fixed(8, 512), _
 CPU_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _varlen(16, 16, 128), _varlen(32, 16, 512))
 TINY_CELLS = (_fixed(1, 16), _fixed(4, 32), _varlen(4, 3, 32))  # --bench-tiny: the dry run of the whole flow
 
-def graph_bucket(real_tokens: int) -> int:
-    """The fastbert-graphs variant captures one bucket per cell, the power of two at or above its real tokens: a
-    replay is what is timed; the capture (and the autotuning before it) is reported as capture_s."""
-    return max(16, 1 << max(0, real_tokens - 1).bit_length())
-
-
 CUDA_MODELS = ("bert-base", "minilm")
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")

@@ -21,18 +21,16 @@ import shutil
 import statistics
 import time
 
-import numpy as np
 import pytest
 
 from bench import harness
-from bench.test_bench_encode import corpus
+from bench.test_bench_encode import COSINE, corpus, one_minus_cosine
 
 ray = pytest.importorskip("ray", reason="Ray Data is an optional extra (pip install -e '.[ray]')")
 
 TEXTS, CI_TEXTS = 512, 24
 ROWS_PER_SHARD = 32
 ROUNDS = 3
-COSINE = 0.99999
 # (name, actors, CPUs = torch threads per actor); None: single-process fastbert.encode with torch's own threads
 VARIANTS = [("single-process", None, None), ("1 worker x 1 CPU", 1, 1), ("2 workers x 1 CPU", 2, 1),
             ("1 worker x 2 CPUs", 1, 2)]
@@ -78,10 +76,6 @@ def reference(texts_file):
     except harness.Unavailable as e:
         pytest.skip(str(e))
     return path, fastbert.encode(path, texts_file[1], device="cpu", kernels="torch", progress=False)
-
-
-def one_minus_cosine(a, b):
-    return 1 - (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.mark.parametrize("name, actors, cpus", VARIANTS, ids=[v[0].replace(" ", "") for v in VARIANTS])

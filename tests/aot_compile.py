@@ -178,16 +178,19 @@ def compile_spec(spec: dict, arch: int):
 # --------------------------------------------------------------------------------------------------------------------
 # Reading the compiled kernel
 # --------------------------------------------------------------------------------------------------------------------
-def res_usage(cubin: bytes) -> dict:
-    """REG / STACK / SHARED / LOCAL of the cubin's kernel function(s) from `cuobjdump -res-usage`, plus its sm."""
+def cuobjdump(cubin: bytes, *flags: str) -> list[str]:
+    """`cuobjdump FLAG cubin` for each flag, the cubin written once: each run's stdout."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        usage = subprocess.run([tool_path("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
-                               check=True).stdout
-        elf = subprocess.run([tool_path("cuobjdump"), "-elf", path], capture_output=True, text=True,
-                             check=True).stdout
+        return [subprocess.run([tool_path("cuobjdump"), flag, path], capture_output=True, text=True,
+                               check=True).stdout for flag in flags]
+
+
+def res_usage(usage: str, elf: str) -> dict:
+    """REG / STACK / SHARED / LOCAL of the cubin's kernel function(s) from `cuobjdump -res-usage`, plus its sm
+    (from `cuobjdump -elf`)."""
     functions = re.findall(r"Function ([^:\s]+):\s*\n\s*(.*)", usage)
     if not functions:
         raise RuntimeError(f"no 'Function' entry in cuobjdump -res-usage output:\n{usage}")
@@ -248,15 +251,10 @@ _SASS_RE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "MUFU", "FFMA", "FMUL")
 
 
-def sass_stats(cubin: bytes) -> dict:
-    """Static SASS instruction counts: the total (the cost of an epilogue shows here) and the opcodes that prove
-    which hardware path a kernel takes (HGMMA = wgmma, UTMALDG/UTMASTG = TMA, LDGSTS = cp.async, MUFU = SFU ops)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([tool_path("cuobjdump"), "--dump-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+def sass_stats(sass: str) -> dict:
+    """Static SASS instruction counts from `cuobjdump --dump-sass`: the total (the cost of an epilogue shows here)
+    and the opcodes that prove which hardware path a kernel takes (HGMMA = wgmma, UTMALDG/UTMASTG = TMA, LDGSTS =
+    cp.async, MUFU = SFU ops)."""
     opcodes = _SASS_RE.findall(sass)
     stats = {"sass": len(opcodes)}
     stats.update({op.lower(): sum(1 for o in opcodes if o == op) for op in SASS_OPS})
@@ -274,8 +272,9 @@ def analyse(spec: dict, arch: int, kernel) -> dict:
               "st_global_v4": len(re.findall(r"\bst\.global(?:\.[a-z0-9_]+)*\.v4\.", ptx)),
               "st_global": len(re.findall(r"\bst\.global\.", ptx)),
               "warp_specialized": "ttg.warp_specialize" in kernel.asm["ttgir"]}
-    record.update(res_usage(kernel.asm["cubin"]))
-    record.update(sass_stats(kernel.asm["cubin"]))
+    usage, elf, sass = cuobjdump(kernel.asm["cubin"], "-res-usage", "-elf", "--dump-sass")
+    record.update(res_usage(usage, elf))
+    record.update(sass_stats(sass))
     return record
 
 
