@@ -6,7 +6,6 @@ and the Triton path (compiled on CUDA; through the interpreter on CPU, fp32) are
 max |fastbert - HF eager| <= 1e-5 on every real token, and on pooler_output where HF's pooler reads a real token.
 Deterministic (derandomize) and bounded, so CI runs the same examples every time in well under a minute.
 """
-import pytest
 import torch
 import transformers
 from hypothesis import HealthCheck, given, settings, strategies as st

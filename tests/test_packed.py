@@ -12,7 +12,6 @@ import fastbert
 from fastbert import ops
 from conftest import DEVICE, random_hf_bert
 from fastbert.graphs import EagerGraph, GraphRunner
-from test_parity import assert_close_on, assert_pooler_matches
 
 BACKENDS = ["torch", "triton"]  # triton: the interpreter on CPU, compiled on CUDA
 
