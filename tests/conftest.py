@@ -84,6 +84,40 @@ def tf32_matmuls(enabled: bool):
         matmul.allow_tf32 = saved
 
 
+def perturb_(model, weight_std: float | None = None):
+    """Non-trivial weights, in place, from the current torch seed: LayerNorm scales and shifts moved by N(0, 0.1),
+    biases drawn N(0, 0.05), and with weight_std every other weight drawn N(0, weight_std) (padding rows too)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.05)
+            elif weight_std is not None:
+                p.copy_(torch.randn_like(p) * weight_std)
+    return model
+
+
+def main_in_process(capsys, *args):
+    """`python -m fastbert ARGS` in this process (its main(), as the console script calls it): (exit code, stdout,
+    stderr)."""
+    from fastbert import __main__ as cli
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, words):
+    """Exit 2 with one line on stderr, no traceback, saying `words`."""
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert words in lines[0], lines[0]
+
+
 def random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, act="gelu", vocab=99, max_pos=64, types=3,
                    attn="sdpa", seed=0):
     """A transformers BertModel with random, non-trivial weights (LayerNorm scales and biases perturbed too)."""
@@ -93,14 +127,7 @@ def random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, act="gelu", v
                                   max_position_embeddings=max_pos, type_vocab_size=types,
                                   attn_implementation=attn)
     torch.manual_seed(seed)
-    model = transformers.BertModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.05)
-    return model
+    return perturb_(transformers.BertModel(cfg).eval())
 
 
 def hf_dtype(dtype) -> dict:

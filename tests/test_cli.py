@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_one_line_error, main_in_process
+
 
 def run_cli(*args, interpret="0", timeout=600):
     """`python -m fastbert ...` in a subprocess. On a CUDA machine the Triton path is compiled, not interpreted."""
@@ -78,24 +80,6 @@ def test_encode_needs_its_files():
 
 
 # ---- user errors: one line on stderr, a non-zero exit, no traceback; checked before any work ---------------------------
-def main_in_process(capsys, *args):
-    """`python -m fastbert ARGS` in this process: (exit code, stdout, stderr)."""
-    from fastbert import __main__ as cli
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_line_error(code, err, words):
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert words in lines[0], lines[0]
-
-
 @pytest.fixture
 def texts_file(tmp_path):
     path = tmp_path / "in.txt"

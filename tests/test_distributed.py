@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import fastbert
+from conftest import main_in_process
 from fastbert.__main__ import split_lines
 from fastbert.distributed import corpus, job, shards
 from fastbert.distributed.corpus import CorpusError
@@ -250,12 +251,9 @@ def test_a_row_without_the_text_field_names_its_file_and_line(cluster, minilm_pa
 
 # ---- the command line -----------------------------------------------------------------------------------------------
 def run_cli(capsys, *args):
-    """`python -m fastbert encode ...` in this process (its main(), as the console script calls it): (exit code,
-    stderr lines)."""
-    from fastbert.__main__ import main
-
-    code = main(["encode", *args])
-    return code, capsys.readouterr().err.strip().splitlines()
+    """`python -m fastbert encode ...` in this process: (exit code, stderr lines)."""
+    code, _, err = main_in_process(capsys, "encode", *args)
+    return code, err.strip().splitlines()
 
 
 def test_without_ray_the_command_says_how_to_install_it(tmp_path, monkeypatch, capsys):

