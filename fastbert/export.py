@@ -11,7 +11,6 @@ model. Needs the `onnx` and `onnxscript` packages (torch.onnx's exporter); onnxr
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -46,17 +45,6 @@ class _EncoderGraph(torch.nn.Module):
         return torch.nn.functional.normalize(vectors, p=2, dim=-1) if self.pipeline.normalize else vectors
 
 
-@contextlib.contextmanager
-def _twins(model: BertModel):
-    """Every op on its twin for the block (the kernels cannot be exported), then the caller's choice again."""
-    saved = model.kernels
-    model.set_kernels("torch")
-    try:
-        yield
-    finally:
-        model.set_kernels(saved)
-
-
 def export_onnx(model_or_encoder, path, *, example_length: int = 16, opset: int | None = None) -> str:
     """Write an ONNX file of `model_or_encoder` (a fastbert.BertModel or fastbert.SentenceEncoder) to `path`, with
     batch and sequence dynamic. Returns the path. The model is exported in its dtype, on its device, in eval mode."""
@@ -85,7 +73,7 @@ def export_onnx(model_or_encoder, path, *, example_length: int = 16, opset: int 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _twins(model), ops.traced_as_aten():
+        with torch.no_grad(), ops.traced_as_aten():  # the twins, as plain ONNX operators
             torch.onnx.export(graph, tuple(example[n] for n in names), os.fspath(path), dynamo=True,
                               input_names=names, output_names=outputs, opset_version=opset,
                               dynamic_shapes={n: {0: batch, 1: sequence} for n in names})

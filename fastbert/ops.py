@@ -328,7 +328,8 @@ TRACE_AS_CUSTOM_OPS = True
 
 @contextlib.contextmanager
 def traced_as_aten():
-    """Within the block, a traced forward records the PyTorch twins as plain aten ops (for torch.onnx.export)."""
+    """Within the block, a traced forward records the PyTorch twins as plain aten ops, whatever backend each op was
+    asked for (for torch.onnx.export: the kernels cannot be exported)."""
     global TRACE_AS_CUSTOM_OPS
     saved, TRACE_AS_CUSTOM_OPS = TRACE_AS_CUSTOM_OPS, False
     try:
@@ -339,6 +340,8 @@ def traced_as_aten():
 
 def plan(situation: Situation) -> Ops:
     """The four ops for one situation, decided here once."""
+    if tracing() and not TRACE_AS_CUSTOM_OPS:  # an ONNX export (traced_as_aten): every op on its twin
+        return Ops(qkv_projection_torch, attention_torch, bias_gelu_torch, residual_layernorm_torch, frozenset())
     why = reasons(situation)
     use = {op: resolve(op, backend, situation.device, why[op]) for op, backend in zip(OPS, situation.kernels)}
     inference = not situation.needs_grad and situation.attention_dropout == 0 and situation.hidden_dropout == 0

@@ -29,7 +29,7 @@ def batch(B, S, vocab, seed, left=False):
 
 def test_bert_model_with_dynamic_axes(tmp_path):
     hf = random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, vocab=80, max_pos=40, types=2)
-    fb = fastbert.BertModel.from_hf(hf, kernels="auto")  # the kernels are swapped for the twins while exporting
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto")  # the export records the twins, the choice stays
     path = fastbert.export_onnx(fb, tmp_path / "bert.onnx")
     assert fb.kernels == dict.fromkeys(fastbert.OPS, "auto")
     for B, S, left in ((2, 16, False), (5, 33, False), (1, 1, False), (3, 40, True)):
