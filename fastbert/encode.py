@@ -293,11 +293,19 @@ def padded(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(input_ids), torch.from_numpy(keep.astype(np.int64))
 
 
-def token_vectors(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The one place the model runs: a right-padded batch in, [B, S, H] token vectors out (padded positions are
-    masked out by pooling, whatever they hold). A padding-free model (the default) gathers the real tokens inside and
-    computes nothing else, so the padded call costs only the gather and the scatter back."""
-    return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+def embed(model, pipeline: Pipeline, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+          skip: int = 0) -> torch.Tensor:
+    """The one place the model runs: a right-padded batch [B, S] in, one vector per text out, pooled and normalised
+    as `pipeline` says (encode's loop and the ONNX graph both run this). Padded positions are masked out by pooling,
+    whatever they hold; a padding-free model (the default) gathers the real tokens inside and computes nothing else,
+    so the padded call costs only the gather and the scatter back. skip: the prompt's tokens at the start of every
+    text, left out of the pooling (include_prompt=False)."""
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if skip:
+        attention_mask = attention_mask.clone()
+        attention_mask[:, :skip] = 0
+    vectors = pool(hidden, attention_mask, pipeline.pooling)
+    return F.normalize(vectors, p=2, dim=-1) if pipeline.normalize else vectors
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -425,13 +433,7 @@ class SentenceEncoder:
                                           count_padding=not self.model.padding_free):
                     input_ids, attention_mask = padded([ids[i] for i in batch], pad_id)
                     input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-                    hidden = token_vectors(self.model, input_ids, attention_mask)
-                    if skip:
-                        attention_mask = attention_mask.clone()
-                        attention_mask[:, :skip] = 0
-                    vectors = pool(hidden, attention_mask, self.pipeline.pooling)
-                    if self.pipeline.normalize:
-                        vectors = F.normalize(vectors, p=2, dim=-1)
+                    vectors = embed(self.model, self.pipeline, input_ids, attention_mask, skip)
                     out[torch.tensor(batch, device=self.device)] = vectors
                     if bar is not None:
                         tokens += sum(len(ids[i]) for i in batch)

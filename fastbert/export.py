@@ -39,10 +39,8 @@ class _EncoderGraph(torch.nn.Module):
         self.model, self.pipeline = encoder.model, encoder.pipeline
 
     def forward(self, input_ids, attention_mask):
-        from .encode import pool
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        vectors = pool(hidden, attention_mask, self.pipeline.pooling)
-        return torch.nn.functional.normalize(vectors, p=2, dim=-1) if self.pipeline.normalize else vectors
+        from .encode import embed
+        return embed(self.model, self.pipeline, input_ids, attention_mask)
 
 
 def export_onnx(model_or_encoder, path, *, example_length: int = 16, opset: int | None = None) -> str:
