@@ -12,7 +12,7 @@ import transformers
 
 import fastbert
 from conftest import DEVICE, perturb_
-from test_parity import assert_close_on
+from test_parity import assert_close_on, make_inputs
 
 VOCAB, PAD_ROBERTA = 99, 1
 ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler")
@@ -49,16 +49,7 @@ def pad_id(hf):
 def inputs(hf, padding, B=3, S=11, seed=1):
     """ids / token types / mask. Padded positions hold the pad id (as a tokenizer writes them); for RoBERTa one real
     token of row 0 is the pad id too (HF gives it position padding_idx: so must fastbert, packed or not)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, VOCAB, (B, S), generator=g)
-    tt = torch.randint(0, hf.config.type_vocab_size, (B, S), generator=g)
-    mask = torch.ones(B, S, dtype=torch.long)
-    if padding == "right":
-        for b, n in enumerate([S, 5, 1][:B]):
-            mask[b, n:] = 0
-    elif padding == "left":
-        for b, n in enumerate([S, 4, 2][:B]):
-            mask[b, :S - n] = 0
+    ids, tt, mask = make_inputs(padding, B, S, vocab=VOCAB, types=hf.config.type_vocab_size, seed=seed, low=2)
     ids = ids.masked_fill(mask == 0, pad_id(hf))
     if pad_id(hf):
         ids[0, 3] = pad_id(hf)

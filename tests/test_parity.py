@@ -22,9 +22,10 @@ CONFIGS = {  # hidden, heads, layers, intermediate, act  (head dims 16, 32, 64; 
 }
 
 
-def make_inputs(kind, B=3, S=11, vocab=99, types=3, seed=1):
+def make_inputs(kind, B=3, S=11, vocab=99, types=3, seed=1, low=1):
+    """ids in [low, vocab), token types, and a 0/1 mask: no padding, right, left, or a fully padded row."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (B, S), generator=g)
+    ids = torch.randint(low, vocab, (B, S), generator=g)
     tt = torch.randint(0, types, (B, S), generator=g)
     mask = torch.ones(B, S, dtype=torch.long)
     if kind == "right":
