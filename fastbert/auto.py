@@ -20,11 +20,7 @@ import torch
 
 from . import __version__
 from .files import write_atomically
-
-
-def token_bucket(tokens: int) -> int:
-    """The power of two at or above `tokens` (at least 16): one measurement serves every T in (bucket/2, bucket]."""
-    return max(16, 1 << max(0, tokens - 1).bit_length())
+from .layout import TokenLayout, token_bucket  # noqa: F401  (token_bucket: the buckets the table is keyed on)
 
 
 @dataclass(frozen=True)
@@ -37,6 +33,7 @@ class Shapes:
     head_dim: int
     max_seqlen: int  # attention: a bucket of the longest sequence
     activation: str
+    ragged: bool = True  # attention: sequences of different lengths (the twin then loops over them on the host)
 
 
 def default_timer(fn) -> float:
@@ -84,7 +81,9 @@ class Choices:
             pass  # a read-only home: the choices still hold for this process
 
     def choose(self, key: str, kernel_fn, twin_fn) -> bool:
-        """True when the kernel is at least as fast as the twin for `key`; measured the first time only."""
+        """True when the kernel is at least as fast as the twin for `key`; measured the first time only. A kernel
+        that raises while it is compiled, autotuned or timed propagates its error (the caller records it with
+        `record_failure`); a key recorded as failed is never timed again."""
         entry = self.table.get(key)
         if entry is None:
             kernel_ms, twin_ms = self.timer(kernel_fn), self.timer(twin_fn)
@@ -92,6 +91,16 @@ class Choices:
                                        "choice": "triton" if kernel_ms <= twin_ms else "torch"}
             self._save()
         return entry["choice"] == "triton"
+
+    def record_failure(self, key: str, error: str) -> None:
+        """The kernel failed for `key`: the twin from now on, in this process and (the table is on disk, named by the
+        library versions) in the next ones, until a version changes."""
+        self.table[key] = {"choice": "torch", "error": error}
+        self._save()
+
+    def failure(self, key: str) -> str | None:
+        """The error recorded for `key`, or None."""
+        return self.table.get(key, {}).get("error")
 
     def known(self, key: str) -> bool:
         return key in self.table
@@ -105,13 +114,13 @@ def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
         return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|{shapes.activation}"
     if op == "residual_layernorm":
         return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
-    return f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}"
+    layout = "ragged" if shapes.ragged else "dense"  # the twin is one sdpa on a dense batch, a host loop on a ragged one
+    return f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
 
 
 def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin):
     """(kernel_fn, twin_fn): zero-argument calls of the op on random inputs of these shapes. `kernel` and `twin` are
     the op's two implementations with the layer's signature (ops.plan's callables)."""
-    from .layout import TokenLayout
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -128,12 +137,29 @@ def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin
         second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, zeros, 1e-12)
         return (lambda: (kernel(*first), kernel(*second))), (lambda: (twin(*first), twin(*second)))
     else:
-        L = min(shapes.max_seqlen, T)
-        n = max(1, T // L)
-        layout = TokenLayout.dense(n, L, device)
-        qkv = rand(n * L, 3, shapes.heads, shapes.head_dim)
+        layout = measured_layout(T, shapes.max_seqlen, shapes.ragged, device)
+        qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)
         args = (qkv, layout, shapes.head_dim ** -0.5)
     return (lambda: kernel(*args)), (lambda: twin(*args))
+
+
+def measured_layout(tokens: int, max_seqlen: int, ragged: bool, device) -> TokenLayout:
+    """The layout attention is timed on: `tokens` tokens in sequences of at most `max_seqlen`. Dense: equal rows.
+    Ragged: lengths spread evenly over [max_seqlen / 8, max_seqlen], as a real batch of mixed texts, so that the
+    twin is timed with the per-sequence loop it runs on such a batch."""
+    L = max(1, min(max_seqlen, tokens))
+    if not ragged:
+        return TokenLayout.dense(max(1, tokens // L), L, device)
+    if L == tokens > 1:  # one sequence would fill the bucket: a ragged batch has at least two lengths
+        L = max(1, 2 * tokens // 3)
+    spread = [max(1, L - (i * (L - L // 8)) // 7) for i in range(8)]  # L down to ~L/8 in 8 steps
+    lengths, total = [], 0
+    while total < tokens:
+        length = min(spread[len(lengths) % len(spread)], tokens - total)
+        lengths.append(length)
+        total += length
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(device=device, dtype=torch.int32)
+    return TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)
 
 
 _CHOICES: dict = {}

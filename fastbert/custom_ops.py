@@ -5,6 +5,9 @@ A traced forward (torch.compile, torch.export) records `fastbert::qkv_projection
 instead of the Python of a Triton launcher, which a tracer cannot follow. When the graph runs, each node runs the
 Triton kernel (CUDA) or the PyTorch twin (CPU, or when the forward resolved that op to its twin).
 
+Each node carries the op's backend as the forward resolved it: "torch" (the twin), "triton" (the kernel; its error
+reaches the caller) or "auto" (the kernel under ops.with_net: a kernel that raises leaves that op on its twin).
+
 Eager forwards never go through here: the dispatcher costs ~10-20 us per call, which a small batch would feel. The
 ops are only used while tracing (ops.plan), for inference (no autograd formula is registered; a traced training
 forward uses the plain twins, which autograd and ONNX export understand).
@@ -23,69 +26,79 @@ def _kernel(op: str):
     return importlib.import_module(f"fastbert.kernels.{op}")
 
 
+def _run(op: str, backend: str, x: torch.Tensor, kernel, twin):
+    if backend == "torch":
+        return twin()
+    if backend == "triton":
+        return kernel()
+    return ops.with_net(op, x, x.device, kernel, twin)
+
+
 @torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
-                   use_triton: bool) -> torch.Tensor:
+                   backend: str) -> torch.Tensor:
     """x [T, H] @ W_qkv^T + b -> [T, 3H] (the caller views it as [T, 3, nh, hd])."""
-    if use_triton:
-        return _kernel("qkv_projection").launch(x, weight, bias, num_heads).reshape(x.shape[0], weight.shape[0])
-    return torch.nn.functional.linear(x, weight, bias)
+    return _run("qkv_projection", backend, x,
+                lambda: _kernel("qkv_projection").launch(x, weight, bias, num_heads).reshape(x.shape[0], weight.shape[0]),
+                lambda: torch.nn.functional.linear(x, weight, bias))
 
 
 @qkv_projection.register_fake
-def _(x, weight, bias, num_heads, use_triton):
+def _(x, weight, bias, num_heads, backend):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
-              key_valid: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
+              key_valid: torch.Tensor | None, backend: str) -> torch.Tensor:
     """Packed qkv [T, 3, nh, hd] -> [T, nh*hd]; key_valid [n, S] for padded rows (then every row has S tokens)."""
-    if use_triton:
-        return _kernel("attention").launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid)
-    if key_valid is None:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the twin loops over sequences on the host
-        layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, lengths)
-        return ops.attention_varlen_torch(qkv, layout, scale)
-    B, S = key_valid.shape
-    mask = ops.AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
-    return ops.attention_padded_torch(qkv, mask, scale)[0]
+    def twin():
+        if key_valid is None:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the twin loops over sequences on the host
+            layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, lengths)
+            return ops.attention_varlen_torch(qkv, layout, scale)
+        B, S = key_valid.shape
+        mask = ops.AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
+        return ops.attention_padded_torch(qkv, mask, scale)[0]
+
+    return _run("attention", backend, qkv,
+                lambda: _kernel("attention").launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid), twin)
 
 
 @attention.register_fake
-def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, use_triton):
+def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, backend):
     return qkv.new_empty(qkv.shape[0], qkv.shape[2] * qkv.shape[3])
 
 
 @torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
 def bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
-              use_triton: bool) -> torch.Tensor:
-    if use_triton:
-        return _kernel("bias_gelu").launch(x, weight, bias, activation)
-    return ops.bias_gelu_torch(x, weight, bias, activation)
+              backend: str) -> torch.Tensor:
+    return _run("bias_gelu", backend, x, lambda: _kernel("bias_gelu").launch(x, weight, bias, activation),
+                lambda: ops.bias_gelu_torch(x, weight, bias, activation))
 
 
 @bias_gelu.register_fake
-def _(x, weight, bias, activation, use_triton):
+def _(x, weight, bias, activation, backend):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("fastbert::residual_layernorm", mutates_args=())
 def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, use_triton: bool) -> torch.Tensor:
-    if use_triton:
-        return _kernel("residual_layernorm").launch(y, weight, bias, residual, ln_weight, ln_bias, eps)
-    return ops.residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps)
+                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+    return _run("residual_layernorm", backend, y,
+                lambda: _kernel("residual_layernorm").launch(y, weight, bias, residual, ln_weight, ln_bias, eps),
+                lambda: ops.residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps))
 
 
 @residual_layernorm.register_fake
-def _(y, weight, bias, residual, ln_weight, ln_bias, eps, use_triton):
+def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend):
     return residual.new_empty(residual.shape)
 
 
 # ---- the op callables a traced forward's plan holds (the layer's signatures) -----------------------------------------
 def traced_ops(use: dict) -> dict:
-    """op -> a callable with the twin's signature that records one custom op node."""
+    """op -> a callable with the twin's signature that records one custom op node. `use`: op -> its backend as
+    resolved ("torch", "triton", or "auto" for the kernel under the safety net)."""
     def run_qkv(x, weight, bias, num_heads):
         out = torch.ops.fastbert.qkv_projection(x, weight, bias, num_heads, use["qkv_projection"])
         return out.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))

@@ -48,11 +48,12 @@ class Batch:
         return self.attn if isinstance(self.attn, TokenLayout) else None
 
     @property
-    def size(self) -> tuple[int, int]:
-        """(tokens computed, longest sequence): what the backend choice of a GPU forward depends on."""
+    def size(self) -> tuple[int, int, bool]:
+        """(tokens computed, longest sequence, ragged: sequences of different lengths): what the backend choice of a
+        GPU forward depends on."""
         if self.layout is not None:
-            return self.layout.num_tokens, self.layout.max_seqlen
-        return self.shape[0] * self.shape[1], self.shape[1]
+            return self.layout.num_tokens, self.layout.max_seqlen, not self.layout.uniform
+        return self.shape[0] * self.shape[1], self.shape[1], False
 
     def why_padded(self, output_attentions: bool) -> str | None:
         """Why attention runs on padded rows in a way only the twin serves (None when the kernel can)."""

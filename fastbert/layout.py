@@ -68,6 +68,11 @@ class TokenLayout:
                            max_seqlen)
 
 
+def token_bucket(tokens: int) -> int:
+    """The power of two at or above `tokens` (at least 16): one backend choice serves every T in (bucket/2, bucket]."""
+    return max(16, 1 << max(0, tokens - 1).bit_length())
+
+
 def unpad(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     """[B, S, ...] -> packed [T, ...]: the real tokens, row by row."""
     flat = x.reshape(layout.batch_size * layout.seq_len, *x.shape[2:])

@@ -294,6 +294,7 @@ class BertModel(nn.Module):
         # Padded input runs on its real tokens only; False keeps padded execution (HF's values at padded positions).
         self.padding_free = padding_free
         self._plans = {}  # ops.Situation -> the resolved ops (ops.plan)
+        self._plans_failures = 0  # len(ops._FAILED) when the plans were made
         H = config.hidden_size
         width = config.embedding_size if kind == "electra" else H
         self.head_dim = H // config.num_attention_heads
@@ -423,7 +424,8 @@ class BertModel(nn.Module):
         """op -> "triton" or "torch": what an inference forward of `tokens` real tokens (longest sequence
         `max_seqlen`) runs here. On a GPU, "auto" ops are measured for that bucket first if they were not yet."""
         run = self.resolve_ops(needs_grad=False, tokens=tokens, max_seqlen=max_seqlen)
-        return {op: "triton" if op in run.triton else "torch" for op in OPS}
+        failed = {op for op in run.triton if ops.failed(op, self.dtype, tokens)}  # "auto" left them on their twin
+        return {op: "triton" if op in run.triton - failed else "torch" for op in OPS}
 
     def set_kernels(self, backend=None, **per_op) -> "BertModel":
         """set_kernels("triton") sets every op; set_kernels(attention="torch", ...) sets single ops; or a dict."""
@@ -520,10 +522,11 @@ class BertModel(nn.Module):
         )
 
     def resolve_ops(self, needs_grad: bool = False, padded: str | None = None, tokens: int = 0,
-                    max_seqlen: int = 0) -> ops.Ops:
+                    max_seqlen: int = 0, ragged: bool = True) -> ops.Ops:
         """The four ops for this situation (device, dtype, autograd, dropout, why attention runs padded rows if it
-        does, and on a GPU the token and sequence-length buckets "auto" measured for), resolved once and cached: a
-        forward pays one dictionary lookup for its backend choices."""
+        does, and on a GPU the token and sequence-length buckets "auto" measured for, and whether the sequences'
+        lengths differ), resolved once and cached: a forward pays one dictionary lookup for its backend choices. A
+        kernel failure under "auto" (ops.kernel_failed) drops the cache, so the plans say what runs."""
         weight = self.embeddings.word_embeddings.weight
         cfg = self.config
         kernels = tuple(self._kernels[op] for op in OPS)
@@ -531,13 +534,17 @@ class BertModel(nn.Module):
         if weight.device.type in ops.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
                 and not self.training and tokens:
             shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, cfg.intermediate_size,
-                                 cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation)
+                                 cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
+                                 ragged)
         situation = ops.Situation(
             kernels, weight.device, weight.dtype, self.head_dim, needs_grad,
             cfg.attention_probs_dropout_prob if self.training else 0.0,
             cfg.hidden_dropout_prob if self.training else 0.0, padded, shapes)
         if ops.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return ops.plan(situation)
+        if self._plans_failures != len(ops._FAILED):
+            self._plans.clear()
+            self._plans_failures = len(ops._FAILED)
         run = self._plans.get(situation)
         if run is None:
             run = self._plans[situation] = ops.plan(situation)

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .layout import TokenLayout
+from .layout import TokenLayout, token_bucket
 
 OPS = ("qkv_projection", "attention", "bias_gelu", "residual_layernorm")
 BACKENDS = ("auto", "torch", "triton")
@@ -349,19 +349,26 @@ def plan(situation: Situation) -> Ops:
         for op, backend in zip(OPS, situation.kernels):
             if backend == "auto" and use[op]:
                 use[op] = _measured(op, situation)
+    requested = dict(zip(OPS, situation.kernels))
+    backends = {op: requested[op] if use[op] else "torch" for op in OPS}  # "auto" here: the kernel, with its net
     if tracing() and inference and TRACE_AS_CUSTOM_OPS:
-        traced = custom_ops.traced_ops(use)
+        traced = custom_ops.traced_ops(backends)
         return Ops(traced["qkv_projection"],
                    traced["attention"] if situation.padded is None else attention_torch,  # probabilities, custom masks
                    traced["bias_gelu"], traced["residual_layernorm"],
                    triton=frozenset(op for op, on in use.items() if on))
-    return Ops(
-        qkv_projection=_qkv_projection_triton if use["qkv_projection"] else qkv_projection_torch,
-        attention=_attention_triton if use["attention"] else attention_torch,
-        bias_gelu=_bias_gelu_triton if use["bias_gelu"] else bias_gelu_torch,
-        residual_layernorm=_residual_layernorm_triton if use["residual_layernorm"] else residual_layernorm_torch,
-        triton=frozenset(op for op, on in use.items() if on),
-    )
+    g = globals()
+
+    def chosen(op):
+        kernel, twin = g[_KERNELS[op]], g[_TWINS[op]]
+        if backends[op] == "torch":
+            return twin
+        if backends[op] == "triton":  # asked for: the kernel's own error reaches the caller
+            return kernel
+        table_key = None if situation.shapes is None else _auto().op_key(op, situation.dtype, situation.shapes)
+        return _with_net(op, kernel, twin, situation.device, table_key)
+
+    return Ops(*(chosen(op) for op in OPS), triton=frozenset(op for op, on in use.items() if on))
 
 
 _TWINS = {"qkv_projection": "qkv_projection_torch", "attention": "attention_torch", "bias_gelu": "bias_gelu_torch",
@@ -369,18 +376,92 @@ _TWINS = {"qkv_projection": "qkv_projection_torch", "attention": "attention_torc
 _KERNELS = {op: f"_{op}_triton" for op in OPS}
 
 
+def _auto():
+    from . import auto  # measures with Triton's clock: imported when "auto" first measures or records
+    return auto
+
+
+# ---- "auto"'s safety net: a kernel that breaks never breaks the forward ----------------------------------------------
+# A kernel can fail on a GPU nobody here ran (an MLIR pass error, shared memory, an API change between Triton
+# versions). Under "auto" that (op, dtype, token bucket) runs the twin for the rest of the process, said once, and on a
+# measured GPU the "auto" table on disk records it, so later processes with the same versions do not retry.
+_FAILED: dict = {}  # (op, dtype, token bucket) -> "ErrorType: message"
+
+
+def failure_key(op: str, x: torch.Tensor) -> tuple:
+    return op, x.dtype, token_bucket(x.shape[0])
+
+
+def failed(op: str, dtype: torch.dtype, tokens: int) -> bool:
+    """Has `op`'s kernel failed for this dtype and token count (so "auto" runs its twin there)?"""
+    return (op, dtype, token_bucket(tokens)) in _FAILED
+
+
+def with_net(op: str, x: torch.Tensor, device, kernel: Callable, twin: Callable, table_key: str | None = None):
+    """kernel() under "auto": twin() instead once this (op, bucket) has failed. When the kernel raises, the twin
+    answers this call; if the twin raises too, the input is at fault, not the kernel: its error is raised and nothing
+    is recorded."""
+    if _FAILED and failure_key(op, x) in _FAILED:
+        return twin()
+    try:
+        return kernel()
+    except Exception as error:
+        try:
+            out = twin()
+        except Exception:
+            raise error from None
+        kernel_failed(failure_key(op, x), error, device, table_key)
+        return out
+
+
+def _with_net(op, kernel, twin, device, table_key):
+    """An op callable with the twin's signature that runs `kernel` under the safety net."""
+    def run(*args, **kwargs):
+        return with_net(op, args[0], device, lambda: kernel(*args, **kwargs), lambda: twin(*args, **kwargs), table_key)
+    return run
+
+
+def kernel_failed(key: tuple, error: BaseException | str, device, table_key: str | None = None) -> None:
+    """Record that a kernel failed for `key` (and in the "auto" table under `table_key`), and say so once."""
+    op, dtype, bucket = key
+    why = error if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
+    why = why if len(why) <= 2000 else why[:2000] + " ..."
+    _FAILED[key] = why
+    where = ""
+    if table_key is not None:
+        choices = _auto().choices_for(device)
+        if choices.failure(table_key) is None:
+            choices.record_failure(table_key, why)
+        where = f"; recorded in {choices.path}, so later processes with these versions use the twin too"
+    warnings.warn(f"fastbert: the Triton kernel of op {op!r} failed ({str(dtype).replace('torch.', '')}, "
+                  f"{bucket}-token bucket): {why}. Under 'auto' this op runs its PyTorch twin there for the rest of "
+                  f"this process{where}. Set the op to 'triton' to have the error raised.", RuntimeWarning,
+                  stacklevel=2)
+
+
 def _measured(op: str, situation: Situation) -> bool:
-    """"auto" on a GPU: the kernel when it measured at least as fast as the twin for these shapes (auto.py). While a
-    forward is traced or a CUDA graph captured, nothing is timed: an op not yet measured takes its kernel."""
-    from . import auto
+    """"auto" on a GPU: the kernel when it measured at least as fast as the twin for these shapes (auto.py), and has
+    not failed for them. While a forward is traced or a CUDA graph captured, nothing is timed (a device sync would
+    break the capture): an op not yet measured takes its kernel, whose launcher uses a fixed config there."""
+    auto = _auto()
     choices = auto.choices_for(situation.device)
     key = auto.op_key(op, situation.dtype, situation.shapes)
+    failed = (op, situation.dtype, situation.shapes.tokens)
+    if failed in _FAILED:
+        return False
+    if choices.failure(key) is not None:  # an earlier process with these versions saw the kernel fail
+        kernel_failed(failed, f"{choices.failure(key)} (in an earlier process)", situation.device, key)
+        return False
     if tracing() or not choices.known(key) and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return choices.table.get(key, {}).get("choice", "triton") == "triton"
     g = globals()
     kernel_fn, twin_fn = auto.contenders(op, situation.dtype, situation.shapes, situation.device, g[_KERNELS[op]],
                                          g[_TWINS[op]])
-    return choices.choose(key, kernel_fn, twin_fn)
+    try:
+        return choices.choose(key, kernel_fn, twin_fn)
+    except Exception as error:  # compiling, autotuning or timing the kernel
+        kernel_failed(failed, error, situation.device, key)
+        return False
 
 
 # The kernels behind the same signatures as the twins (the plan has already ruled out dropout and autograd). The model
@@ -425,10 +506,17 @@ def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_d
     return resolve(op, backend, x.device, reason)
 
 
+def _call(op: str, backend: str, x: torch.Tensor, kernel: Callable, twin: Callable):
+    """A kernel the per-op functions chose: as asked for under "triton", under the safety net under "auto"."""
+    return kernel() if backend == "triton" else with_net(op, x, x.device, kernel, twin)
+
+
 def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -> torch.Tensor:
+    twin = lambda: qkv_projection_torch(x, weight, bias, num_heads)  # noqa: E731
     if _use_kernel("qkv_projection", backend, x, weight, bias):
-        return _qkv_projection_triton(x, weight, bias, num_heads, checked=True)
-    return qkv_projection_torch(x, weight, bias, num_heads)
+        return _call("qkv_projection", backend, x,
+                     lambda: _qkv_projection_triton(x, weight, bias, num_heads, checked=True), twin)
+    return twin()
 
 
 def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
@@ -439,22 +527,27 @@ def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: 
         padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
+    twin = lambda: attention_torch(qkv, attn, scale, dropout_p, return_probs)  # noqa: E731
     if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
-        return _attention_triton(qkv, attn, scale, checked=True)
-    return attention_torch(qkv, attn, scale, dropout_p, return_probs)
+        return _call("attention", backend, qkv, lambda: _attention_triton(qkv, attn, scale, checked=True), twin)
+    return twin()
 
 
 def bias_gelu(x, weight, bias, activation: str = "gelu", *, backend: str = "torch") -> torch.Tensor:
+    twin = lambda: bias_gelu_torch(x, weight, bias, activation)  # noqa: E731
     if _use_kernel("bias_gelu", backend, x, weight, bias):
-        return _bias_gelu_triton(x, weight, bias, activation, checked=True)
-    return bias_gelu_torch(x, weight, bias, activation)
+        return _call("bias_gelu", backend, x, lambda: _bias_gelu_triton(x, weight, bias, activation, checked=True),
+                     twin)
+    return twin()
 
 
 def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float, *, dropout_p: float = 0.0,
                        backend: str = "torch") -> torch.Tensor:
+    twin = lambda: residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)  # noqa: E731
     if _use_kernel("residual_layernorm", backend, y, weight, bias, residual, ln_weight, ln_bias, dropout=dropout_p):
-        return _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, eps, checked=True)
-    return residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)
+        return _call("residual_layernorm", backend, y, lambda: _residual_layernorm_triton(
+            y, weight, bias, residual, ln_weight, ln_bias, eps, checked=True), twin)
+    return twin()
 
 
 def default_scale(head_dim: int) -> float:

@@ -41,6 +41,7 @@ def global_state() -> dict:
         "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
         "torch threads": torch.get_num_threads(),
         "fastbert warned-once set": set(ops._WARNED),
+        "fastbert failed-kernel table": dict(ops._FAILED),
     }
     import sys
     if "fastbert.kernels.utils" in sys.modules:

@@ -71,7 +71,9 @@ def test_token_buckets_and_keys():
     shapes = auto.Shapes(128, 384, 1536, 12, 32, 128, "gelu")
     keys = {auto.op_key(op, torch.float16, shapes) for op in fastbert.OPS}
     assert len(keys) == 4 and auto.op_key("attention", torch.float16, shapes) == \
-        "attention|float16|T128|nh12|hd32|S128"
+        "attention|float16|T128|nh12|hd32|S128|ragged"
+    dense = auto.Shapes(128, 384, 1536, 12, 32, 128, "gelu", ragged=False)
+    assert auto.op_key("attention", torch.float16, dense) == "attention|float16|T128|nh12|hd32|S128|dense"
     assert auto.op_key("bias_gelu", torch.bfloat16, shapes) != auto.op_key("bias_gelu", torch.float16, shapes)
 
 
@@ -111,3 +113,190 @@ def test_graph_runner_measures_before_capture(hf, measured_here):
     with torch.no_grad():
         want = fb(IDS, attention_mask=MASK).last_hidden_state
     assert (out.last_hidden_state - want).abs().max() <= 1e-6 and timer.calls == 16 and runner.stats.replays == 1
+
+
+# ---- the safety net: a kernel that raises never breaks an "auto" forward --------------------------------------------
+def _compile_error():
+    import ast
+    from triton.compiler.errors import CompilationError
+    return CompilationError("x = tl.load(p)", ast.parse("x = 1").body[0], "an MLIR pass failed")
+
+
+def _out_of_resources():
+    from triton.runtime.errors import OutOfResources
+    return OutOfResources(262144, 232448, "shared memory")
+
+
+ERRORS = {"compile": _compile_error, "resources": _out_of_resources,
+          "launch": lambda: RuntimeError("CUDA driver: invalid argument at launch")}
+
+
+class Breaks:
+    """Stands in for a kernel's `launch` that raises; counts how often it was tried."""
+
+    def __init__(self, error):
+        self.error, self.calls = error, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        raise self.error()
+
+
+@pytest.fixture
+def no_failures_yet(monkeypatch):
+    monkeypatch.setattr(ops, "_FAILED", {})
+
+
+def _kernel_module(op):
+    import importlib
+    return importlib.import_module(f"fastbert.kernels.{op}")
+
+
+def _twin_for(hf, op):
+    """The answer "auto" owes when `op`'s kernel fails: that op on its twin, the others on their kernels."""
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(**{op: "torch"}).eval()
+    with torch.no_grad():
+        return fb(IDS, attention_mask=MASK).last_hidden_state
+
+
+def _failure_warnings(record):
+    return [w for w in record if "failed" in str(w.message) and "fastbert: the Triton kernel" in str(w.message)]
+
+
+@pytest.mark.parametrize("error", sorted(ERRORS))
+@pytest.mark.parametrize("op", fastbert.OPS)
+def test_a_failing_kernel_leaves_auto_on_the_twin(hf, op, error, monkeypatch, no_failures_yet):
+    want = _twin_for(hf, op)
+    broken = Breaks(ERRORS[error])
+    monkeypatch.setattr(_kernel_module(op), "launch", broken)
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+    assert fb.resolved_kernels(tokens=8, max_seqlen=5)[op] == "triton"
+    with pytest.warns(RuntimeWarning) as record, torch.no_grad():
+        first = fb(IDS, attention_mask=MASK).last_hidden_state  # the forward that met the error
+        second = fb(IDS, attention_mask=MASK).last_hidden_state
+    assert len(_failure_warnings(record)) == 1, [str(w.message) for w in record]
+    message = str(_failure_warnings(record)[0].message)
+    assert repr(op) in message and "16-token bucket" in message and type(ERRORS[error]()).__name__ in message
+    assert broken.calls == 1  # not retried
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert fb.resolved_kernels(tokens=8, max_seqlen=5)[op] == "torch"  # the plans say what runs now
+
+
+@pytest.mark.parametrize("op", fastbert.OPS)
+def test_a_failing_kernel_raises_its_own_error_under_triton(hf, op, monkeypatch, no_failures_yet):
+    monkeypatch.setattr(_kernel_module(op), "launch", Breaks(ERRORS["launch"]))
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(**{op: "triton"}).eval()
+    with pytest.raises(RuntimeError, match="invalid argument at launch"), torch.no_grad():
+        fb(IDS, attention_mask=MASK)
+    assert ops._FAILED == {}
+
+
+def test_the_net_records_nothing_when_the_input_is_at_fault(no_failures_yet):
+    x = torch.randn(4, 8)
+
+    def twin():
+        raise ValueError("the twin rejects this input too")
+
+    with pytest.raises(RuntimeError, match="kernel says no"):
+        ops.with_net("bias_gelu", x, x.device, Breaks(lambda: RuntimeError("kernel says no")), twin)
+    assert ops._FAILED == {}
+
+
+@pytest.mark.parametrize("op", fastbert.OPS)
+def test_a_failing_kernel_inside_cuda_graphs_replays_the_twin(hf, op, monkeypatch, no_failures_yet):
+    want = _twin_for(hf, op)
+    monkeypatch.setattr(_kernel_module(op), "launch", Breaks(ERRORS["launch"]))
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+    with pytest.warns(RuntimeWarning) as record:
+        runner = GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
+        out = runner(IDS, attention_mask=MASK).last_hidden_state
+    buckets = [str(w.message).split("-token bucket")[0].rsplit(" ", 1)[1] for w in _failure_warnings(record)]
+    assert buckets and len(buckets) == len(set(buckets))  # said once per bucket the runner ran
+    assert (out - want).abs().max() <= 1e-6
+
+
+def test_the_per_op_functions_and_the_traced_ops_have_the_net(monkeypatch, no_failures_yet):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(12, generator=g)
+    want = ops.bias_gelu_torch(x, w, b)
+    monkeypatch.setattr(_kernel_module("bias_gelu"), "bias_gelu", Breaks(ERRORS["launch"]))
+    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", Breaks(ERRORS["launch"]))
+    with pytest.warns(RuntimeWarning, match="bias_gelu"):
+        assert torch.equal(ops.bias_gelu(x, w, b, backend="auto"), want)
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        ops.bias_gelu(x, w, b, backend="triton")
+    monkeypatch.setattr(ops, "_FAILED", {})
+    with pytest.warns(RuntimeWarning, match="bias_gelu"):
+        assert torch.equal(torch.ops.fastbert.bias_gelu(x, w, b, "gelu", "auto"), want)
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        torch.ops.fastbert.bias_gelu(x, w, b, "gelu", "triton")
+
+
+def test_a_kernel_failing_while_measured_is_recorded_for_the_next_process(hf, measured_here, monkeypatch,
+                                                                            no_failures_yet):
+    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", Breaks(ERRORS["compile"]))
+    # qkv, attention, residual_layernorm are timed (kernel then twin); bias_gelu's kernel raises in the timer
+    auto.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0, 1.0, 2.0, 1.0, 2.0]))
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+    with pytest.warns(RuntimeWarning, match="an MLIR pass failed"):
+        assert fb.resolved_kernels(tokens=8, max_seqlen=5)["bias_gelu"] == "torch"
+    table = json.loads(open(auto.choices_for(torch.device("cpu")).path).read())
+    (key,) = [k for k in table if k.startswith("bias_gelu|")]
+    assert table[key]["choice"] == "torch" and "CompilationError" in table[key]["error"]
+
+    # a new process: the table is read from disk, the kernel is neither timed nor launched again, and it is said once
+    monkeypatch.setattr(auto, "_CHOICES", {})
+    monkeypatch.setattr(ops, "_FAILED", {})
+    timer = auto.choices_for(torch.device("cpu"), FakeTimer([]))
+    again = Breaks(ERRORS["compile"])
+    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", again)
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+    with pytest.warns(RuntimeWarning, match="in an earlier process") as record, torch.no_grad():
+        got = fb(IDS, attention_mask=MASK).last_hidden_state
+        fb(IDS, attention_mask=MASK)
+    assert len(_failure_warnings(record)) == 1 and again.calls == 0 and timer.timer.calls == 0
+    assert torch.equal(got, _twin_for(hf, "bias_gelu"))
+
+
+# ---- attention is measured on the layout it will run on ------------------------------------------------------------
+def test_attention_is_measured_on_ragged_and_dense_layouts_apart(hf, measured_here):
+    seen = []
+
+    class Timer(FakeTimer):
+        def __call__(self, fn):
+            return super().__call__(fn)
+
+    timer = Timer([1.0, 2.0, 5.0, 3.0, 1.0, 2.0, 1.0, 2.0,   # the ragged batch: attention's twin faster
+                   9.0, 3.0])                                # the dense batch: only attention is new
+    auto.choices_for(torch.device("cpu"), timer)
+    original = ops.attention_torch
+
+    def twin(qkv, attn, *args, **kwargs):
+        seen.append(attn)
+        return original(qkv, attn, *args, **kwargs)
+
+    ops_twin = pytest.MonkeyPatch()
+    ops_twin.setattr(ops, "attention_torch", twin)
+    try:
+        fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+        with torch.no_grad():
+            fb(IDS, attention_mask=MASK)                  # 8 real tokens, lengths 5 and 3
+            fb(IDS[:, :4], attention_mask=MASK[:, :4])    # lengths 4 and 3: the same buckets, nothing new
+            fb(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]))  # dense: 8 tokens, rows of 4
+    finally:
+        ops_twin.undo()
+    assert timer.calls == 10
+    table = auto.choices_for(torch.device("cpu")).table
+    attention_keys = sorted(k for k in table if k.startswith("attention|"))
+    assert [k.rsplit("|", 1)[1] for k in attention_keys] == ["dense", "ragged"]
+    timed = [a for a in seen if isinstance(a, fastbert.layout.TokenLayout)][:2]
+    assert not timed[0].uniform  # the twin was timed on a ragged batch, with its per-sequence loop
+
+
+def test_the_measured_ragged_layout_spreads_lengths():
+    layout = auto.measured_layout(1024, 128, True, "cpu")
+    assert layout.num_tokens == 1024 and layout.max_seqlen == 128 and not layout.uniform
+    assert min(layout.lengths) <= 32 and len(set(layout.lengths)) >= 6
+    assert int(layout.cu_seqlens[-1]) == 1024
+    dense = auto.measured_layout(1024, 128, False, "cpu")
+    assert dense.uniform and dense.lengths == (128,) * 8
