@@ -5,7 +5,7 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
     README = f.read()
-with open(os.path.join(HERE, "fastbert", "__init__.py"), encoding="utf-8") as f:
+with open(os.path.join(HERE, "fastbert", "version.py"), encoding="utf-8") as f:
     VERSION = next(line.split('"')[1] for line in f if line.startswith("__version__"))
 
 ONNX = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]  # fastbert.export_onnx and its tests

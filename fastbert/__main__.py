@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default model is bundled; ne
 
 import torch  # noqa: E402
 
-from . import ops  # noqa: E402
+from . import dispatch  # noqa: E402
 from .loading import resolve_folder  # noqa: E402
 from .modeling import BertModel  # noqa: E402
 
@@ -196,13 +196,13 @@ def save_outputs(output: str, embeddings, ids_path: str | None, ids: list[str]) 
 def parse_kernels(text: str):
     """'triton' -> all ops; 'attention=torch,bias_gelu=triton' -> per op."""
     if "=" not in text:
-        if text not in ops.BACKENDS:
-            raise argparse.ArgumentTypeError(f"unknown backend {text!r}; the backends are {', '.join(ops.BACKENDS)}")
+        if text not in dispatch.BACKENDS:
+            raise argparse.ArgumentTypeError(f"unknown backend {text!r}; the backends are {', '.join(dispatch.BACKENDS)}")
         return text
     choice = dict(item.split("=", 1) for item in text.split(","))
     for op, backend in choice.items():
         try:
-            ops.check_backend(op, backend)
+            dispatch.check_backend(op, backend)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e))
     return choice
@@ -272,7 +272,7 @@ def check(args) -> int:
         backends = [("custom" if isinstance(args.kernels, dict) else args.kernels, args.kernels)]
     else:
         backends = [("torch", "torch")]
-        reason = ops.triton_unavailable(device)
+        reason = dispatch.triton_unavailable(device)
         backends.append(("triton", "triton") if reason is None else ("triton", reason))
 
     print(f"model: {path}\ndevice: {device}  dtype: {args.dtype}  sentences: {len(sentences)}  "
@@ -289,7 +289,7 @@ def check(args) -> int:
     failed = False
     rate = (lambda r: "-" if r != r else f"{r:.0f}")  # NaN when --repeats 0: nothing was timed
     for name, kernels in backends:
-        if isinstance(kernels, str) and kernels not in ops.BACKENDS:  # an unavailable backend: say why
+        if isinstance(kernels, str) and kernels not in dispatch.BACKENDS:  # an unavailable backend: say why
             print(f"{name:<8} skipped: {kernels}")
             continue
         model.set_kernels(kernels)

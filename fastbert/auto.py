@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import __version__
+from .version import __version__
 from .files import write_atomically
 from .layout import TokenLayout, token_bucket  # noqa: F401  (token_bucket: the buckets the table is keyed on)
 
@@ -120,7 +120,7 @@ def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
 
 def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin):
     """(kernel_fn, twin_fn): zero-argument calls of the op on random inputs of these shapes. `kernel` and `twin` are
-    the op's two implementations with the layer's signature (ops.plan's callables)."""
+    the op's two implementations with the layer's signature (dispatch.plan's callables)."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, scale=1.0):

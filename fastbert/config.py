@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from .ops import ACTIVATIONS
+from .twins import ACTIVATIONS
 
 # model_type -> how its embeddings differ from BERT's (fastbert/modeling.py reads this): "bert" (positions 0..S-1),
 # "roberta" (positions counted from padding_idx + 1, padding at padding_idx), "electra" (embeddings of width

@@ -6,10 +6,10 @@ instead of the Python of a Triton launcher, which a tracer cannot follow. When t
 Triton kernel (CUDA) or the PyTorch twin (CPU, or when the forward resolved that op to its twin).
 
 Each node carries the op's backend as the forward resolved it: "torch" (the twin), "triton" (the kernel; its error
-reaches the caller) or "auto" (the kernel under ops.with_net: a kernel that raises leaves that op on its twin).
+reaches the caller) or "auto" (the kernel under with_net: a kernel that raises leaves that op on its twin).
 
 Eager forwards never go through here: the dispatcher costs ~10-20 us per call, which a small batch would feel. The
-ops are only used while tracing (ops.plan), for inference (no autograd formula is registered; a traced training
+ops are only used while tracing (dispatch.plan), for inference (no autograd formula is registered; a traced training
 forward uses the plain twins, which autograd and ONNX export understand).
 """
 from __future__ import annotations
@@ -18,8 +18,10 @@ import importlib
 
 import torch
 
-from . import ops
+from . import twins
+from .fallback import with_net
 from .layout import TokenLayout
+from .mask import AttentionMask
 
 
 def _kernel(op: str):
@@ -31,7 +33,7 @@ def _run(op: str, backend: str, x: torch.Tensor, kernel, twin):
         return twin()
     if backend == "triton":
         return kernel()
-    return ops.with_net(op, x, x.device, kernel, twin)
+    return with_net(op, x, x.device, kernel, twin)
 
 
 @torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
@@ -56,10 +58,10 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
         if key_valid is None:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the twin loops over sequences on the host
             layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, lengths)
-            return ops.attention_varlen_torch(qkv, layout, scale)
+            return twins.attention_varlen_torch(qkv, layout, scale)
         B, S = key_valid.shape
-        mask = ops.AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
-        return ops.attention_padded_torch(qkv, mask, scale)[0]
+        mask = AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
+        return twins.attention_padded_torch(qkv, mask, scale)[0]
 
     return _run("attention", backend, qkv,
                 lambda: _kernel("attention").launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid), twin)
@@ -74,7 +76,7 @@ def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, backend):
 def bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
               backend: str) -> torch.Tensor:
     return _run("bias_gelu", backend, x, lambda: _kernel("bias_gelu").launch(x, weight, bias, activation),
-                lambda: ops.bias_gelu_torch(x, weight, bias, activation))
+                lambda: twins.bias_gelu_torch(x, weight, bias, activation))
 
 
 @bias_gelu.register_fake
@@ -87,7 +89,7 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
     return _run("residual_layernorm", backend, y,
                 lambda: _kernel("residual_layernorm").launch(y, weight, bias, residual, ln_weight, ln_bias, eps),
-                lambda: ops.residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps))
+                lambda: twins.residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps))
 
 
 @residual_layernorm.register_fake

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from . import ops
+from . import dispatch
 from .modeling import BertModel
 
 
@@ -71,7 +71,7 @@ def export_onnx(model_or_encoder, path, *, example_length: int = 16, opset: int 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), ops.traced_as_aten():  # the twins, as plain ONNX operators
+        with torch.no_grad(), dispatch.traced_as_aten():  # the twins, as plain ONNX operators
             torch.onnx.export(graph, tuple(example[n] for n in names), os.fspath(path), dynamo=True,
                               input_names=names, output_names=outputs, opset_version=opset,
                               dynamic_shapes={n: {0: batch, 1: sequence} for n in names})

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
 from .layout import TokenLayout, unpad
-from .ops import AttentionMask
+from .mask import AttentionMask, not_zero_one, tracing
 
 # Arguments HF's BertModel.forward accepts that only make sense for decoders / caches: accepted when unused.
 DECODER_ONLY_ARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask")
@@ -151,7 +150,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
     zero_one = attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
     if zero_one:
-        reads.add("mask_not_zero_one", ops.not_zero_one(attention_mask))
+        reads.add("mask_not_zero_one", not_zero_one(attention_mask))
     keep = attention_mask != 0 if attention_mask is not None and attention_mask.dim() == 2 else None
     if keep is not None:
         lengths = keep.sum(dim=1)
@@ -169,7 +168,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     elif position_ids.shape[0] == 1 and B != 1:
         position_ids = position_ids.expand(B, S)
 
-    padded_rows = output_attentions or custom or not model.padding_free or ops.tracing()
+    padded_rows = output_attentions or custom or not model.padding_free or tracing()
     if not padded_rows and (keep is None or values["real_tokens"] == B * S):
         layout = TokenLayout.dense(B, S, device)  # nothing padded: packed order is batch order
     elif not padded_rows:
@@ -219,7 +218,7 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
     if output_attentions:
         raise NotImplementedError("output_attentions needs padded rows ([B, nh, S, S] probabilities); call the model "
                                   "with padded input_ids and an attention_mask for it")
-    if ops.tracing():
+    if tracing():
         raise NotImplementedError("packed input (cu_seqlens) cannot be traced: its layout is read from the device; "
                                   "trace the padded call (input_ids [B, S] + attention_mask) instead")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
@@ -304,7 +303,7 @@ class _Reads:
                 self.checks.append((name, limits[name]))
 
     def read(self) -> dict | None:
-        if ops.tracing():
+        if tracing():
             for name, limit in self.checks:
                 low, high = (self.tensors[self.names.index(f"{name} {end}")] for end in ("min", "max"))
                 torch._assert_async(((low >= 0) & (high < limit)).all(), f"{name} out of range")

@@ -19,7 +19,7 @@ One forward in three parts:
             x   = residual_layernorm(h @ W_2 + b_2 + x)      [T, H]
     finish: scatter back to [B, S, H] once (zeros at padding); pooler = tanh(first token @ W_p + b_p); HF's outputs
 
-Each op runs on the backend named in `model.kernels`, resolved once per forward (fastbert/ops.py). Module and
+Each op runs on the backend named in `model.kernels`, resolved once per forward (fastbert/dispatch.py). Module and
 parameter names follow HF's so that state_dict keys are HF's; the one difference inside is the fused W_qkv, which
 state_dict splits back into query/key/value (and load_state_dict concatenates).
 """
@@ -32,11 +32,11 @@ import torch.nn as nn
 import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from . import auto, ops
+from . import auto, dispatch, fallback, twins
 from . import config as configs
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad
-from .ops import OPS
+from .dispatch import OPS
 
 # With output_attentions, transformers 5 reports an empty cross_attentions tuple alongside attentions (part of the
 # return_dict=False tuple); 4.x reports None, which the tuple leaves out.
@@ -229,13 +229,13 @@ class BertLayer(nn.Module):
         # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
         self.num_heads = config.num_attention_heads
         self.eps = config.layer_norm_eps
-        self.activation = ops.ACTIVATIONS[config.hidden_act]
-        self.scale = ops.default_scale(config.hidden_size // config.num_attention_heads)
+        self.activation = twins.ACTIVATIONS[config.hidden_act]
+        self.scale = twins.default_scale(config.hidden_size // config.num_attention_heads)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (also a head's, transformers')
 
     def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False):
         """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
-        ops as resolved for this forward (ops.plan)."""
+        ops as resolved for this forward (dispatch.plan)."""
         w, eps = self.weights(), self.eps
         p_attn = self.config.attention_probs_dropout_prob if self.training else 0.0
         p_hidden = self.config.hidden_dropout_prob if self.training else 0.0
@@ -293,8 +293,8 @@ class BertModel(nn.Module):
                              "has none)")
         # Padded input runs on its real tokens only; False keeps padded execution (HF's values at padded positions).
         self.padding_free = padding_free
-        self._plans = {}  # ops.Situation -> the resolved ops (ops.plan)
-        self._plans_failures = 0  # len(ops._FAILED) when the plans were made
+        self._plans = {}  # dispatch.Situation -> the resolved ops (dispatch.plan)
+        self._plans_failures = 0  # len(fallback._FAILED) when the plans were made
         H = config.hidden_size
         width = config.embedding_size if kind == "electra" else H
         self.head_dim = H // config.num_attention_heads
@@ -303,10 +303,10 @@ class BertModel(nn.Module):
         self.embeddings_project = nn.Linear(width, H) if width != H else None
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
-        self.activation = ops.ACTIVATIONS[config.hidden_act]
+        self.activation = twins.ACTIVATIONS[config.hidden_act]
         self._kernels = {op: "auto" for op in OPS}
         self.set_kernels(kernels)
-        ops.triton_import_error()  # import the kernels now if they import at all: never inside a traced forward
+        dispatch.triton_import_error()  # import the kernels now if they import at all: never inside a traced forward
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -424,7 +424,7 @@ class BertModel(nn.Module):
         """op -> "triton" or "torch": what an inference forward of `tokens` real tokens (longest sequence
         `max_seqlen`) runs here. On a GPU, "auto" ops are measured for that bucket first if they were not yet."""
         run = self.resolve_ops(needs_grad=False, tokens=tokens, max_seqlen=max_seqlen)
-        failed = {op for op in run.triton if ops.failed(op, self.dtype, tokens)}  # "auto" left them on their twin
+        failed = {op for op in run.triton if fallback.failed(op, self.dtype, tokens)}  # "auto" left them on their twin
         return {op: "triton" if op in run.triton - failed else "torch" for op in OPS}
 
     def set_kernels(self, backend=None, **per_op) -> "BertModel":
@@ -435,12 +435,12 @@ class BertModel(nn.Module):
         wanted = dict.fromkeys(OPS, backend) if backend is not None else {}
         wanted.update(per_op)
         if not wanted:
-            raise ValueError(f"set_kernels needs a backend for every op ({', '.join(ops.BACKENDS)}) or op=backend "
+            raise ValueError(f"set_kernels needs a backend for every op ({', '.join(dispatch.BACKENDS)}) or op=backend "
                              f"pairs (ops: {', '.join(OPS)}); got {'an empty dict' if isinstance(backend, dict) else backend!r}")
         for op, b in wanted.items():
-            ops.check_backend(op, b)
-            if b == "triton" and ops.triton_import_error():
-                raise RuntimeError(f"kernels: op {op!r} asked for 'triton' but {ops.triton_import_error()}")
+            dispatch.check_backend(op, b)
+            if b == "triton" and dispatch.triton_import_error():
+                raise RuntimeError(f"kernels: op {op!r} asked for 'triton' but {dispatch.triton_import_error()}")
         self._kernels.update(wanted)
         return self
 
@@ -522,32 +522,32 @@ class BertModel(nn.Module):
         )
 
     def resolve_ops(self, needs_grad: bool = False, padded: str | None = None, tokens: int = 0,
-                    max_seqlen: int = 0, ragged: bool = True) -> ops.Ops:
+                    max_seqlen: int = 0, ragged: bool = True) -> dispatch.Ops:
         """The four ops for this situation (device, dtype, autograd, dropout, why attention runs padded rows if it
         does, and on a GPU the token and sequence-length buckets "auto" measured for, and whether the sequences'
         lengths differ), resolved once and cached: a forward pays one dictionary lookup for its backend choices. A
-        kernel failure under "auto" (ops.kernel_failed) drops the cache, so the plans say what runs."""
+        kernel failure under "auto" (fallback.kernel_failed) drops the cache, so the plans say what runs."""
         weight = self.embeddings.word_embeddings.weight
         cfg = self.config
         kernels = tuple(self._kernels[op] for op in OPS)
         shapes = None
-        if weight.device.type in ops.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
+        if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
                 and not self.training and tokens:
             shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, cfg.intermediate_size,
                                  cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
                                  ragged)
-        situation = ops.Situation(
+        situation = dispatch.Situation(
             kernels, weight.device, weight.dtype, self.head_dim, needs_grad,
             cfg.attention_probs_dropout_prob if self.training else 0.0,
             cfg.hidden_dropout_prob if self.training else 0.0, padded, shapes)
-        if ops.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
-            return ops.plan(situation)
-        if self._plans_failures != len(ops._FAILED):
+        if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
+            return dispatch.plan(situation)
+        if self._plans_failures != len(fallback._FAILED):
             self._plans.clear()
-            self._plans_failures = len(ops._FAILED)
+            self._plans_failures = len(fallback._FAILED)
         run = self._plans.get(situation)
         if run is None:
-            run = self._plans[situation] = ops.plan(situation)
+            run = self._plans[situation] = dispatch.plan(situation)
         return run
 
 

@@ -29,7 +29,7 @@ _LIBRARY_ENV = ("PYTEST_", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "KMP_")
 def global_state() -> dict:
     """Process-wide state a test could leave changed for every later test (pytest's monkeypatch cannot restore some
     of it: torch.backends.cuda.matmul's flags are not plain attributes)."""
-    from fastbert import ops
+    from fastbert import dispatch, fallback
     state = {
         "environment": {k: v for k, v in os.environ.items() if not k.startswith(_LIBRARY_ENV)},
         "TF32 for fp32 matmuls": tf32_on(),
@@ -40,8 +40,8 @@ def global_state() -> dict:
         "inference mode": torch.is_inference_mode_enabled(),
         "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
         "torch threads": torch.get_num_threads(),
-        "fastbert warned-once set": set(ops._WARNED),
-        "fastbert failed-kernel table": dict(ops._FAILED),
+        "fastbert warned-once set": set(dispatch._WARNED),
+        "fastbert failed-kernel table": dict(fallback._FAILED),
     }
     import sys
     if "fastbert.kernels.utils" in sys.modules:

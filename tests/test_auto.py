@@ -11,7 +11,7 @@ import torch
 
 import fastbert
 from conftest import random_hf_bert
-from fastbert import auto, ops
+from fastbert import auto, dispatch, fallback, ops, twins
 from fastbert.graphs import EagerGraph, GraphRunner
 from fastbert.kernels import utils as kernel_utils
 
@@ -34,7 +34,7 @@ class FakeTimer:
 @pytest.fixture
 def measured_here(monkeypatch, tmp_path):
     """CPU counts as a measured device (Triton runs through the interpreter); a fresh cache directory."""
-    monkeypatch.setattr(ops, "MEASURED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(dispatch, "MEASURED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(kernel_utils, "INTERPRET", True)
     monkeypatch.setattr(auto, "_CHOICES", {})
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
@@ -144,7 +144,7 @@ class Breaks:
 
 @pytest.fixture
 def no_failures_yet(monkeypatch):
-    monkeypatch.setattr(ops, "_FAILED", {})
+    monkeypatch.setattr(fallback, "_FAILED", {})
 
 
 def _kernel_module(op):
@@ -188,7 +188,7 @@ def test_a_failing_kernel_raises_its_own_error_under_triton(hf, op, monkeypatch,
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(**{op: "triton"}).eval()
     with pytest.raises(RuntimeError, match="invalid argument at launch"), torch.no_grad():
         fb(IDS, attention_mask=MASK)
-    assert ops._FAILED == {}
+    assert fallback._FAILED == {}
 
 
 def test_the_net_records_nothing_when_the_input_is_at_fault(no_failures_yet):
@@ -198,8 +198,8 @@ def test_the_net_records_nothing_when_the_input_is_at_fault(no_failures_yet):
         raise ValueError("the twin rejects this input too")
 
     with pytest.raises(RuntimeError, match="kernel says no"):
-        ops.with_net("bias_gelu", x, x.device, Breaks(lambda: RuntimeError("kernel says no")), twin)
-    assert ops._FAILED == {}
+        fallback.with_net("bias_gelu", x, x.device, Breaks(lambda: RuntimeError("kernel says no")), twin)
+    assert fallback._FAILED == {}
 
 
 @pytest.mark.parametrize("op", fastbert.OPS)
@@ -225,7 +225,7 @@ def test_the_per_op_functions_and_the_traced_ops_have_the_net(monkeypatch, no_fa
         assert torch.equal(ops.bias_gelu(x, w, b, backend="auto"), want)
     with pytest.raises(RuntimeError, match="invalid argument"):
         ops.bias_gelu(x, w, b, backend="triton")
-    monkeypatch.setattr(ops, "_FAILED", {})
+    monkeypatch.setattr(fallback, "_FAILED", {})
     with pytest.warns(RuntimeWarning, match="bias_gelu"):
         assert torch.equal(torch.ops.fastbert.bias_gelu(x, w, b, "gelu", "auto"), want)
     with pytest.raises(RuntimeError, match="invalid argument"):
@@ -246,7 +246,7 @@ def test_a_kernel_failing_while_measured_is_recorded_for_the_next_process(hf, me
 
     # a new process: the table is read from disk, the kernel is neither timed nor launched again, and it is said once
     monkeypatch.setattr(auto, "_CHOICES", {})
-    monkeypatch.setattr(ops, "_FAILED", {})
+    monkeypatch.setattr(fallback, "_FAILED", {})
     timer = auto.choices_for(torch.device("cpu"), FakeTimer([]))
     again = Breaks(ERRORS["compile"])
     monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", again)
@@ -269,14 +269,14 @@ def test_attention_is_measured_on_ragged_and_dense_layouts_apart(hf, measured_he
     timer = Timer([1.0, 2.0, 5.0, 3.0, 1.0, 2.0, 1.0, 2.0,   # the ragged batch: attention's twin faster
                    9.0, 3.0])                                # the dense batch: only attention is new
     auto.choices_for(torch.device("cpu"), timer)
-    original = ops.attention_torch
+    original = twins.attention_torch
 
     def twin(qkv, attn, *args, **kwargs):
         seen.append(attn)
         return original(qkv, attn, *args, **kwargs)
 
     ops_twin = pytest.MonkeyPatch()
-    ops_twin.setattr(ops, "attention_torch", twin)
+    ops_twin.setattr(twins, "attention_torch", twin)
     try:
         fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
         with torch.no_grad():

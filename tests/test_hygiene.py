@@ -12,7 +12,7 @@ CONFTEST = (pathlib.Path(__file__).parent / "conftest.py").read_text()
     ("import torch; torch.backends.cuda.matmul.allow_tf32 = True", "TF32 for fp32 matmuls"),
     ("import os; os.environ['FASTBERT_SOMETHING'] = '1'", "environment (FASTBERT_SOMETHING)"),
     ("import torch; torch.set_default_dtype(torch.float64)", "default dtype"),
-    ("from fastbert import ops; ops._WARNED.add(('attention', 'why'))", "fastbert warned-once set"),
+    ("from fastbert import dispatch; dispatch._WARNED.add(('attention', 'why'))", "fastbert warned-once set"),
 ])
 def test_a_test_that_leaks_global_state_fails(pytester, leak, words):
     pytester.makeconftest(CONFTEST)

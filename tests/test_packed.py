@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import ops
+from fastbert import dispatch, ops
 from conftest import DEVICE, random_hf_bert
 from fastbert.graphs import EagerGraph, GraphRunner
 
@@ -164,11 +164,11 @@ def test_torch_export(hf, kernels):
 
 
 def test_export_as_plain_aten_ops(hf):
-    """ops.traced_as_aten(): the twins recorded as aten ops (what an ONNX export needs), same numbers."""
+    """dispatch.traced_as_aten(): the twins recorded as aten ops (what an ONNX export needs), same numbers."""
     from fastbert import ops
     fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
     ids, types, ones, _ = _traced_cases()
-    with torch.no_grad(), ops.traced_as_aten():
+    with torch.no_grad(), dispatch.traced_as_aten():
         program = torch.export.export(fb, (ids, ones, types))
     assert not [n for n in program.graph.nodes if "fastbert" in str(n.target)]
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_graph_runner_custom_mask_runs_as_the_model_runs_it(hf, monkeypatch):
         with torch.no_grad(), pytest.raises(RuntimeError, match="custom 3-D/4-D attention mask"):
             call(ids, attention_mask=custom, token_type_ids=types)
     fb.set_kernels(attention="auto")
-    monkeypatch.setattr(ops, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "_WARNED", set())
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "auto" says once that the twin serves custom masks
         want = fb(ids, attention_mask=custom, token_type_ids=types).last_hidden_state

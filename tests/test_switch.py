@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import ops
+from fastbert import dispatch, ops
 from fastbert.kernels import utils as kernel_utils
 from conftest import random_hf_bert
 
@@ -51,7 +51,7 @@ def test_unknown_names_raise_listing_valid_ones(hf, call, words):
 def test_auto_is_torch_on_cpu_without_the_interpreter(hf, monkeypatch):
     monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     cpu = torch.device("cpu")
-    assert not ops.resolve("attention", "auto", cpu, lambda: None)
+    assert not dispatch.resolve("attention", "auto", cpu, lambda: None)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto")
     ref = fastbert.BertModel.from_hf(hf, kernels="torch")
     with torch.no_grad(), warnings.catch_warnings():
@@ -69,7 +69,7 @@ def test_explicit_triton_on_cpu_without_the_interpreter_raises(hf, monkeypatch):
 
 
 def test_explicit_triton_without_triton_installed_raises(hf, monkeypatch):
-    monkeypatch.setattr(ops, "_TRITON_IMPORT_ERROR", ["Triton could not be imported (ImportError: no triton)"])
+    monkeypatch.setattr(dispatch, "_TRITON_IMPORT_ERROR", ["Triton could not be imported (ImportError: no triton)"])
     with pytest.raises(RuntimeError, match=r"asked for 'triton' but Triton could not be imported"):
         fastbert.BertModel.from_hf(hf, kernels="triton")
     fb = fastbert.BertModel.from_hf(hf, kernels="auto")  # auto quietly uses the twins
@@ -99,7 +99,7 @@ def test_auto_falls_back_per_call_and_warns_once(monkeypatch):
     """On a Triton-capable device (here: the interpreter), "auto" leaves a call it cannot serve to the twin, with one
     warning per op and reason, and gives the twin's numbers."""
     monkeypatch.setattr(kernel_utils, "INTERPRET", True)  # CPU tensors count as Triton-capable here
-    monkeypatch.setattr(ops, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "_WARNED", set())
     qkv = torch.randn(10, 3, 2, 16)
     mask = ops.AttentionMask.build(MASK, 2, 5, torch.float32)
     with pytest.warns(UserWarning, match="op 'attention' runs on the PyTorch twin because output_attentions=True"):
@@ -116,7 +116,7 @@ def test_bf16_dots_under_the_interpreter(hf, monkeypatch):
     """Triton's interpreter cannot run a bf16 tl.dot (it returned errors of 1e10 in bias_gelu, 4.6 end to end).
     Under it, "auto" runs the twins of the three ops that use tl.dot and warns once per op; "triton" raises."""
     monkeypatch.setattr(kernel_utils, "INTERPRET", True)  # CPU tensors count as Triton-capable, as in CI
-    monkeypatch.setattr(ops, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "_WARNED", set())
     bf16 = random_hf_bert(hidden=32, heads=2, layers=1, intermediate=40, vocab=50, max_pos=16).to(torch.bfloat16)
     ids, mask = IDS, MASK
     with torch.no_grad():

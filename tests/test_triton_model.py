@@ -4,7 +4,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert import ops
+from fastbert import dispatch, ops
 from conftest import DEVICE, hf_dtype, random_hf_bert
 from test_parity import assert_close_on, assert_pooler_matches, make_inputs
 
@@ -61,7 +61,7 @@ def test_auto_picks_triton_here(tiny, monkeypatch):
     hf, fb = tiny
     calls = []
     for op, name in LAUNCHERS.items():
-        module = ops._kernel(op)
+        module = dispatch._kernel(op)
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _op=op, **k: calls.append(_op) or _real(*a, **k))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto", padding_free=fb.padding_free)

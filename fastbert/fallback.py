@@ -1,0 +1,68 @@
+""""auto"'s safety net: a kernel that breaks never breaks the forward.
+
+A kernel can fail on a GPU nobody here ran (an MLIR pass error, shared memory, an API change between Triton
+versions). Under "auto" that (op, dtype, token bucket) runs the twin for the rest of the process, said once, and on a
+measured GPU the "auto" table on disk records it, so later processes with the same versions do not retry.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from .layout import token_bucket
+
+_FAILED: dict = {}  # (op, dtype, token bucket) -> "ErrorType: message"
+
+
+def failure_key(op: str, x: torch.Tensor) -> tuple:
+    return op, x.dtype, token_bucket(x.shape[0])
+
+
+def failed(op: str, dtype: torch.dtype, tokens: int) -> bool:
+    """Has `op`'s kernel failed for this dtype and token count (so "auto" runs its twin there)?"""
+    return (op, dtype, token_bucket(tokens)) in _FAILED
+
+
+def with_net(op: str, x: torch.Tensor, device, kernel: Callable, twin: Callable, table_key: str | None = None):
+    """kernel() under "auto": twin() instead once this (op, bucket) has failed. When the kernel raises, the twin
+    answers this call; if the twin raises too, the input is at fault, not the kernel: its error is raised and nothing
+    is recorded."""
+    if _FAILED and failure_key(op, x) in _FAILED:
+        return twin()
+    try:
+        return kernel()
+    except Exception as error:
+        try:
+            out = twin()
+        except Exception:
+            raise error from None
+        kernel_failed(failure_key(op, x), error, device, table_key)
+        return out
+
+
+def net_callable(op, kernel, twin, device, table_key):
+    """An op callable with the twin's signature that runs `kernel` under the safety net."""
+    def run(*args, **kwargs):
+        return with_net(op, args[0], device, lambda: kernel(*args, **kwargs), lambda: twin(*args, **kwargs), table_key)
+    return run
+
+
+def kernel_failed(key: tuple, error: BaseException | str, device, table_key: str | None = None) -> None:
+    """Record that a kernel failed for `key` (and in the "auto" table under `table_key`), and say so once."""
+    op, dtype, bucket = key
+    why = error if isinstance(error, str) else f"{type(error).__name__}: {str(error).strip()}"
+    why = why if len(why) <= 2000 else why[:2000] + " ..."
+    _FAILED[key] = why
+    where = ""
+    if table_key is not None:
+        from . import auto  # imported only when a failure is recorded on a measured device
+        choices = auto.choices_for(device)
+        if choices.failure(table_key) is None:
+            choices.record_failure(table_key, why)
+        where = f"; recorded in {choices.path}, so later processes with these versions use the twin too"
+    warnings.warn(f"fastbert: the Triton kernel of op {op!r} failed ({str(dtype).replace('torch.', '')}, "
+                  f"{bucket}-token bucket): {why}. Under 'auto' this op runs its PyTorch twin there for the rest of "
+                  f"this process{where}. Set the op to 'triton' to have the error raised.", RuntimeWarning,
+                  stacklevel=2)
