@@ -1,7 +1,7 @@
 """fastbert's PyTorch path against transformers' own BertModel (eager and sdpa), fp32 and bf16, on CPU.
 
-The bar (DESIGN.md): fp32 max |fastbert - HF| <= 1e-5 on every real token of last_hidden_state and of every hidden
-state, and on pooler_output; bf16 error against an fp32 reference at most 2x HF's own bf16 error.
+The bar (fastbert/numerics.py): fp32 max |fastbert - HF| <= 1e-5 on every real token of last_hidden_state and of
+every hidden state, and on pooler_output; bf16 error against an fp32 reference at most 2x HF's own bf16 error.
 Padded positions: padding-free execution (the default) returns exactly 0 there; padding_free=False returns HF's
 values (within 1e-4 on rows that have a real token). The pooler reads each row's first real token: HF's position 0
 whenever that is real (right padding), the [CLS] of the row run alone otherwise (left padding).
@@ -11,6 +11,7 @@ import torch
 
 import fastbert
 from conftest import hf_dtype, random_hf_bert
+from fastbert.numerics import FP32_TOL
 
 CONFIGS = {  # hidden, heads, layers, intermediate, act  (head dims 16, 32, 64; intermediates not multiples of 64)
     "h32-nh1-L1-gelu": (32, 1, 1, 37, "gelu"),
@@ -120,7 +121,7 @@ def test_fully_padded_row_is_finite_and_isolated(pair):
         assert (out.last_hidden_state[2] == 0).all()
         assert (out.pooler_output[2] - torch.tanh(hf.pooler.dense.bias)).abs().max() <= 1e-6
     else:
-        assert (out.last_hidden_state[2] - eager.last_hidden_state[2]).abs().max() <= 1e-4
+        assert (out.last_hidden_state[2] - eager.last_hidden_state[2]).abs().max() <= FP32_TOL
 
 
 @pytest.mark.parametrize("S", [1, 64])  # 64 = max_position_embeddings of the random configs

@@ -5,6 +5,7 @@ import transformers
 
 import fastbert
 from fastbert import dispatch, ops
+from fastbert.numerics import FP32_TOL
 from conftest import DEVICE, hf_dtype, random_hf_bert
 from test_parity import assert_close_on, assert_pooler_matches, make_inputs
 
@@ -37,7 +38,7 @@ def test_all_ops_on_triton_match_hf(tiny, padding):
         live = mask.bool().any(1)
         assert (out.pooler_output - ref.pooler_output)[live].abs().max() <= 1e-5
         if padding == "fully_padded_row":  # HF eager's uniform attention, reproduced by the kernel
-            assert (out.last_hidden_state[2] - ref.last_hidden_state[2]).abs().max() <= 1e-4
+            assert (out.last_hidden_state[2] - ref.last_hidden_state[2]).abs().max() <= FP32_TOL
 
 
 @pytest.mark.parametrize("op", fastbert.OPS)
