@@ -125,6 +125,16 @@ def test_gpu_check_stages_are_valid_pytest_arguments():
             assert sum(cap for _, _, cap in stages) + 90 + 60 <= 450  # + the "auto" table, the tests' minimum
 
 
+def test_graph_bucket_stays_just_above_the_real_tokens():
+    """The graph a benchmark replays covers the cell's real tokens with at most a tile of slack, not the next power
+    of two (8,400 tokens would run as 16,384)."""
+    assert [harness.graph_bucket(t) for t in (1, 128, 300, 4096, 7883, 8400, 16384)] == [
+        16, 128, 512, 4096, 7936, 8448, 16384]
+    for cell in harness.CUDA_CELLS:
+        tokens = sum(cell.lengths())
+        assert tokens <= harness.graph_bucket(tokens) < tokens + 256
+
+
 def test_gpu_check_shim_maps_fastbert_kernels(tmp_path):
     """The last-resort import path: a sitecustomize that serves fastbert.kernels from kernels/."""
     shim = tmp_path / ".shim"
