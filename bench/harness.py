@@ -65,6 +65,14 @@ CUDA_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _fixed(8, 512), _
 CPU_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _varlen(16, 16, 128), _varlen(32, 16, 512))
 TINY_CELLS = (_fixed(1, 16), _fixed(4, 32), _varlen(4, 3, 32))  # --bench-tiny: the dry run of the whole flow
 
+def graph_bucket(tokens: int) -> int:
+    """The CUDA-graph token bucket a benchmark captures for `tokens` real tokens: the next power of two for small
+    counts, else the next multiple of 256 (the tallest GEMM tile), whichever is smaller. A power of two alone would
+    nearly double the work of a count just above one (8,400 -> 16,384), and time padding instead of the model."""
+    power = max(16, 1 << max(0, tokens - 1).bit_length())
+    return min(power, -(-tokens // 256) * 256)
+
+
 CUDA_MODELS = ("bert-base", "minilm")
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")

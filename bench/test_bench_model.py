@@ -43,11 +43,10 @@ def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str,
         if device != "cuda":  # the tiny dry run: the runner's own logic, replayed eagerly
             from fastbert.graphs import EagerGraph
             graph_class = EagerGraph
-        from fastbert.auto import token_bucket
         from fastbert.graphs import GraphRunner
-        # one bucket per cell, the power of two at or above its real tokens: a replay is what is timed; the capture
-        # (and the autotuning before it) is reported as capture_s
-        runner = GraphRunner(model, token_buckets=(token_bucket(batch.real_tokens),),
+        # one bucket per cell, just above its real tokens (harness.graph_bucket): a replay is what is timed; the
+        # capture (and the autotuning before it) is reported as capture_s
+        runner = GraphRunner(model, token_buckets=(harness.graph_bucket(batch.real_tokens),),
                              max_seqs=case.cell.batch, graph_class=graph_class)
         info.update(kernels=dict(model.kernels), capture_s=runner.stats.capture_s,
                     graph_pool_bytes=runner.stats.pool_bytes, buckets=list(runner.buckets))

@@ -109,20 +109,109 @@ def test_accuracy_bound():
                              harness.Outputs(torch.zeros(1, 1), None)) == float("inf")  # NaN never passes
 
 
-def test_gpu_check_stages_are_valid_pytest_arguments():
-    """Every benchmark stage names a real file and real cells, and the capped stages fit the 8-minute call."""
-    from bench import harness
-    cells = {c.name for c in harness.CUDA_CELLS}
-    for dry_run in (False, True):
-        stages = gpu_check.bench_stages(dry_run)
-        assert [name for name, _, _ in stages][0] == "headline"
-        for name, args, cap in stages:
-            assert os.path.exists(os.path.join(gpu_check.REPO, args[0])), args[0]
-            assert cap <= 240
-            if not dry_run and "--bench-cells" in args:
-                assert set(args[args.index("--bench-cells") + 1].split(",")) <= cells
-        if not dry_run:
-            assert sum(cap for _, _, cap in stages) + 90 + 60 <= 450  # + the "auto" table, the tests' minimum
+HEADLINE_ORDER = ["headline/32x128/hf-sdpa", "headline/32x128/hf-compile", "headline/32x128/fastbert-triton",
+                  "headline/32x128/fastbert-graphs", "headline/32xvar16-512/hf-sdpa",
+                  "headline/32xvar16-512/fastbert-triton", "headline/32xvar16-512/fastbert-graphs",
+                  "headline/1x128/hf-sdpa", "headline/1x128/fastbert-graphs", "headline/1x128/fastbert-triton"]
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
+def test_gpu_check_plan_order(dry_run):
+    """Stage 1 (env, kernel smoke, forward smoke) first, then every config, then the headline cases in order, HF
+    first in each cell, one pytest process per case; the dry run has the same steps in the same order."""
+    steps = gpu_check.plan(dry_run)
+    names = [s.name for s in steps]
+    assert names == [s.name for s in gpu_check.plan(not dry_run)]
+    assert names[:3] == ["env", "smoke-kernels", "smoke-forward"]
+    assert [s.stage for s in steps[:3]] == ["1"] * 3
+    assert names[3:7] == [f"configs-{f}" for f in gpu_check.CONFIG_FAMILIES] and {s.group for s in steps[3:7]} == {
+        "configs"}
+    headline = [s for s in steps if s.stage == "2"]
+    assert [s.name for s in headline] == HEADLINE_ORDER
+    assert names.index(HEADLINE_ORDER[-1]) + 1 == names.index("ops")  # nothing else before the headline ends
+    cells = {c.name for c in (harness.TINY_CELLS if dry_run else harness.CUDA_CELLS)}
+    for step in headline:
+        args = step.cmd
+        assert os.path.exists(os.path.join(gpu_check.REPO, args[args.index("pytest") + 1]))
+        variants = args[args.index("--bench-variants") + 1].split(",")
+        assert variants == [step.info["variant"]], "one case per process"
+        assert args[args.index("--bench-cells") + 1] == step.info["runs_as"] and step.info["runs_as"] in cells
+        assert ("--bench-compile" in args) == (step.info["variant"] == "hf-compile")
+        assert any(a.endswith(step.bench_json) for a in args if a.startswith("--benchmark-json="))
+    assert len({s.bench_json for s in headline}) == len(headline)  # each case its own JSON
+    if not dry_run:
+        assert sum(s.cap for s in steps[:3]) <= 90
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_gpu_check_keeps_each_case_when_later_ones_crash_or_hang(tmp_path, monkeypatch, capsys):
+    """A case that aborts (a CUDA abort's SIGABRT) and one that hangs past its timeout cost only themselves: the
+    records of the steps before them are on disk, and the cases after them still run."""
+    out = tmp_path / "out"
+    monkeypatch.setenv(gpu_check.FAULT_ENV, "headline/32x128/hf-compile=crash,headline/32xvar16-512/hf-sdpa=hang")
+    only = "env,headline/32x128/hf,headline/32xvar16-512/hf-sdpa,headline/1x128/hf-sdpa"
+    assert gpu_check.main([str(out), "--dry-run", "--only", only]) == 1  # the injected faults are failures
+    steps = [r for r in _records(out) if "check" not in r]
+    assert [r["step"] for r in steps] == ["env", "headline/32x128/hf-sdpa", "headline/32x128/hf-compile",
+                                          "headline/32xvar16-512/hf-sdpa", "headline/1x128/hf-sdpa"]
+    status = {r["step"]: r for r in steps}
+    assert [status[n]["status"] for n in status] == ["ok", "ok", "crashed", "timed_out", "ok"]
+    assert status["headline/32x128/hf-compile"]["signal"] == "SIGABRT"
+    for name in ("headline/32x128/hf-sdpa", "headline/1x128/hf-sdpa"):  # real figures, before and after the faults
+        assert status[name]["median_s"] > 0 and status[name]["tokens_per_s"] > 0
+        assert status[name]["max_abs_err"] <= status[name]["err_bound"]
+    checks = [r["check"] for r in _records(out) if r["step"] == "env" and "check" in r]
+    assert checks == ["versions", "ceilings"]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert set(report["failed"]) == {"headline/32x128/hf-compile", "headline/32xvar16-512/hf-sdpa"}
+    summary = (out / "summary.md").read_text()
+    assert "| 2 | headline/32x128/hf-compile | crashed |" in summary and "tiny" in summary
+
+
+def test_gpu_check_child_keeps_the_checks_before_a_crash(tmp_path, monkeypatch):
+    """A process that dies inside stage 1 (a sticky CUDA fault, an abort) keeps every check it finished."""
+    out = tmp_path / "out"
+    monkeypatch.setenv(gpu_check.FAULT_ENV, "smoke-kernels:attention-varlen-fp16=crash")
+    assert gpu_check.main([str(out), "--dry-run", "--only", "smoke-kernels"]) == 1
+    records = _records(out)
+    checks = [r["check"] for r in records if "check" in r]
+    assert checks[0] == "residual_layernorm-bf16" and checks[-1] == "residual_layernorm-fp16"
+    assert "attention-varlen-fp16" not in checks and len(checks) == 9  # bf16: rln, attention, 6 GEMMs; fp16: rln
+    assert records[-1]["step"] == "smoke-kernels" and records[-1]["status"] == "crashed"
+
+
+REFUSAL = "========= COMPUTE-SANITIZER\n========= Error: Target application terminated before first instrumented API call\n"
+
+
+def test_memcheck_refusal_is_skipped_not_failed():
+    """Where compute-sanitizer cannot attach to the device (the forward never ran under it) the step says skipped,
+    with the sanitizer's own words; errors it reports, or a forward that fails under it, are failures."""
+    step = next(s for s in gpu_check.plan(False) if s.name == "memcheck")
+    verdict = gpu_check.status_of(step, {"rc": 255, "timed_out": False, "tail": REFUSAL}, "/nonexistent")
+    assert verdict["status"] == "skipped"
+    assert "Target application terminated before first instrumented API call" in verdict["memcheck"]
+    assert gpu_check.memcheck_verdict(1, REFUSAL + "========= ERROR SUMMARY: 0 errors\n")["status"] == "skipped"
+    ok = f"{gpu_check.MEMCHECK_OK} (3, 37, 128) True\n========= ERROR SUMMARY: 0 errors\n"
+    assert gpu_check.memcheck_verdict(0, ok)["status"] == "ok"
+    assert gpu_check.memcheck_verdict(3, "Invalid __global__ read\n========= ERROR SUMMARY: 2 errors\n") == {
+        "status": "failed", "memcheck": "2 memcheck error(s)"}
+    assert gpu_check.memcheck_verdict(1, "Traceback...\nRuntimeError: x\n========= ERROR SUMMARY: 0 errors\n")[
+        "status"] == "failed"
+    summary = gpu_check.check_summary([{"stage": "5", "step": "memcheck", "seconds": 1.0, **verdict}])
+    assert "| 5 | memcheck | skipped |" in summary and "cannot run here" in summary
+
+
+def test_graph_bucket_stays_just_above_the_real_tokens():
+    """The graph a benchmark replays covers the cell's real tokens with at most a tile of slack, not the next power
+    of two (8,400 tokens would run as 16,384)."""
+    assert [harness.graph_bucket(t) for t in (1, 128, 300, 4096, 7883, 8400, 16384)] == [
+        16, 128, 512, 4096, 7936, 8448, 16384]
+    for cell in harness.CUDA_CELLS:
+        tokens = sum(cell.lengths())
+        assert tokens <= harness.graph_bucket(tokens) < tokens + 256
 
 
 def test_gpu_check_shim_maps_fastbert_kernels(tmp_path):
