@@ -490,7 +490,7 @@ class KernelChecks:
     # ---- one check of each kind ------------------------------------------------------------------------------------
     def gemm(self, dtype, kernel, activation, config, M, N, K):
         import torch.nn.functional as F
-        from fastbert import ops
+        from fastbert import twins
         from fastbert.kernels import gemm as gemm_core
 
         self.needs_dot(dtype)
@@ -499,8 +499,8 @@ class KernelChecks:
         a, w, b = self.make((M, K), dtype), self.make((N, K), dtype, K ** -0.5, seed=1), self.make((N,), dtype, 0.5,
                                                                                                   seed=2)
         h64 = F.linear(a.double(), w.double(), b.double())
-        ref64 = ops._activation_torch(h64, activation) if activation else h64
-        twin = ops.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
+        ref64 = twins._activation_torch(h64, activation) if activation else h64
+        twin = twins.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
         out = gemm_core.gemm(a, w, b, self.poisoned((M, N), dtype), activation, config=config, kernel=kernel)
         return {**self.compare(out, twin, ref64), "shape": f"M{M} N{N} K{K}", "config": gemm_core.config_name(config)}
 
