@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import utils
-from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision
+from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision, loop_bound
 
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 
@@ -112,7 +112,7 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # Key blocks at or past n_end (the row's last real key, or the sequence's end) are never visited.
-    for start_n in range(0, n_end, BLOCK_N):
+    for start_n in range(0, loop_bound(n_end), BLOCK_N):
         offs_n = start_n + offs_nb
         in_range = offs_n < n_end
         k = tl.load(k_base + offs_n[None, :] * stride_qkv_t + offs_d[:, None], mask=in_range[None, :], other=0.0)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import utils
-from .utils import DTYPES, input_precision
+from .utils import DTYPES, input_precision, loop_bound
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # plus None: no activation
 GROUP_M = 8
@@ -140,7 +140,7 @@ def gemm_kernel(
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn  # W^T tile [BLOCK_K, BLOCK_N]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(0, loop_bound(tl.cdiv(K, BLOCK_K))):
         k_remaining = K - k * BLOCK_K  # only the last K step is partial; masked lanes load 0 and add nothing
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
@@ -173,21 +173,28 @@ def gemm_tma_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
+    start = tl.program_id(0)
+    # The epilogue's tile comes from its own counter, not from the loads' pid_m/pid_n: Triton's persistent-matmul
+    # tutorial does the same to avoid a pipelining bug with a value used both in the loads and in the epilogue.
+    tile_id_c = start - NUM_PROGRAMS
     # Persistent: each program walks tiles NUM_PROGRAMS apart. Without warp specialization, flatten=True lets Triton
     # pipeline the next tile's loads under this tile's epilogue; with it, Triton's Hopper pass splits the K loop
     # into producer and consumer partitions (it does not take a flattened loop).
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=not WARP_SPECIALIZE):
+    for tile_id in tl.range(loop_bound(start), loop_bound(num_pid_m * num_pid_n), loop_bound(NUM_PROGRAMS),
+                            flatten=not WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(k_tiles, warp_specialize=WARP_SPECIALIZE):
+        for k in tl.range(loop_bound(k_tiles), warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([off_m, k * BLOCK_K])
             w = w_desc.load([off_n, k * BLOCK_K])
             acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
+        tile_id_c += NUM_PROGRAMS
+        pid_m_c, pid_n_c = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
 
 
 # --------------------------------------------------------------------------------------------------------------------

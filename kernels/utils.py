@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated (at import), so the flag cannot change afterwards either.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = tl.constexpr(INTERPRET)
 
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs a power of two >= 16
@@ -56,3 +59,14 @@ def tf32_enabled() -> bool:
     if precision in ("tf32", "ieee"):
         return precision == "tf32"
     return bool(matmul.allow_tf32)
+
+
+@triton.jit
+def loop_bound(n):
+    """`n` as a bound or step of `range` / `tl.range`. Compiled: `n` itself. Interpreted: a Python int, because
+    Triton 3.6's interpreter takes a scalar's index with int() of its shape-(1,) array, which numpy >= 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.9 squeezes it first. Call it inside
+    the `range(...)`: the interpreter turns the value of every assignment back into a tensor."""
+    if _INTERPRET:
+        return n.handle.data.item()
+    return n
