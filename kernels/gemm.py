@@ -212,16 +212,20 @@ def gemm_configs(element_size: int) -> list:
             (64, 32, 128, 4, 4), (128, 32, 64, 4, 4)]
 
 
-def gemm_tma_configs() -> list:
+def gemm_tma_configs(warp_specialize: bool = utils.WARP_SPECIALIZE) -> list:
     """The sm_90 TMA kernel's tiles (fp16/bf16), + a 6th field: warp specialization. 128x256 and 256x128 at 8 warps
     (two warpgroups, 128 accumulators per thread) are the large-T throughput tiles; 3 stages of operands (144 KB)
     plus the output staging tile (64 KB) fit 227 KB. 128x128 at 8 warps with 4 stages; 128x64 / 64x128 mid-size;
-    128x32 and 64x32 for T <= 128, where the GEMM streams W (see the header). Warp specialization: Triton 3.6 and
-    3.9 both split a 4-warp K loop into a TMA producer and a wgmma consumer on sm_90 (8-warp tiles stay unsplit,
-    and 64x256 crashes Triton 3.9's lowering), so it is offered on the two 4-warp 128-row tiles."""
-    return [(128, 256, 64, 8, 3, False), (256, 128, 64, 8, 3, False), (128, 128, 64, 8, 4, False),
-            (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 4, False), (128, 32, 64, 4, 4, False),
-            (64, 32, 64, 4, 4, False), (128, 128, 64, 4, 4, True), (128, 64, 64, 4, 4, True)]
+    128x32 and 64x32 for T <= 128, where the GEMM streams W (see the header).
+    `warp_specialize` (FASTBERT_WARP_SPECIALIZE=1; the AOT list always) appends the two 4-warp 128-row tiles with
+    a TMA producer and a wgmma consumer partition (Triton 3.6 and 3.9 split 4-warp K loops on sm_90; 8-warp tiles
+    stay unsplit, and 64x256 crashes Triton 3.9's lowering). Off by default: see utils.WARP_SPECIALIZE."""
+    configs = [(128, 256, 64, 8, 3, False), (256, 128, 64, 8, 3, False), (128, 128, 64, 8, 4, False),
+               (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 4, False), (128, 32, 64, 4, 4, False),
+               (64, 32, 64, 4, 4, False)]
+    if warp_specialize:
+        configs += [(128, 128, 64, 4, 4, True), (128, 64, 64, 4, 4, True)]
+    return configs
 
 
 INTERPRETER_CONFIG = (32, 128, 128, 4, 1)  # one fixed tile under TRITON_INTERPRET=1 (num_warps/stages are ignored)
@@ -456,7 +460,7 @@ def gemm_aot_specs(prefix: str, activations, has_bias: bool = True) -> list:
         size = torch.empty((), dtype=dtype).element_size()
         variants = [("ptr", cfg) for cfg in gemm_configs(size)]
         if size == 2:
-            variants += [("tma", cfg) for cfg in gemm_tma_configs()]
+            variants += [("tma", cfg) for cfg in gemm_tma_configs(warp_specialize=True)]
         for kind, cfg in variants:
             warps, stages = cfg[3], cfg[4]
             if kind == "tma":

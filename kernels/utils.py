@@ -20,6 +20,11 @@ DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs a power of two >= 16
 DOT_OPS = ("qkv_projection", "attention", "bias_gelu")  # the ops whose kernels run tl.dot (residual_layernorm's does not)
 
+# Opt-in: warp-specialized tiles join the sm_90 GEMM's autotune list. Off by default: Triton 3.6 documents warp
+# specialization as Blackwell-only, and triton-lang/triton#8311 reports wrong results with it on an inner K loop inside
+# an outer loop, which is the persistent GEMM's shape. Read once, like TRITON_INTERPRET.
+WARP_SPECIALIZE = os.environ.get("FASTBERT_WARP_SPECIALIZE", "0") not in ("", "0")
+
 # The interpreter's tl.dot multiplies bf16 bit patterns as if they were integers (its numpy emulation has no bf16):
 # answers off by 1e10, with no error. Compiled kernels are unaffected.
 INTERPRETER_BF16_DOT = "Triton's interpreter (TRITON_INTERPRET=1) cannot run a bf16 tl.dot (its answers are garbage)"

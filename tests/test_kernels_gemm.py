@@ -200,7 +200,7 @@ def test_gemm_tma_every_config(dtype, activation):
     h64 = F.linear(a.double(), w.double(), b.double())
     ref64 = F.gelu(h64) if activation else h64
     twin = ops.bias_gelu_torch(a, w, b, "gelu") if activation else F.linear(a, w, b)
-    for cfg in gemm_core.gemm_tma_configs():
+    for cfg in gemm_core.gemm_tma_configs(warp_specialize=True):  # the opt-in tiles too
         out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), activation, config=cfg, kernel="tma")
         assert_kernel_matches(out, twin, ref64, dtype)
 
@@ -251,6 +251,27 @@ def test_autotuner_keeps_its_choice_across_processes(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[(('ptr', 2), True), (('ptr', 4), True), (('tma', 2), True)]", result.stdout
+
+
+def test_warp_specialization_is_opt_in():
+    """The default sm_90 autotune list has no warp-specialized tile; FASTBERT_WARP_SPECIALIZE=1 adds the two 4-warp
+    ones. The autotuners are built at import, so each setting is checked in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    default = gemm_core.gemm_tma_configs(warp_specialize=False)
+    opted = gemm_core.gemm_tma_configs(warp_specialize=True)
+    assert not any(c[5] for c in default)
+    assert [c for c in opted if not c[5]] == default
+    assert [c[:5] for c in opted if c[5]] == [(128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+    code = ("from fastbert.kernels import gemm; "
+            "print(sum(bool(c.kwargs['WARP_SPECIALIZE']) for c in gemm._AUTOTUNED[('tma', 2)].configs))")
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_WARP_SPECIALIZE")}
+    for value, expected in ((None, "0"), ("0", "0"), ("1", "2")):
+        env = dict(base) if value is None else {**base, "FASTBERT_WARP_SPECIALIZE": value}
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == expected, (value, result.stdout)
 
 
 def test_gemm_grouped_ordering_partial_group():
@@ -406,7 +427,7 @@ def test_aot_specs_cover_every_config():
         names = [s["name"] for s in specs]
         assert len(names) == len(set(names))
         n_ptr16, n_ptr32, n_tma = (len(gemm_core.gemm_configs(2)), len(gemm_core.gemm_configs(4)),
-                                   len(gemm_core.gemm_tma_configs()))
+                                   len(gemm_core.gemm_tma_configs(warp_specialize=True)))
         # pointer kernel: fp32 twice (ieee, tf32), fp16 and bf16 once; TMA kernel: fp16 and bf16
         assert len(specs) == (2 * n_ptr32 + 2 * n_ptr16 + 2 * n_tma) * len(activations)
         for s in specs:
@@ -425,6 +446,8 @@ def test_aot_specs_cover_every_config():
             else:
                 assert s["archs"] == (80,)
             assert s["warp_specialize"] == s["name"].endswith("-ws")
+        # the opt-in warp-specialized tiles are compiled too, for fp16 and bf16
+        assert sum(s["warp_specialize"] for s in specs) == 2 * 2 * len(activations)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
