@@ -254,16 +254,17 @@ def prune_configs(configs, named_args, **kwargs):
 
 
 def _autotuned(fn, configs):
-    # cache_results: the winning config per key goes to Triton's cache directory, so a new process does not
-    # re-benchmark (accepted by Triton 3.6 and 3.9; ignored by the interpreter, which never autotunes here).
-    return triton.autotune(configs=[_triton_config(c) for c in configs], key=_AUTOTUNE_KEY, cache_results=True,
-                           prune_configs_by={"early_config_prune": prune_configs})(fn)
+    return utils.autotune(fn, [_triton_config(c) for c in configs], _AUTOTUNE_KEY, prune_configs)
 
 
 # One Autotuner per (kernel, element size): each wraps the same JIT function.
 _AUTOTUNED = {("ptr", 2): _autotuned(gemm_kernel, gemm_configs(2)),
               ("ptr", 4): _autotuned(gemm_kernel, gemm_configs(4)),
               ("tma", 2): _autotuned(gemm_tma_kernel, gemm_tma_configs())}
+# What a launch takes instead of benchmarking while a CUDA graph is captured (see `gemm`): the first config of each
+# default list, never a warp-specialized one (those come last, and only with the opt-in).
+CAPTURE_CONFIGS = {("ptr", 2): gemm_configs(2)[0], ("ptr", 4): gemm_configs(4)[0],
+                   ("tma", 2): gemm_tma_configs(warp_specialize=False)[0]}
 
 
 def config_name(cfg) -> str:
@@ -282,8 +283,9 @@ def _device_facts(index: int) -> tuple:
 
 
 def _scratch(size: int, alignment: int, stream):
-    # Global scratch for the device-side TMA descriptors (128 B per program), from torch's caching allocator.
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    # Global scratch for the device-side TMA descriptors (128 B per program), from torch's caching allocator, on
+    # the launch's device (the launcher's device guard made it the current one).
+    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _ensure_allocator() -> None:
@@ -396,7 +398,8 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
          activation: str | None = None, *, config: tuple | None = None, kernel: str | None = None) -> torch.Tensor:
     """out[M, N] = act(a[M, K] @ weight[N, K]^T + bias). Cheap asserts only. `kernel` ("tma" / "ptr") and `config`
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) pin a kernel and a tile instead of the per-arch choice and the
-    autotuner (the tests run every config of both kernels with them)."""
+    autotuner (the tests run every config of both kernels with them). Runs on a's device (a device guard). While a
+    CUDA graph is captured, a key the autotuner has not tuned takes CAPTURE_CONFIGS (benchmarking would sync)."""
     assert activation is None or activation in ACTIVATIONS, activation
     assert a.dim() == 2 and weight.dim() == 2 and a.shape[1] == weight.shape[1], (a.shape, weight.shape)
     assert out.shape == (a.shape[0], weight.shape[0]) and a.dtype == weight.dtype == out.dtype
@@ -413,29 +416,37 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     bias_arg = bias if bias is not None else a  # bias_ptr is never read when HAS_BIAS is False
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=input_precision(a.dtype))
     m_bucket = max(16, triton.next_power_of_2(M))
+    tuner = _AUTOTUNED.get((kernel, a.element_size()))
 
-    if kernel == "tma":
-        if a.device.type == "cuda":
-            _ensure_allocator()
-        args = [a, weight, bias_arg, out, M, N, K, m_bucket, None, a.stride(0), weight.stride(0), out.stride(0)]
-        if config is not None:
-            config = tuple(config) + (False,) * (6 - len(config))
-            args[8] = num_programs(a.device, M, N, config[0], config[1])
-            gemm_tma_kernel[(args[8],)](*args, **meta, **_meta(config), num_warps=config[3], num_stages=config[4])
-        else:
+    with utils.device_guard(a):
+        if kernel == "tma":
+            if a.device.type == "cuda":
+                _ensure_allocator()
             # NUM_PROGRAMS is a runtime argument: the SM count, whatever tile wins (the grid clips it per config).
-            args[8] = num_programs(a.device, M, N, 1, 1)
-            grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731
-            _AUTOTUNED[("tma", 2)][grid](*args, **meta)
-        return out
+            args = [a, weight, bias_arg, out, M, N, K, m_bucket, num_programs(a.device, M, N, 1, 1),
+                    a.stride(0), weight.stride(0), out.stride(0)]
+            if config is None and utils.untuned_in_capture(tuner, args, meta):
+                config = CAPTURE_CONFIGS[("tma", 2)]
+            if config is not None:
+                config = tuple(config) + (False,) * (6 - len(config))
+                args[8] = num_programs(a.device, M, N, config[0], config[1])
+                gemm_tma_kernel[(args[8],)](*args, **meta, **_meta(config), num_warps=config[3],
+                                            num_stages=config[4])
+            else:
+                grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731
+                tuner[grid](*args, **meta)
+            return out
 
-    args = (a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0))
-    if config is not None:
-        grid = (triton.cdiv(M, config[0]) * triton.cdiv(N, config[1]),)
-        gemm_kernel[grid](*args, **meta, **_meta(config[:5]), num_warps=config[3], num_stages=config[4])
-    else:
-        grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
-        _AUTOTUNED[("ptr", a.element_size())][grid](*args, **meta)
+        args = (a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1),
+                out.stride(0))
+        if config is None and utils.untuned_in_capture(tuner, args, meta):
+            config = CAPTURE_CONFIGS[("ptr", a.element_size())]
+        if config is not None:
+            grid = (triton.cdiv(M, config[0]) * triton.cdiv(N, config[1]),)
+            gemm_kernel[grid](*args, **meta, **_meta(config[:5]), num_warps=config[3], num_stages=config[4])
+        else:
+            grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
+            tuner[grid](*args, **meta)
     return out
 
 
