@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import utils
-from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision
+from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision, loop_bound
 
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 
@@ -112,7 +112,7 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # Key blocks at or past n_end (the row's last real key, or the sequence's end) are never visited.
-    for start_n in range(0, n_end, BLOCK_N):
+    for start_n in range(0, loop_bound(n_end), BLOCK_N):
         offs_n = start_n + offs_nb
         in_range = offs_n < n_end
         k = tl.load(k_base + offs_n[None, :] * stride_qkv_t + offs_d[:, None], mask=in_range[None, :], other=0.0)
@@ -205,14 +205,10 @@ def _prune(configs, named_args, **kwargs):
     return short or kept
 
 
-_attention_fwd = triton.autotune(
-    configs=_all_configs(),
-    # The autotuner adds the tensor dtypes to the key itself. seq_bucket (a power of two) rather than seq_len, so a
-    # new length re-uses the tuned config; the mask variant shares its unmasked twin's choice.
-    key=["HEAD_DIM", "INPUT_PRECISION", "seq_bucket"],
-    prune_configs_by={"early_config_prune": _prune},
-    cache_results=True,  # the winner per key persists in Triton's cache directory: a new process does not re-tune
-)(_attention_fwd_kernel)
+# The autotuner adds the tensor dtypes to the key itself. seq_bucket (a power of two) rather than seq_len, so a new
+# length re-uses the tuned config; the mask variant shares its unmasked twin's choice.
+_attention_fwd = utils.autotune(_attention_fwd_kernel, _all_configs(), ["HEAD_DIM", "INPUT_PRECISION", "seq_bucket"],
+                                _prune)
 
 # Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
 # per shape, measuring nothing real), so the launcher uses this one fixed tile instead. 64x32 is the smallest
@@ -256,7 +252,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
            key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
            config: triton.Config | None = None) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
-    forward). No host read: safe inside a CUDA graph capture."""
+    forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
+    first config of attention_configs() for its dtype and head dim (benchmarking would sync). Runs on qkv's device."""
     T, _, num_heads, head_dim = qkv.shape
     if out is None:
         out = torch.empty((T, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -279,13 +276,16 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     meta = dict(HEAD_DIM=head_dim, HAS_MASK=key_valid is not None, INPUT_PRECISION=input_precision(qkv.dtype))
     if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
-    if config is None:
-        _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
-    else:
-        grid = launch_grid(num_seqs, max_seqlen, num_heads, config.kwargs["BLOCK_M"])
-        _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
-                                    num_stages=config.num_stages,
-                                    **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
+    with utils.device_guard(qkv):
+        if config is None and utils.untuned_in_capture(_attention_fwd, args, meta):
+            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"])[0]
+        if config is None:
+            _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
+        else:
+            grid = launch_grid(num_seqs, max_seqlen, num_heads, config.kwargs["BLOCK_M"])
+            _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                        num_stages=config.num_stages,
+                                        **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out
 
 

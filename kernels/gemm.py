@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import utils
-from .utils import DTYPES, input_precision
+from .utils import DTYPES, input_precision, loop_bound
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # plus None: no activation
 GROUP_M = 8
@@ -140,7 +140,7 @@ def gemm_kernel(
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn  # W^T tile [BLOCK_K, BLOCK_N]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(0, loop_bound(tl.cdiv(K, BLOCK_K))):
         k_remaining = K - k * BLOCK_K  # only the last K step is partial; masked lanes load 0 and add nothing
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
@@ -173,21 +173,28 @@ def gemm_tma_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
+    start = tl.program_id(0)
+    # The epilogue's tile comes from its own counter, not from the loads' pid_m/pid_n: Triton's persistent-matmul
+    # tutorial does the same to avoid a pipelining bug with a value used both in the loads and in the epilogue.
+    tile_id_c = start - NUM_PROGRAMS
     # Persistent: each program walks tiles NUM_PROGRAMS apart. Without warp specialization, flatten=True lets Triton
     # pipeline the next tile's loads under this tile's epilogue; with it, Triton's Hopper pass splits the K loop
     # into producer and consumer partitions (it does not take a flattened loop).
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=not WARP_SPECIALIZE):
+    for tile_id in tl.range(loop_bound(start), loop_bound(num_pid_m * num_pid_n), loop_bound(NUM_PROGRAMS),
+                            flatten=not WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(k_tiles, warp_specialize=WARP_SPECIALIZE):
+        for k in tl.range(loop_bound(k_tiles), warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([off_m, k * BLOCK_K])
             w = w_desc.load([off_n, k * BLOCK_K])
             acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
+        tile_id_c += NUM_PROGRAMS
+        pid_m_c, pid_n_c = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -205,16 +212,20 @@ def gemm_configs(element_size: int) -> list:
             (64, 32, 128, 4, 4), (128, 32, 64, 4, 4)]
 
 
-def gemm_tma_configs() -> list:
+def gemm_tma_configs(warp_specialize: bool = utils.WARP_SPECIALIZE) -> list:
     """The sm_90 TMA kernel's tiles (fp16/bf16), + a 6th field: warp specialization. 128x256 and 256x128 at 8 warps
     (two warpgroups, 128 accumulators per thread) are the large-T throughput tiles; 3 stages of operands (144 KB)
     plus the output staging tile (64 KB) fit 227 KB. 128x128 at 8 warps with 4 stages; 128x64 / 64x128 mid-size;
-    128x32 and 64x32 for T <= 128, where the GEMM streams W (see the header). Warp specialization: Triton 3.6 and
-    3.9 both split a 4-warp K loop into a TMA producer and a wgmma consumer on sm_90 (8-warp tiles stay unsplit,
-    and 64x256 crashes Triton 3.9's lowering), so it is offered on the two 4-warp 128-row tiles."""
-    return [(128, 256, 64, 8, 3, False), (256, 128, 64, 8, 3, False), (128, 128, 64, 8, 4, False),
-            (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 4, False), (128, 32, 64, 4, 4, False),
-            (64, 32, 64, 4, 4, False), (128, 128, 64, 4, 4, True), (128, 64, 64, 4, 4, True)]
+    128x32 and 64x32 for T <= 128, where the GEMM streams W (see the header).
+    `warp_specialize` (FASTBERT_WARP_SPECIALIZE=1; the AOT list always) appends the two 4-warp 128-row tiles with
+    a TMA producer and a wgmma consumer partition (Triton 3.6 and 3.9 split 4-warp K loops on sm_90; 8-warp tiles
+    stay unsplit, and 64x256 crashes Triton 3.9's lowering). Off by default: see utils.WARP_SPECIALIZE."""
+    configs = [(128, 256, 64, 8, 3, False), (256, 128, 64, 8, 3, False), (128, 128, 64, 8, 4, False),
+               (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 4, False), (128, 32, 64, 4, 4, False),
+               (64, 32, 64, 4, 4, False)]
+    if warp_specialize:
+        configs += [(128, 128, 64, 4, 4, True), (128, 64, 64, 4, 4, True)]
+    return configs
 
 
 INTERPRETER_CONFIG = (32, 128, 128, 4, 1)  # one fixed tile under TRITON_INTERPRET=1 (num_warps/stages are ignored)
@@ -243,16 +254,17 @@ def prune_configs(configs, named_args, **kwargs):
 
 
 def _autotuned(fn, configs):
-    # cache_results: the winning config per key goes to Triton's cache directory, so a new process does not
-    # re-benchmark (accepted by Triton 3.6 and 3.9; ignored by the interpreter, which never autotunes here).
-    return triton.autotune(configs=[_triton_config(c) for c in configs], key=_AUTOTUNE_KEY, cache_results=True,
-                           prune_configs_by={"early_config_prune": prune_configs})(fn)
+    return utils.autotune(fn, [_triton_config(c) for c in configs], _AUTOTUNE_KEY, prune_configs)
 
 
 # One Autotuner per (kernel, element size): each wraps the same JIT function.
 _AUTOTUNED = {("ptr", 2): _autotuned(gemm_kernel, gemm_configs(2)),
               ("ptr", 4): _autotuned(gemm_kernel, gemm_configs(4)),
               ("tma", 2): _autotuned(gemm_tma_kernel, gemm_tma_configs())}
+# What a launch takes instead of benchmarking while a CUDA graph is captured (see `gemm`): the first config of each
+# default list, never a warp-specialized one (those come last, and only with the opt-in).
+CAPTURE_CONFIGS = {("ptr", 2): gemm_configs(2)[0], ("ptr", 4): gemm_configs(4)[0],
+                   ("tma", 2): gemm_tma_configs(warp_specialize=False)[0]}
 
 
 def config_name(cfg) -> str:
@@ -271,8 +283,9 @@ def _device_facts(index: int) -> tuple:
 
 
 def _scratch(size: int, alignment: int, stream):
-    # Global scratch for the device-side TMA descriptors (128 B per program), from torch's caching allocator.
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    # Global scratch for the device-side TMA descriptors (128 B per program), from torch's caching allocator, on
+    # the launch's device (the launcher's device guard made it the current one).
+    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _ensure_allocator() -> None:
@@ -385,7 +398,8 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
          activation: str | None = None, *, config: tuple | None = None, kernel: str | None = None) -> torch.Tensor:
     """out[M, N] = act(a[M, K] @ weight[N, K]^T + bias). Cheap asserts only. `kernel` ("tma" / "ptr") and `config`
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) pin a kernel and a tile instead of the per-arch choice and the
-    autotuner (the tests run every config of both kernels with them)."""
+    autotuner (the tests run every config of both kernels with them). Runs on a's device (a device guard). While a
+    CUDA graph is captured, a key the autotuner has not tuned takes CAPTURE_CONFIGS (benchmarking would sync)."""
     assert activation is None or activation in ACTIVATIONS, activation
     assert a.dim() == 2 and weight.dim() == 2 and a.shape[1] == weight.shape[1], (a.shape, weight.shape)
     assert out.shape == (a.shape[0], weight.shape[0]) and a.dtype == weight.dtype == out.dtype
@@ -402,29 +416,37 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     bias_arg = bias if bias is not None else a  # bias_ptr is never read when HAS_BIAS is False
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=input_precision(a.dtype))
     m_bucket = max(16, triton.next_power_of_2(M))
+    tuner = _AUTOTUNED.get((kernel, a.element_size()))
 
-    if kernel == "tma":
-        if a.device.type == "cuda":
-            _ensure_allocator()
-        args = [a, weight, bias_arg, out, M, N, K, m_bucket, None, a.stride(0), weight.stride(0), out.stride(0)]
-        if config is not None:
-            config = tuple(config) + (False,) * (6 - len(config))
-            args[8] = num_programs(a.device, M, N, config[0], config[1])
-            gemm_tma_kernel[(args[8],)](*args, **meta, **_meta(config), num_warps=config[3], num_stages=config[4])
-        else:
+    with utils.device_guard(a):
+        if kernel == "tma":
+            if a.device.type == "cuda":
+                _ensure_allocator()
             # NUM_PROGRAMS is a runtime argument: the SM count, whatever tile wins (the grid clips it per config).
-            args[8] = num_programs(a.device, M, N, 1, 1)
-            grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731
-            _AUTOTUNED[("tma", 2)][grid](*args, **meta)
-        return out
+            args = [a, weight, bias_arg, out, M, N, K, m_bucket, num_programs(a.device, M, N, 1, 1),
+                    a.stride(0), weight.stride(0), out.stride(0)]
+            if config is None and utils.untuned_in_capture(tuner, args, meta):
+                config = CAPTURE_CONFIGS[("tma", 2)]
+            if config is not None:
+                config = tuple(config) + (False,) * (6 - len(config))
+                args[8] = num_programs(a.device, M, N, config[0], config[1])
+                gemm_tma_kernel[(args[8],)](*args, **meta, **_meta(config), num_warps=config[3],
+                                            num_stages=config[4])
+            else:
+                grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731
+                tuner[grid](*args, **meta)
+            return out
 
-    args = (a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0))
-    if config is not None:
-        grid = (triton.cdiv(M, config[0]) * triton.cdiv(N, config[1]),)
-        gemm_kernel[grid](*args, **meta, **_meta(config[:5]), num_warps=config[3], num_stages=config[4])
-    else:
-        grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
-        _AUTOTUNED[("ptr", a.element_size())][grid](*args, **meta)
+        args = (a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1),
+                out.stride(0))
+        if config is None and utils.untuned_in_capture(tuner, args, meta):
+            config = CAPTURE_CONFIGS[("ptr", a.element_size())]
+        if config is not None:
+            grid = (triton.cdiv(M, config[0]) * triton.cdiv(N, config[1]),)
+            gemm_kernel[grid](*args, **meta, **_meta(config[:5]), num_warps=config[3], num_stages=config[4])
+        else:
+            grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
+            tuner[grid](*args, **meta)
     return out
 
 
@@ -449,7 +471,7 @@ def gemm_aot_specs(prefix: str, activations, has_bias: bool = True) -> list:
         size = torch.empty((), dtype=dtype).element_size()
         variants = [("ptr", cfg) for cfg in gemm_configs(size)]
         if size == 2:
-            variants += [("tma", cfg) for cfg in gemm_tma_configs()]
+            variants += [("tma", cfg) for cfg in gemm_tma_configs(warp_specialize=True)]
         for kind, cfg in variants:
             warps, stages = cfg[3], cfg[4]
             if kind == "tma":

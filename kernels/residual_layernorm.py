@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import utils
 from .gemm import DTYPES, check_device, check_dtypes, check_linear, check_out
 
 OP = "residual_layernorm"
@@ -210,12 +211,13 @@ def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual
     if T == 0 or H == 0:
         return out
     rows, chunk, num_chunks, num_warps = row_config(H)
-    bias_residual_layernorm_kernel[(triton.cdiv(T, rows),)](
-        h, bias if bias is not None else h, residual, ln_weight, ln_bias, out,
-        T, H, float(eps),
-        h.stride(0), residual.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H,
-        num_warps=num_warps)
+    with utils.device_guard(h):  # Triton launches on the current device: make it h's
+        bias_residual_layernorm_kernel[(triton.cdiv(T, rows),)](
+            h, bias if bias is not None else h, residual, ln_weight, ln_bias, out,
+            T, H, float(eps),
+            h.stride(0), residual.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H,
+            num_warps=num_warps)
     return out
 
 

@@ -6,16 +6,25 @@ cannot serve (so that "auto" uses the twin and "triton" raises, instead of a ker
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated (at import), so the flag cannot change afterwards either.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = tl.constexpr(INTERPRET)
 
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs a power of two >= 16
 DOT_OPS = ("qkv_projection", "attention", "bias_gelu")  # the ops whose kernels run tl.dot (residual_layernorm's does not)
+
+# Opt-in: warp-specialized tiles join the sm_90 GEMM's autotune list. Off by default: Triton 3.6 documents warp
+# specialization as Blackwell-only, and triton-lang/triton#8311 reports wrong results with it on an inner K loop inside
+# an outer loop, which is the persistent GEMM's shape. Read once, like TRITON_INTERPRET.
+WARP_SPECIALIZE = os.environ.get("FASTBERT_WARP_SPECIALIZE", "0") not in ("", "0")
 
 # The interpreter's tl.dot multiplies bf16 bit patterns as if they were integers (its numpy emulation has no bf16):
 # answers off by 1e10, with no error. Compiled kernels are unaffected.
@@ -56,3 +65,90 @@ def tf32_enabled() -> bool:
     if precision in ("tf32", "ieee"):
         return precision == "tf32"
     return bool(matmul.allow_tf32)
+
+
+@triton.jit
+def loop_bound(n):
+    """`n` as a bound or step of `range` / `tl.range`. Compiled: `n` itself. Interpreted: a Python int, because
+    Triton 3.6's interpreter takes a scalar's index with int() of its shape-(1,) array, which numpy >= 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.9 squeezes it first. Call it inside
+    the `range(...)`: the interpreter turns the value of every assignment back into a tensor."""
+    if _INTERPRET:
+        return n.handle.data.item()
+    return n
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launching: the device, autotuning that survives a failing config, and CUDA-graph capture
+# --------------------------------------------------------------------------------------------------------------------
+_NO_GUARD = contextlib.nullcontext()
+
+
+def device_guard(t: torch.Tensor):
+    """Triton launches on torch.cuda.current_device() (and tunes, and allocates scratch there): make that `t`'s
+    device for the launch, so a model on cuda:1 runs there without torch.cuda.set_device(1). Nothing on CPU."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else _NO_GUARD
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether `t` is a CUDA tensor and the current stream is capturing a graph (a CPU-only torch cannot answer)."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def autotune_key(tuner, args, kwargs) -> tuple:
+    """The key Triton's Autotuner.run files this launch under (the same code in 3.6 and 3.9): the values of its key
+    arguments, then the dtype of every argument that has one."""
+    named = {**dict(zip(tuner.arg_names, args)), **kwargs}
+    named = {name: value for name, value in named.items() if name in tuner.arg_names}
+    key = [named[name] for name in tuner.keys if name in named]
+    key += [str(value.dtype) for value in named.values() if hasattr(value, "dtype")]
+    return tuple(key)
+
+
+def untuned_in_capture(tuner, args, kwargs) -> bool:
+    """True while a CUDA graph is captured (on the device of the first argument, a tensor) and `tuner` has no
+    choice for this launch yet: its benchmark would synchronise, which a capture forbids, so the launcher takes
+    its fixed config instead."""
+    return capturing(args[0]) and autotune_key(tuner, args, kwargs) not in tuner.cache
+
+
+class Benchmark:
+    """`do_bench` for triton.autotune that times a config raising anything as inf, so the autotuner skips it (its
+    own handler skips only OutOfResources, CompileTimeAssertionFailure and PTXASError; any other error ended the
+    whole call). When every config of a tuning round has failed it raises RuntimeError naming the kernel, the last
+    error attached; the autotuner then records no choice for that key. A round is what `prune` kept."""
+
+    def __init__(self, kernel: str, bench=None):
+        self.kernel = kernel
+        self._bench = bench  # None: Triton's default benchmarker (do_bench), looked up when first needed
+        self.round, self.failed = 0, 0
+
+    def prune(self, early_config_prune):
+        """Wraps the autotuner's early_config_prune: the configs it keeps start a new round."""
+        def prune(configs, named_args, **kwargs):
+            kept = early_config_prune(configs, named_args, **kwargs)
+            self.round, self.failed = len(kept), 0
+            return kept
+        return prune
+
+    def __call__(self, kernel_call, quantiles=None, **kwargs):
+        if self._bench is None:
+            from triton.runtime import driver
+
+            self._bench = driver.active.get_benchmarker()
+        try:
+            return self._bench(kernel_call, quantiles=quantiles, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure of one config only disqualifies that config
+            self.failed += 1
+            if self.failed >= self.round:
+                raise RuntimeError(f"{self.kernel}: every autotune config failed ({self.failed} of {self.round}); "
+                                   f"the last: {type(exc).__name__}: {exc}") from exc
+            return [float("inf")] * len(quantiles) if quantiles else float("inf")
+
+
+def autotune(fn, configs, key, early_config_prune, bench=None):
+    """triton.autotune with a `Benchmark` and Triton's on-disk cache of the winners (`cache_results`: a new
+    process does not re-benchmark; accepted by Triton 3.6 and 3.9)."""
+    benchmark = Benchmark(fn.__name__, bench)
+    return triton.autotune(configs=configs, key=key, cache_results=True, do_bench=benchmark,
+                           prune_configs_by={"early_config_prune": benchmark.prune(early_config_prune)})(fn)

@@ -246,6 +246,55 @@ def expects_tensor_cores(dot: dict) -> bool:
     return dot["dtype"] in _TENSOR_CORE_DTYPES or (dot["dtype"] == "f32" and dot["precision"] == "tf32")
 
 
+# SSA definitions in Triton IR: "%x = op ...", "%x:2 = op ...", and the values an scf.for defines (induction variable
+# "scf.for %iv = ...", iter_args "(%arg = %init, ...)").
+_SSA_DEF_RE = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*(.*)$")
+_SSA_USE_RE = re.compile(r"%[\w.$-]+")
+_FOR_RE = re.compile(r"scf\.for\s+(%[\w.$-]+)\s*=(.*?)(?:iter_args\((.*?)\))?\s*->|scf\.for\s+(%[\w.$-]+)\s*=(.*)")
+_DESC_OP_RE = re.compile(r"tt\.descriptor_(load|store)\s+%[\w.$-]+\[([^\]]*)\]")
+
+
+def descriptor_coordinate_sources(ttir: str) -> dict:
+    """Where the TMA loads' and stores' tile coordinates come from, by following SSA definitions back in the Triton
+    IR: {"load"/"store": {"induction": bool, "carried": bool}}, "induction" when a coordinate depends on an scf.for
+    induction variable, "carried" when it depends on a loop-carried value (an iter_arg). None without descriptors."""
+    deps, induction, carried, coords = {}, set(), set(), {"load": [], "store": []}
+    for line in ttir.splitlines():
+        code = line.split(" loc(")[0]
+        loop = _FOR_RE.search(code)
+        if loop:
+            iv = loop.group(1) or loop.group(4)
+            induction.add(iv)
+            for pair in (loop.group(3) or "").split(","):
+                if "=" in pair:
+                    arg, init = (p.strip() for p in pair.split("=", 1))
+                    carried.add(arg)
+                    deps[arg] = set(_SSA_USE_RE.findall(init))
+        match = _SSA_DEF_RE.match(code)
+        if match and not loop:
+            deps[match.group(1)] = set(_SSA_USE_RE.findall(match.group(2)))
+        op = _DESC_OP_RE.search(code)
+        if op:
+            coords[op.group(1)].append(_SSA_USE_RE.findall(op.group(2)))
+    if not coords["load"] and not coords["store"]:
+        return None
+
+    def sources(values):
+        seen, todo = set(), list(values)
+        while todo:
+            value = todo.pop()
+            if value not in seen:
+                seen.add(value)
+                todo.extend(deps.get(value, ()))
+        return seen
+
+    result = {}
+    for kind, uses in coords.items():
+        found = sources(v for use in uses for v in use)
+        result[kind] = {"induction": bool(found & induction), "carried": bool(found & carried)}
+    return result
+
+
 # One SASS instruction per line of `cuobjdump --dump-sass`: "/*0a30*/  @!P0 HGMMA.64x128x16.F32 ... ;"
 _SASS_RE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 SASS_OPS = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDGSTS", "MUFU", "FFMA", "FMUL")
@@ -271,7 +320,8 @@ def analyse(spec: dict, arch: int, kernel) -> dict:
               "ld_global": len(re.findall(r"\bld\.global\.", ptx)),
               "st_global_v4": len(re.findall(r"\bst\.global(?:\.[a-z0-9_]+)*\.v4\.", ptx)),
               "st_global": len(re.findall(r"\bst\.global\.", ptx)),
-              "warp_specialized": "ttg.warp_specialize" in kernel.asm["ttgir"]}
+              "warp_specialized": "ttg.warp_specialize" in kernel.asm["ttgir"],
+              "descriptor_coordinates": descriptor_coordinate_sources(kernel.asm["ttir"])}
     usage, elf, sass = cuobjdump(kernel.asm["cubin"], "-res-usage", "-elf", "--dump-sass")
     record.update(res_usage(usage, elf))
     record.update(sass_stats(sass))

@@ -372,6 +372,39 @@ def test_tma_kernels_load_and_store_through_tma(op):
 
 
 @pytest.mark.parametrize("op", ["qkv_projection", "bias_gelu"])
+def test_tma_epilogue_tile_comes_from_its_own_counter(op):
+    """The persistent TMA kernel's epilogue recomputes its tile from a second, loop-carried counter (as Triton's
+    persistent-matmul tutorial does, against a pipelining bug with values used in both the loads and the epilogue):
+    in the Triton IR the store's coordinates depend on an iter_arg and on no loop induction variable, while the
+    loads' coordinates do depend on the induction variables."""
+    records = _records(op, 90, "-tma-")
+    assert records, f"{op}: no TMA specs compiled for sm_90"
+    for name, r in records.items():
+        sources = r["descriptor_coordinates"]
+        assert sources is not None, (name, "no tt.descriptor_load/store found in the Triton IR")
+        assert sources["load"]["induction"], (name, sources)
+        assert sources["store"]["carried"] and not sources["store"]["induction"], (name, sources)
+
+
+def test_descriptor_coordinate_sources_reads_loop_carried_values():
+    """The IR reader on hand-written Triton IR: one store on the induction variable, one on an iter_arg."""
+    ttir = """
+    %r = scf.for %t = %start to %n step %s iter_args(%c = %c0) -> (i32)  : i32 {
+      %m = arith.muli %t, %c128_i32 : i32 loc(#loc1)
+      %x = tt.descriptor_load %a_desc[%m, %k] : !tt.tensordesc<128x64xf16> -> tensor<128x64xf16> loc(#loc2)
+      %c1 = arith.addi %c, %s : i32 loc(#loc3)
+      %m_c = arith.muli %c1, %c128_i32 : i32 loc(#loc4)
+      tt.descriptor_store %c_desc[%m_c, %n0], %y : !tt.tensordesc<128x128xf16>, tensor<128x128xf16> loc(#loc5)
+      scf.yield %c1 : i32 loc(#loc6)
+    }"""
+    assert aot_compile.descriptor_coordinate_sources(ttir) == {
+        "load": {"induction": True, "carried": False}, "store": {"induction": False, "carried": True}}
+    assert aot_compile.descriptor_coordinate_sources(ttir.replace("[%m_c, %n0]", "[%m, %n0]"))["store"] == {
+        "induction": True, "carried": False}
+    assert aot_compile.descriptor_coordinate_sources("tt.return") is None
+
+
+@pytest.mark.parametrize("op", ["qkv_projection", "bias_gelu"])
 def test_sm80_pointer_kernel_pipelines_through_cp_async(op):
     """sm_80 keeps the pointer kernel: 16-bit operands reach shared memory by cp.async (LDGSTS) and run mma.sync."""
     records = {n: r for n, r in _records(op, 80).items() if "fp32" not in n}

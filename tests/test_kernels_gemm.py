@@ -9,14 +9,21 @@ force a zero). Outputs are poisoned with NaN first, and NaN never passes.
 Without CUDA this runs Triton's interpreter (tests/conftest.py). The interpreter cannot run bf16 tl.dot
 (triton-lang/triton#11584: it multiplies the bit patterns), so bf16 GEMM cases are skipped on CPU and run on CUDA.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls
 from fastbert import ops
 from fastbert.kernels import utils as kernel_utils
 from fastbert.kernels import gemm as gemm_core
+from fastbert.kernels import attention as attention_mod
+from fastbert.kernels import bias_gelu as bias_gelu_mod
+from fastbert.kernels import qkv_projection as qkv_mod
+from fastbert.kernels import residual_layernorm as rln_mod
 from fastbert.kernels.bias_gelu import bias_gelu
 from fastbert.kernels.qkv_projection import qkv_projection
 
@@ -200,7 +207,7 @@ def test_gemm_tma_every_config(dtype, activation):
     h64 = F.linear(a.double(), w.double(), b.double())
     ref64 = F.gelu(h64) if activation else h64
     twin = ops.bias_gelu_torch(a, w, b, "gelu") if activation else F.linear(a, w, b)
-    for cfg in gemm_core.gemm_tma_configs():
+    for cfg in gemm_core.gemm_tma_configs(warp_specialize=True):  # the opt-in tiles too
         out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), activation, config=cfg, kernel="tma")
         assert_kernel_matches(out, twin, ref64, dtype)
 
@@ -251,6 +258,27 @@ def test_autotuner_keeps_its_choice_across_processes(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[(('ptr', 2), True), (('ptr', 4), True), (('tma', 2), True)]", result.stdout
+
+
+def test_warp_specialization_is_opt_in():
+    """The default sm_90 autotune list has no warp-specialized tile; FASTBERT_WARP_SPECIALIZE=1 adds the two 4-warp
+    ones. The autotuners are built at import, so each setting is checked in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    default = gemm_core.gemm_tma_configs(warp_specialize=False)
+    opted = gemm_core.gemm_tma_configs(warp_specialize=True)
+    assert not any(c[5] for c in default)
+    assert [c for c in opted if not c[5]] == default
+    assert [c[:5] for c in opted if c[5]] == [(128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+    code = ("from fastbert.kernels import gemm; "
+            "print(sum(bool(c.kwargs['WARP_SPECIALIZE']) for c in gemm._AUTOTUNED[('tma', 2)].configs))")
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_WARP_SPECIALIZE")}
+    for value, expected in ((None, "0"), ("0", "0"), ("1", "2")):
+        env = dict(base) if value is None else {**base, "FASTBERT_WARP_SPECIALIZE": value}
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == expected, (value, result.stdout)
 
 
 def test_gemm_grouped_ordering_partial_group():
@@ -406,7 +434,7 @@ def test_aot_specs_cover_every_config():
         names = [s["name"] for s in specs]
         assert len(names) == len(set(names))
         n_ptr16, n_ptr32, n_tma = (len(gemm_core.gemm_configs(2)), len(gemm_core.gemm_configs(4)),
-                                   len(gemm_core.gemm_tma_configs()))
+                                   len(gemm_core.gemm_tma_configs(warp_specialize=True)))
         # pointer kernel: fp32 twice (ieee, tf32), fp16 and bf16 once; TMA kernel: fp16 and bf16
         assert len(specs) == (2 * n_ptr32 + 2 * n_ptr16 + 2 * n_tma) * len(activations)
         for s in specs:
@@ -425,6 +453,8 @@ def test_aot_specs_cover_every_config():
             else:
                 assert s["archs"] == (80,)
             assert s["warp_specialize"] == s["name"].endswith("-ws")
+        # the opt-in warp-specialized tiles are compiled too, for fp16 and bf16
+        assert sum(s["warp_specialize"] for s in specs) == 2 * 2 * len(activations)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -540,3 +570,190 @@ def test_gelu_erf_bound_holds_with_a_one_ulp_reciprocal():
             return r if direction == 0 else torch.nextafter(r, torch.full_like(r, direction * float("inf")))
         err = (_gelu_erf_cuda_model(x, rcp).double() - want).abs().max().item()
         assert err <= 1e-6, (direction, err)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launching (kernels/utils.py, shared by every launcher): the device guard, autotuning that survives a failing
+# config, CUDA-graph capture
+# --------------------------------------------------------------------------------------------------------------------
+LAUNCHERS = ("qkv_projection", "bias_gelu", "attention", "residual_layernorm")
+
+
+def _launcher_case(name, device):
+    """(the Triton kernel `name`'s launcher runs, a call of the launcher, its fp32 reference), tensors on `device`."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    x, w, b = r(5, 64), r(96, 64) * 0.125, r(96)
+    if name == "qkv_projection":
+        return gemm_core.gemm_kernel, lambda: qkv_mod.launch(x, w, b, 2), F.linear(x, w, b).view(5, 3, 2, 16)
+    if name == "bias_gelu":
+        return gemm_core.gemm_kernel, lambda: bias_gelu_mod.launch(x, w, b, "gelu"), F.gelu(F.linear(x, w, b))
+    if name == "residual_layernorm":
+        res, lw, lb = r(5, 96), r(96), r(96)
+        ref = F.layer_norm(F.linear(x, w, b) + res, (96,), lw, lb, 1e-5)
+        return (rln_mod.bias_residual_layernorm_kernel,
+                lambda: rln_mod.launch(x, w, b, res, lw, lb, 1e-5), ref)
+    qkv, cu = r(9, 3, 2, 16), torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    per_seq = [qkv[s:e].permute(1, 2, 0, 3).unbind(0) for s, e in ((0, 4), (4, 9))]  # q, k, v [nh, L, hd]
+    ref = torch.cat([(torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v).transpose(0, 1).reshape(-1, 32)
+                     for q, k, v in per_seq])
+    return attention_mod._attention_fwd_kernel, lambda: attention_mod.launch(qkv, cu, 5, 0.25), ref
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_launches_under_a_device_guard_for_its_tensors(name, monkeypatch):
+    """Triton launches on the current CUDA device: each launcher enters utils.device_guard with its input's device,
+    and the kernel is launched inside it."""
+    entered, active, launched = [], [], []
+
+    @contextlib.contextmanager
+    def guard(t):
+        entered.append(t.device)
+        active.append(True)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    monkeypatch.setattr(kernel_utils, "device_guard", guard)
+    kernel, call, ref = _launcher_case(name, DEVICE)
+    real_run = kernel.run
+
+    def run(*args, **kwargs):
+        launched.append(bool(active))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", run)
+    with tf32_matmuls(False):
+        out = call()
+    assert entered == [ref.device], entered
+    assert launched and all(launched), launched
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (runs every launcher on cuda:1 with cuda:0 current)")
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_runs_on_the_second_gpu_without_set_device(name):
+    assert torch.cuda.current_device() == 0
+    _, call, ref = _launcher_case(name, "cuda:1")
+    with tf32_matmuls(False):
+        out = call()
+        torch.cuda.synchronize(1)
+    assert out.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_benchmark_skips_a_config_that_raises_and_names_the_kernel_when_all_do():
+    """utils.Benchmark (the autotuners' do_bench): any error in one config times it as inf; a round whose every
+    config failed raises RuntimeError naming the kernel, with the last error as its cause."""
+    def bench(fn, quantiles):
+        fn()
+        return [1.0, 0.5, 2.0]
+
+    def ok():
+        pass
+
+    def broken():
+        raise ValueError("boom")
+
+    benchmark = kernel_utils.Benchmark("toy_kernel", bench)
+    prune = benchmark.prune(lambda configs, named_args, **kwargs: configs[:3])
+    assert prune(list("abcd"), {}) == list("abc")  # a round of 3
+    assert benchmark(broken, quantiles=(0.5, 0.2, 0.8)) == [float("inf")] * 3
+    assert benchmark(ok, quantiles=(0.5, 0.2, 0.8)) == [1.0, 0.5, 2.0]
+    assert benchmark(broken, quantiles=(0.5, 0.2, 0.8)) == [float("inf")] * 3
+    prune(list("ab"), {})  # a new round of 2: both fail
+    assert benchmark(broken, quantiles=(0.5, 0.2, 0.8)) == [float("inf")] * 3
+    with pytest.raises(RuntimeError, match=r"toy_kernel: every autotune config failed \(2 of 2\); "
+                                           r"the last: ValueError: boom") as info:
+        benchmark(broken, quantiles=(0.5, 0.2, 0.8))
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def _tuned_gemm(configs, monkeypatch, tmp_path):
+    """A real Triton Autotuner over the pointer GEMM (built like the launcher's, with a benchmark that runs each
+    config once), run on a 5x40x64 fp32 problem: (autotuner, its args, meta, out, reference)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # no winner from an earlier run on disk
+
+    def bench(fn, quantiles):
+        fn()
+        return [1.0, 1.0, 1.0]
+
+    tuner = kernel_utils.autotune(gemm_core.gemm_kernel, [gemm_core._triton_config(c) for c in configs],
+                                  gemm_core._AUTOTUNE_KEY, gemm_core.prune_configs, bench=bench)
+    a, w = make((5, 64), torch.float32), make((40, 64), torch.float32, 0.125, 1)
+    out = poisoned((5, 40), torch.float32)
+    args = (a, w, a, out, 5, 40, 64, 16, a.stride(0), w.stride(0), w.stride(1), out.stride(0))
+    meta = dict(HAS_BIAS=False, ACTIVATION=None, INPUT_PRECISION="ieee")
+    return tuner, args, meta, out, F.linear(a.double(), w.double())
+
+
+def _grid(META):
+    return (triton.cdiv(5, META["BLOCK_M"]) * triton.cdiv(40, META["BLOCK_N"]),)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="runs Triton's autotuner in the interpreter")
+def test_autotuner_skips_a_config_that_raises(monkeypatch, tmp_path):
+    """BLOCK_K=24 is not a power of two: that config raises (a ValueError, which Triton's own handler would let end
+    the call); the autotuner takes the other and files it under the key utils.autotune_key computes."""
+    tuner, args, meta, out, ref = _tuned_gemm([(64, 32, 24, 4, 1), (64, 32, 32, 4, 1)], monkeypatch, tmp_path)
+    tuner[_grid](*args, **meta)
+    assert (out.double() - ref).abs().max() < FP32_TOL
+    assert tuner.cache[kernel_utils.autotune_key(tuner, args, meta)].kwargs["BLOCK_K"] == 32
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="runs Triton's autotuner in the interpreter")
+def test_autotuner_raises_naming_the_kernel_when_every_config_fails(monkeypatch, tmp_path):
+    tuner, args, meta, out, _ = _tuned_gemm([(64, 32, 24, 4, 1), (64, 32, 48, 4, 1)], monkeypatch, tmp_path)
+    with pytest.raises(RuntimeError, match=r"gemm_kernel: every autotune config failed \(2 of 2\)") as info:
+        tuner[_grid](*args, **meta)
+    assert info.value.__cause__ is not None
+    assert not tuner.cache  # no choice recorded: the next call tunes again
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+def test_gemm_takes_its_fixed_config_in_a_capture_for_a_key_not_tuned(tuned, monkeypatch):
+    """While a CUDA graph is captured, a key the autotuner has not tuned launches CAPTURE_CONFIGS (benchmarking
+    would synchronise); a tuned key still goes through the autotuner. On CPU: the capture predicate patched, the
+    interpreter's fixed tile switched off."""
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    monkeypatch.setattr(kernel_utils, "capturing", lambda t: True)
+    tuner = gemm_core._AUTOTUNED[("ptr", 4)]
+    a, w = make((5, 64), torch.float32), make((40, 64), torch.float32, 0.125, 1)
+    out = poisoned((5, 40), torch.float32)
+    args = (a, w, a, out, 5, 40, 64, 16, a.stride(0), w.stride(0), w.stride(1), out.stride(0))
+    meta = dict(HAS_BIAS=False, ACTIVATION=None, INPUT_PRECISION=kernel_utils.input_precision(torch.float32))
+    tuner_calls, fixed = [], []
+    if tuned:
+        monkeypatch.setitem(tuner.cache, kernel_utils.autotune_key(tuner, args, meta), tuner.configs[-1])
+    monkeypatch.setattr(tuner, "run", lambda *args, **kwargs: tuner_calls.append(kwargs))
+    real_run = gemm_core.gemm_kernel.run
+    monkeypatch.setattr(gemm_core.gemm_kernel, "run", lambda *args, **kwargs: (fixed.append(kwargs),
+                                                                               real_run(*args, **kwargs)))
+    with tf32_matmuls(False):
+        gemm_core.gemm(a, w, None, out)
+    if tuned:
+        assert len(tuner_calls) == 1 and not fixed
+    else:
+        assert not tuner_calls and len(fixed) == 1
+        assert (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"], fixed[0]["BLOCK_K"]) == gemm_core.CAPTURE_CONFIGS[("ptr", 4)][:3]
+        assert (out.double() - F.linear(a.double(), w.double())).abs().max() < FP32_TOL
+    assert not any(c[5] for c in gemm_core.CAPTURE_CONFIGS.values() if len(c) > 5)
+
+
+def test_attention_takes_its_fixed_config_in_a_capture_for_a_key_not_tuned(monkeypatch):
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    monkeypatch.setattr(kernel_utils, "capturing", lambda t: True)
+    monkeypatch.setattr(attention_mod._attention_fwd, "run", lambda *a, **k: pytest.fail("the autotuner ran"))
+    fixed = []
+    real_run = attention_mod._attention_fwd_kernel.run
+    monkeypatch.setattr(attention_mod._attention_fwd_kernel, "run",
+                        lambda *args, **kwargs: (fixed.append(kwargs), real_run(*args, **kwargs)))
+    _, call, ref = _launcher_case("attention", DEVICE)
+    with tf32_matmuls(False):
+        out = call()
+    first = attention_mod.attention_configs(torch.float32, 16, "ieee")[0]
+    assert len(fixed) == 1 and (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"]) == (first.kwargs["BLOCK_M"],
+                                                                             first.kwargs["BLOCK_N"])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
