@@ -189,6 +189,7 @@ class GraphRunner:
             self.cu_seqlens = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
         self.pool = self.graph_class.new_pool()
         self.graphs, self.outputs, self.eager_buckets = {}, {}, {}
+        self.stats.pool_bytes = 0  # the old pool goes with the old graphs
 
     def _stale(self) -> bool:
         """The recorded kernels no longer fit the model: a weight moved, was cast or replaced, or the requested
