@@ -1,14 +1,14 @@
 """python -m fastbert: the parity-and-speed check on a real model; python -m fastbert encode: sentence embeddings.
 
     python -m fastbert [--model PATH_OR_ID] [--device cpu|cuda] [--dtype float32|float16|bfloat16]
-                       [--batch-size N] [--kernels auto|torch|triton|op=backend,...]
+                       [--batch-size N] [--kernels auto|torch|triton|op=backend,...] [--no-cuda-graphs]
     python -m fastbert encode --input FILE.txt|FILE.jsonl|- --output FILE.npy [options]   (encode --help lists them)
     python -m fastbert encode --ray [ADDRESS] --input FILE_OR_FOLDER --output FOLDER [options]
 
 The first loads the model (the bundled all-MiniLM-L6-v2 by default), encodes a fixed set of real sentences with
-Hugging Face's BertModel and with fastbert on every backend available here, prints one table, and exits 1 when
-fastbert misses the parity bar (fp32: max |delta| <= 1e-5 on real tokens; fp16/bf16: <= 2x HF's own error in
-that dtype against fp32). The second embeds a corpus exactly as sentence-transformers would (fastbert/encode.py);
+Hugging Face's BertModel and with fastbert on every backend available here (on a GPU through CUDA graphs, as users
+run it, unless --no-cuda-graphs), prints one table, and exits 1 when fastbert misses the parity bar (fp32:
+max |delta| <= 1e-5 on real tokens; fp16/bf16: <= 2x HF's own error in that dtype against fp32). The second embeds a corpus exactly as sentence-transformers would (fastbert/encode.py);
 with --ray, a corpus bigger than one process, on a Ray cluster (fastbert/distributed).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default model is bundled; ne
 import torch  # noqa: E402
 
 from . import dispatch  # noqa: E402
+from .graphs import GRAPH_CLASSES, graphed, stats_of  # noqa: E402
 from .loading import resolve_folder  # noqa: E402
 from .modeling import BertModel  # noqa: E402
 
@@ -293,7 +294,8 @@ def check(args) -> int:
             print(f"{name:<8} skipped: {kernels}")
             continue
         model.set_kernels(kernels)
-        out, tps = run(model, encodings, args.repeats)
+        call = graphed(model, not args.no_cuda_graphs)  # what users get: CUDA graphs on a GPU unless turned off
+        out, tps = run(call, encodings, args.repeats)
         delta = max_delta(out, hf_ref if dtype != torch.float32 else hf_out)
         cos = min(float((mean_pool(o, enc["attention_mask"]) * mean_pool(r, enc["attention_mask"])).sum(-1).min())
                   for o, r, (_, enc) in zip(out, hf_out, encodings))
@@ -301,6 +303,9 @@ def check(args) -> int:
         failed |= not ok
         print(f"{name:<8} {device.type:<7} {args.dtype:<9} {delta:>18.2e} {cos:>21.7f} {rate(hf_tps):>10} "
               f"{rate(tps):>15}  {'ok' if ok else 'FAIL'}")
+        stats = stats_of(call)
+        if stats is not None and device.type in GRAPH_CLASSES:
+            print(f"{'':<8} CUDA graphs: {stats.describe()}")
     return 1 if failed else 0
 
 
@@ -351,7 +356,7 @@ def encode(args) -> int:
         encoder = SentenceEncoder.from_pretrained(
             args.model or default_model(), pooling=args.pooling, normalize=args.normalize,
             max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
-            dtype=args.dtype, device=device, kernels=args.kernels or "auto")
+            dtype=args.dtype, device=device, kernels=args.kernels or "auto", cuda_graphs=not args.no_cuda_graphs)
         result = encoder.encode(texts, prompt=args.prompt, prompt_name=args.prompt_name,
                                 max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
                                 progress=False if args.no_progress else None)
@@ -387,7 +392,7 @@ def encode_on_ray(args) -> int:
         prompt_name=args.prompt_name, max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
         progress=not args.no_progress, pooling=args.pooling, normalize=args.normalize,
         max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
-        dtype=args.dtype, kernels=args.kernels)
+        dtype=args.dtype, kernels=args.kernels, cuda_graphs=False if args.no_cuda_graphs else None)
     done = (f"{result.written} written by {len(result.workers)} worker(s) in {result.seconds:.1f} s"
             + (f", {result.skipped} already there (resumed)" if result.skipped else "")) if result.written else \
         "all already there (nothing left to do)"
@@ -479,6 +484,8 @@ def encode_parser() -> _Parser:
                        "folder says, else the checkpoint's own, as transformers' dtype='auto'); pooling runs in fp32")
     model.add_argument("--kernels", type=parse_kernels, default=None,
                        help="auto (default), torch, triton, or op=backend,...")
+    model.add_argument("--no-cuda-graphs", action="store_true",
+                       help="run the model eagerly on CUDA too (by default it replays CUDA graphs over token buckets)")
     pipe = parser.add_argument_group("how token vectors become one vector (each overrides the folder's setting)")
     pipe.add_argument("--pooling", type=_pooling, metavar="MODE[,MODE]",
                       help="cls, mean, max, mean_sqrt_len_tokens, weightedmean or lasttoken; several are concatenated")
@@ -533,6 +540,8 @@ def check_parser() -> _Parser:
     parser.add_argument("--batch-size", type=_count(1), default=8)
     parser.add_argument("--kernels", type=parse_kernels, default=None,
                         help="auto, torch, triton, or op=backend,... (default: every available backend in turn)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run fastbert eagerly on CUDA too (by default it replays CUDA graphs, as encode does)")
     parser.add_argument("--repeats", type=_count(0), default=3, help="timed passes over the sentences")
     parser.add_argument("--limit", type=_count(0), default=0, help="use only the first N built-in sentences (0 = all)")
     return parser

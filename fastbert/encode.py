@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .graphs import graphed, stats_of
 from .loading import resolve_folder
 from .modeling import BertModel
 
@@ -296,10 +297,10 @@ def padded(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 def embed(model, pipeline: Pipeline, input_ids: torch.Tensor, attention_mask: torch.Tensor,
           skip: int = 0) -> torch.Tensor:
     """The one place the model runs: a right-padded batch [B, S] in, one vector per text out, pooled and normalised
-    as `pipeline` says (encode's loop and the ONNX graph both run this). Padded positions are masked out by pooling,
-    whatever they hold; a padding-free model (the default) gathers the real tokens inside and computes nothing else,
-    so the padded call costs only the gather and the scatter back. skip: the prompt's tokens at the start of every
-    text, left out of the pooling (include_prompt=False)."""
+    as `pipeline` says (encode's loop and the ONNX graph both run this; `model` is the model or a Graphed call of
+    it). Padded positions are masked out by pooling, whatever they hold; a padding-free model (the default) gathers
+    the real tokens inside and computes nothing else, so the padded call costs only the gather and the scatter back.
+    skip: the prompt's tokens at the start of every text, left out of the pooling (include_prompt=False)."""
     hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     if skip:
         attention_mask = attention_mask.clone()
@@ -312,15 +313,18 @@ def embed(model, pipeline: Pipeline, input_ids: torch.Tensor, attention_mask: to
 # The encoder
 # --------------------------------------------------------------------------------------------------------------------
 _LOAD_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "include_prompt", "dtype", "device",
-                 "kernels", "tokenizer")
+                 "kernels", "cuda_graphs", "tokenizer")
 
 
 class SentenceEncoder:
     """A fastbert model, its tokenizer and the pipeline that turns token vectors into one vector per text.
-    Build it once with `from_pretrained` (or from a model and a tokenizer) and call `encode` as often as needed."""
+    Build it once with `from_pretrained` (or from a model and a tokenizer) and call `encode` as often as needed.
+    cuda_graphs: on CUDA the model replays CUDA graphs over token buckets (fastbert/graphs.py, Graphed; the model
+    itself is not changed); False runs it eagerly. `graph_stats` says what ran."""
 
     def __init__(self, model: BertModel, tokenizer, *, pooling=None, normalize=None, max_seq_length=None,
-                 do_lower_case=None, include_prompt=None, pipeline: Pipeline | None = None, name: str = "the model"):
+                 do_lower_case=None, include_prompt=None, pipeline: Pipeline | None = None, name: str = "the model",
+                 cuda_graphs: bool = True):
         if not isinstance(model, BertModel):
             raise TypeError(f"model must be a fastbert.BertModel, got {type(model).__name__} (load a folder with "
                             f"SentenceEncoder.from_pretrained, or convert a transformers model with "
@@ -350,13 +354,22 @@ class SentenceEncoder:
                           f"sentence-transformers' defaults for a plain model: {self.pipeline.describe()} "
                           f"(the options {', '.join(defaulted)} choose otherwise)", stacklevel=3)
         self._prompt_lengths: dict[str, int] = {}
+        self._forward = graphed(self.model, cuda_graphs, max_seqlen=self.pipeline.max_seq_length)
+
+    @property
+    def graph_stats(self):
+        """The GraphStats of this encoder's CUDA graphs (captures, pool bytes, replays, eager calls and why); None
+        with cuda_graphs=False."""
+        return stats_of(self._forward)
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, pooling=None, normalize=None, max_seq_length=None, do_lower_case=None,
-                        include_prompt=None, dtype=None, device=None, kernels="auto") -> "SentenceEncoder":
+                        include_prompt=None, dtype=None, device=None, kernels="auto",
+                        cuda_graphs: bool = True) -> "SentenceEncoder":
         """A sentence-transformers folder (modules.json) or a plain Hugging Face BERT folder, or a Hub id in the
         local cache. dtype: None = what the folder says (sentence_bert_config's model_kwargs, else the checkpoint's
-        own, like transformers' dtype="auto"); device: None = cuda when available, else cpu."""
+        own, like transformers' dtype="auto"); device: None = cuda when available, else cpu. cuda_graphs: False runs
+        the model eagerly on CUDA too."""
         import transformers
 
         model_folder, st, tokenizer_kwargs, folder_dtype = locate(name_or_path)
@@ -374,7 +387,7 @@ class SentenceEncoder:
             pipeline = replace(pipeline, max_seq_length=tokenizer_kwargs["model_max_length"])
         return cls(model, tokenizer, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length,
                    do_lower_case=do_lower_case, include_prompt=include_prompt, pipeline=pipeline,
-                   name=os.fspath(name_or_path))
+                   name=os.fspath(name_or_path), cuda_graphs=cuda_graphs)
 
     def _check_max_seq_length(self) -> int:
         limit = self.model.embeddings.max_length  # the position table's usable length (RoBERTa's starts after pad)
@@ -433,7 +446,7 @@ class SentenceEncoder:
                                           count_padding=not self.model.padding_free):
                     input_ids, attention_mask = padded([ids[i] for i in batch], pad_id)
                     input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-                    vectors = embed(self.model, self.pipeline, input_ids, attention_mask, skip)
+                    vectors = embed(self._forward, self.pipeline, input_ids, attention_mask, skip)
                     out[torch.tensor(batch, device=self.device)] = vectors
                     if bar is not None:
                         tokens += sum(len(ids[i]) for i in batch)
@@ -490,8 +503,8 @@ def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, pr
     model_or_path: a folder or cached Hub id (sentence-transformers or plain Hugging Face BERT), a SentenceEncoder,
         or a fastbert.BertModel together with tokenizer=.
     options, when loading (see SentenceEncoder.from_pretrained): pooling (a mode or a list of modes), normalize,
-        max_seq_length, do_lower_case, include_prompt (each overrides the folder's setting), dtype, device, kernels;
-        tokenizer (with a BertModel).
+        max_seq_length, do_lower_case, include_prompt (each overrides the folder's setting), dtype, device, kernels,
+        cuda_graphs (False: no CUDA graphs; with a BertModel too); tokenizer (with a BertModel).
     prompt / prompt_name: a text put before every text, or the name of one of the model's prompts (the folder's
         default_prompt_name applies when neither is given; prompt="" turns it off).
     max_tokens_per_batch: the token budget of one forward (padding counted while the forward is padded);
@@ -507,7 +520,7 @@ def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, pr
                             f"(SentenceEncoder.from_pretrained(..., {sorted(options)[0]}=...)), not per call")
         encoder = model_or_path
     elif isinstance(model_or_path, BertModel):
-        load_only = sorted(set(options) & {"dtype", "device", "kernels"})
+        load_only = sorted(set(options) & {"dtype", "device", "kernels"})  # cuda_graphs does not change the model
         if load_only:
             raise TypeError(f"{', '.join(load_only)}: a model already built is used as it is (move or cast it "
                             f"yourself)")

@@ -472,7 +472,8 @@ class BertModel(nn.Module):
     def cuda_graphs(self, token_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), max_seqs: int = 256,
                     max_seqlen: int | None = None):
         """A runner that replays CUDA graphs of `encode` captured for packed token-count buckets (fastbert/graphs.py);
-        call it like the model. Captures every bucket now (autotuning first)."""
+        call it like the model. Resolves every bucket's backends now; captures each bucket on its first use (or all of
+        them at runner.capture())."""
         from .graphs import GraphRunner
         return GraphRunner(self, token_buckets, max_seqs, max_seqlen)
 

@@ -21,11 +21,32 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import config as configs
+from .graphs import Graphed
 from .loading import check_hf, share_hf, shared_leaves
 from .modeling import BertModel
 
 # transformers' encoder classes of the family (their heads hold one of these as base_model)
 SUPPORTED_CLASSES = ("BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel")
+
+
+class OptimizedBertModel(BertModel):
+    """The fastbert module optimize swaps in: a BertModel whose call runs `graphed` (CUDA graphs where they are safe,
+    fastbert/graphs.py) when it has one. Its forward stays on the class, so a copy that shares its __dict__ (an
+    nn.DataParallel replica) runs its own eager forward rather than the original's graphs."""
+
+    def forward(self, *args, **kwargs):
+        graphed = self.__dict__.get("graphed")
+        if graphed is None or graphed.model is not self:
+            return super().forward(*args, **kwargs)
+        return graphed(*args, **kwargs)
+
+
+def set_cuda_graphs(fb: OptimizedBertModel, enabled: bool) -> None:
+    """Give a swapped-in module its CUDA graphs, or take them away (their pool is freed with them)."""
+    if not enabled:
+        fb.__dict__.pop("graphed", None)
+    elif "graphed" not in fb.__dict__:
+        fb.__dict__["graphed"] = Graphed(fb, forward=BertModel.forward)
 
 
 def _root(model):
@@ -73,9 +94,11 @@ def _describe(path: str) -> str:
     return f"module {path!r}" if path else "the model"
 
 
-def optimize(model, kernels="auto", padding_free: bool = True):
+def optimize(model, kernels="auto", padding_free: bool = True, cuda_graphs: bool = True):
     """Swap fastbert in for every supported transformers encoder inside `model`; returns the model (for a bare
-    encoder, the fastbert module). `kernels`, `padding_free`: as BertModel takes them."""
+    encoder, the fastbert module). `kernels`, `padding_free`: as BertModel takes them. cuda_graphs: on CUDA, the
+    swapped-in modules replay CUDA graphs for inference calls (fastbert/graphs.py, Graphed); False keeps them eager.
+    On a model optimized already, only cuda_graphs is applied."""
     root = _root(model)
     references = _references(root)
     found, others = {}, []
@@ -88,21 +111,25 @@ def optimize(model, kernels="auto", padding_free: bool = True):
         else:
             others.append(f"{_describe(path)} ({kind}, model_type={getattr(module.config, 'model_type', None)!r})")
     if not found:
-        already = any(isinstance(m, BertModel) for m in root.modules())
-        if already:
-            return model  # optimized already
+        already = [m for m in root.modules() if isinstance(m, BertModel)]
+        if already:  # optimized already
+            for fb in already:
+                if isinstance(fb, OptimizedBertModel):
+                    set_cuda_graphs(fb, cuda_graphs)
+            return model
         what = f"; it holds {', '.join(others)}, which fastbert does not implement" if others else ""
         raise ValueError(f"fastbert.optimize: no supported encoder in {type(root).__name__} (fastbert runs "
                          f"{', '.join(SUPPORTED_CLASSES)}, model_type {', '.join(configs.MODEL_TYPES)}){what}")
 
     # Check every encoder before changing any: an error leaves the model as it was.
-    built = [(path, hf, check_hf(BertModel, hf, kernels, padding_free, where=_describe(path)))
+    built = [(path, hf, check_hf(OptimizedBertModel, hf, kernels, padding_free, where=_describe(path)))
              for path, hf in found.values()]
     for path, hf, fb in built:
         share_hf(fb, hf)
         fb.__dict__["_hf_encoder"] = hf  # not a submodule: its parameters are not the fastbert module's
         if any(getattr(m, "gradient_checkpointing", False) for m in hf.modules()):
             fb.gradient_checkpointing_enable()
+        set_cuda_graphs(fb, cuda_graphs)
         if path == "":
             return _set_root(model, fb)
         for where in references[id(hf)]:
@@ -130,6 +157,8 @@ def restore(model):
 def write_back(fb: BertModel):
     """The HF encoder a fastbert module replaced, brought up to date with it; the fastbert module lets go of it."""
     hf = fb.__dict__.pop("_hf_encoder")
+    if isinstance(fb, OptimizedBertModel):
+        set_cuda_graphs(fb, False)  # its graphs hold device memory
     for name, module in shared_leaves(fb):  # a module fastbert's side replaced (resize_token_embeddings, ...)
         parent, _, leaf = name.rpartition(".")
         holder = hf.get_submodule(parent)

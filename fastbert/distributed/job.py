@@ -29,9 +29,9 @@ DEFAULT_ROWS_PER_SHARD = 10_000
 DEFAULT_CPUS_PER_CPU_WORKER = 1
 INSTALL_HINT = "pip install 'ray[data]>=2.60' (or, in a fastbert checkout, pip install -e '.[ray]')"
 # The loading options that change the vectors: a rerun with different ones is a different job. (device, kernels,
-# max_tokens_per_batch and batch_size change only the rounding.)
+# cuda_graphs, max_tokens_per_batch and batch_size change only the rounding.)
 _VECTOR_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "include_prompt", "dtype")
-_OPTIONS = _VECTOR_OPTIONS + ("kernels",)
+_OPTIONS = _VECTOR_OPTIONS + ("kernels", "cuda_graphs")
 
 
 def require_ray():
@@ -129,7 +129,7 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
         "ray://host:10001"); None follows ray.init: $RAY_ADDRESS, else a cluster started on this machine with
         `ray start`, else a new local one, which is shut down again at the end.
     prompt, prompt_name, max_tokens_per_batch, batch_size, and options (pooling, normalize, max_seq_length,
-        do_lower_case, include_prompt, dtype, kernels): as fastbert.encode.
+        do_lower_case, include_prompt, dtype, kernels, cuda_graphs): as fastbert.encode.
     """
     started = time.time()
     require_ray()  # before anything is read or written: without Ray Data no job can run
