@@ -26,6 +26,7 @@ from . import dispatch  # noqa: E402
 from .graphs import GRAPH_CLASSES, graphed, stats_of  # noqa: E402
 from .loading import resolve_folder  # noqa: E402
 from .modeling import BertModel  # noqa: E402
+from .numerics import error_bound, max_error  # noqa: E402
 
 SENTENCES = [
     "The cat sat on the mat.",
@@ -263,11 +264,11 @@ def check(args) -> int:
     del hf
 
     def max_delta(outs, ref):  # over real tokens only: padded positions are not part of the contract at 1e-5
-        return max(float((o.float() - r.float())[enc["attention_mask"].bool()].abs().max())
-                   for o, r, (_, enc) in zip(outs, ref, encodings))
+        errors = [max_error(o, r, where=enc["attention_mask"].bool()) for o, r, (_, enc) in zip(outs, ref, encodings)]
+        return float("nan") if any(e != e for e in errors) else max(errors)  # a NaN in any batch fails
 
     hf_err = max_delta(hf_out, hf_ref)
-    bar = 1e-5 if dtype == torch.float32 else 2 * hf_err + 1e-6
+    bar = error_bound(dtype, hf_err)
 
     if args.kernels:
         backends = [("custom" if isinstance(args.kernels, dict) else args.kernels, args.kernels)]
