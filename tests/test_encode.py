@@ -452,7 +452,7 @@ def test_cli_user_errors_are_one_line(capsys, minilm_path, tmp_path, content, ar
 
 
 def test_cli_help_documents_every_option(capsys):
-    from fastbert.__main__ import encode_parser
+    from fastbert.cli.encode import encode_parser
     parser = encode_parser()
     options = [a for a in parser._actions if a.option_strings]
     with pytest.raises(SystemExit):
