@@ -23,9 +23,9 @@ from . import corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
 DEFAULT_ROWS_PER_SHARD = 10_000
-# CPUs (= torch threads) per actor on a CPU cluster: one model per core. On the 2-core machine of bench/RESULTS.md
-# two 1-thread actors out-ran one 2-thread actor by 8% when the machine was quiet and by 1.5x when other work
-# competed for the cores; cpus_per_worker trades that for fewer copies of the model in memory.
+# CPUs (= torch threads) per actor on a CPU cluster: one model per core, which out-ran fewer actors with more threads,
+# most when other work competed for the cores (bench/RESULTS.md, the Ray sections); cpus_per_worker trades that for
+# fewer copies of the model in memory.
 DEFAULT_CPUS_PER_CPU_WORKER = 1
 INSTALL_HINT = "pip install 'ray[data]>=2.60' (or, in a fastbert checkout, pip install -e '.[ray]')"
 # The loading options that change the vectors: a rerun with different ones is a different job. (device, kernels,
