@@ -8,7 +8,8 @@ Triton kernel (CUDA) or the PyTorch twin (CPU, or when the forward resolved that
 Each node carries the op's backend as the forward resolved it: "torch" (the twin), "triton" (the kernel; its error
 reaches the caller) or "auto" (the kernel under with_net: a kernel that raises leaves that op on its twin).
 
-Eager forwards never go through here: the dispatcher costs ~10-20 us per call, which a small batch would feel. The
+Eager forwards never go through here: the dispatcher adds a cost per call that a small batch would feel
+(bench/RESULTS.md, "Measurements cited by the code"). The
 ops are only used while tracing (dispatch.plan), for inference (no autograd formula is registered; a traced training
 forward uses the plain twins, which autograd and ONNX export understand).
 """

@@ -155,10 +155,31 @@ def check_pooling(modes, where: str = "pooling") -> tuple[str, ...]:
 
 def read_folder(folder: str):
     """(the folder holding the BERT checkpoint and tokenizer, Pipeline, tokenizer kwargs, default dtype) from a
-    sentence-transformers folder; for a folder without modules.json, (folder, None, {}, None)."""
+    sentence-transformers folder; for a folder without modules.json, (folder, None, {}, None). One reader per
+    module that modules.json lists, each refusing what fastbert does not reproduce."""
+    modules = _read_modules(folder)
+    if modules is None:
+        return folder, None, {}, None
+    module_folders = [os.path.join(folder, m.get("path") or "") for m in modules]
+    st_config, tokenizer_kwargs, dtype = _read_transformer(module_folders[0])
+    modes, include_prompt, dimension = _read_pooling(module_folders[1])
+    normalize = len(modules) == 3
+    if normalize:
+        _check_normalize(module_folders[2])
+    prompts, default_prompt_name = _read_prompts(folder)
+    pipeline = Pipeline(pooling=modes, include_prompt=include_prompt, normalize=normalize,
+                        max_seq_length=st_config.get("max_seq_length"),
+                        do_lower_case=bool(st_config.get("do_lower_case", False)),
+                        prompts=prompts, default_prompt_name=default_prompt_name, source="sentence-transformers")
+    return module_folders[0], (pipeline, dimension), tokenizer_kwargs, dtype
+
+
+def _read_modules(folder: str) -> list | None:
+    """modules.json: Transformer -> Pooling -> optional Normalize, else NotImplementedError naming the modules
+    (None when the folder has no modules.json)."""
     modules_path = os.path.join(folder, "modules.json")
     if not os.path.isfile(modules_path):
-        return folder, None, {}, None
+        return None
     modules = _read_json(modules_path, "modules.json lists the modules of a sentence-transformers model")
     if not isinstance(modules, list) or not modules:
         raise ValueError(f"{modules_path}: expected a non-empty list of modules, got {type(modules).__name__}")
@@ -171,12 +192,12 @@ def read_folder(folder: str):
             f"{modules_path}: fastbert reproduces Transformer -> Pooling -> optional Normalize, this model has "
             f"{' -> '.join(kinds)}" + (f" ({'; '.join(other)} not implemented)" if other else "")
             + "; its embeddings would differ from sentence-transformers', so it is refused")
+    return modules
 
-    def module_folder(i: int) -> str:
-        return os.path.join(folder, modules[i].get("path") or "")
 
-    # The Transformer module: the checkpoint, the tokenizer and sentence_bert_config.json
-    model_folder = module_folder(0)
+def _read_transformer(model_folder: str) -> tuple[dict, dict, object]:
+    """The Transformer module's sentence_bert_config.json (or its older names): (its settings, tokenizer kwargs,
+    the model's default dtype or None)."""
     st_config, st_config_path = {}, None
     for name in _TRANSFORMER_CONFIG_FILES:  # the first one present, as sentence-transformers reads them
         path = os.path.join(model_folder, name)
@@ -191,26 +212,29 @@ def read_folder(folder: str):
                                           **st_config.get("processor_kwargs", {})}.items()
                         if k != "trust_remote_code"}  # as sentence-transformers: a config may not enable remote code
     model_kwargs = {**st_config.get("model_args", {}), **st_config.get("model_kwargs", {})}
-    dtype = model_kwargs.get("dtype", model_kwargs.get("torch_dtype"))
+    return st_config, tokenizer_kwargs, model_kwargs.get("dtype", model_kwargs.get("torch_dtype"))
 
-    # The Pooling module
-    pooling_path = os.path.join(module_folder(1), "config.json")
+
+def _read_pooling(module_folder: str):
+    """The Pooling module's config.json: (modes, include_prompt, dimension)."""
+    pooling_path = os.path.join(module_folder, "config.json")
     if not os.path.isfile(pooling_path):
         raise FileNotFoundError(f"no Pooling config: {pooling_path} is missing (modules.json names it)")
-    modes, include_prompt, dimension = parse_pooling(_read_json(pooling_path, "the Pooling module's settings"),
-                                                     pooling_path)
+    return parse_pooling(_read_json(pooling_path, "the Pooling module's settings"), pooling_path)
 
-    # The Normalize module (its config is optional; only the default feature names are reproduced)
-    normalize = len(kinds) == 3
-    if normalize:
-        path = os.path.join(module_folder(2), "config.json")
-        config = _read_json(path, "the Normalize module's settings") if os.path.isfile(path) else {}
-        for key in ("module_input_name", "module_output_name"):
-            if config.get(key, "sentence_embedding") != "sentence_embedding":
-                raise NotImplementedError(f"{path}: Normalize with {key} = {config[key]!r} is not implemented "
-                                          f"(fastbert normalises the sentence embedding)")
 
-    # Prompts (config_sentence_transformers.json, in the model's root folder)
+def _check_normalize(module_folder: str) -> None:
+    """The Normalize module: its config is optional; only the default feature names are reproduced."""
+    path = os.path.join(module_folder, "config.json")
+    config = _read_json(path, "the Normalize module's settings") if os.path.isfile(path) else {}
+    for key in ("module_input_name", "module_output_name"):
+        if config.get(key, "sentence_embedding") != "sentence_embedding":
+            raise NotImplementedError(f"{path}: Normalize with {key} = {config[key]!r} is not implemented "
+                                      f"(fastbert normalises the sentence embedding)")
+
+
+def _read_prompts(folder: str) -> tuple[dict, str | None]:
+    """config_sentence_transformers.json, in the model's root folder: (prompts, default prompt name)."""
     prompts, default_prompt_name = dict(_DEFAULT_PROMPTS), None
     path = os.path.join(folder, "config_sentence_transformers.json")
     if os.path.isfile(path):
@@ -220,12 +244,7 @@ def read_folder(folder: str):
                                       f"computes SentenceTransformer embeddings)")
         prompts.update({k: v for k, v in (config.get("prompts") or {}).items() if v is not None})
         default_prompt_name = config.get("default_prompt_name")
-
-    pipeline = Pipeline(pooling=modes, include_prompt=include_prompt, normalize=normalize,
-                        max_seq_length=st_config.get("max_seq_length"),
-                        do_lower_case=bool(st_config.get("do_lower_case", False)),
-                        prompts=prompts, default_prompt_name=default_prompt_name, source="sentence-transformers")
-    return model_folder, (pipeline, dimension), tokenizer_kwargs, dtype
+    return prompts, default_prompt_name
 
 
 # --------------------------------------------------------------------------------------------------------------------

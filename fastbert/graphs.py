@@ -24,6 +24,8 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from . import dispatch
 from .inputs import prepare
@@ -88,26 +90,77 @@ class CudaGraph:
         self.graph.replay()
 
 
+class _Tape(TorchDispatchMode):
+    """What one run of fn does at the ATen level: the ops with their non-tensor arguments, and the tensors it reads
+    from outside itself (storages it did not create: weights, static buffers), kept alive so that an address cannot
+    be reused by another tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.outside, self.made = [], {}, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("a host read of a tensor's value (.item(), .tolist(), int(t)) inside the captured "
+                               "encode: a CUDA graph cannot capture it")
+        leaves = tree_flatten((args, kwargs))[0]
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.numel():
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.made:
+                    self.outside.setdefault(ptr, t)
+        self.ops.append((func, tuple(x for x in leaves if not isinstance(x, (torch.Tensor, torch.UntypedStorage)))))
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in self.outside:
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
+
+
 class EagerGraph:
-    """The same contract run eagerly: replay() calls fn again and writes into the output capture() returned. Lets the
-    bucketing, buffer and fallback logic run (and be tested) where there is no CUDA."""
+    """CUDAGraph's contract run eagerly, so that the bucketing, buffer and fallback logic run (and are tested) where
+    there is no CUDA. It is as strict as a graph about what replay() reads: it runs fn again and writes into the
+    output capture() returned, but raises unless that run is the captured one: the same ops with the same non-tensor
+    arguments, reading the same tensors from outside fn (a graph reads the captured addresses, so inputs must be
+    copied into the static buffers, never rebound), and no host read of a tensor's value."""
 
     bytes = 0
 
     def __init__(self, pool=None):
-        self.fn = self.out = None
+        self.fn = self.out = self.tape = None
 
     @staticmethod
     def new_pool():
         return None
 
+    def _run(self):
+        tape = _Tape()
+        with torch.inference_mode(self.modes[0]), torch.set_grad_enabled(self.modes[1]), tape:
+            out = self.fn()
+        return out, tape
+
     def capture(self, fn):
-        self.fn = fn
-        self.out = fn()
+        self.fn, self.modes = fn, (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        fn()  # the warm-up CudaGraph runs too: first-call work (autotuning, caches) stays out of the tape
+        self.out, self.tape = self._run()
         return self.out
 
     def replay(self):
-        self.out.copy_(self.fn())
+        out, tape = self._run()
+        captured = self.tape
+        if len(tape.ops) != len(captured.ops) or any(a != b for a, b in zip(tape.ops, captured.ops)):
+            step = next((i for i, (a, b) in enumerate(zip(tape.ops, captured.ops)) if a != b),
+                        min(len(tape.ops), len(captured.ops)))
+            raise RuntimeError(f"EagerGraph.replay: the encode ran other ops than the captured one (from op {step}: "
+                               f"{tape.ops[step:step + 1]} where the capture ran {captured.ops[step:step + 1]}); a "
+                               f"CUDA graph replays the captured ones")
+        new = [t for ptr, t in tape.outside.items() if ptr not in captured.outside]
+        if new:
+            raise RuntimeError(f"EagerGraph.replay: the encode read {len(new)} tensor(s) the capture did not (first: "
+                               f"{new[0].dtype} {tuple(new[0].shape)}); a CUDA graph reads the captured tensors' "
+                               f"memory, so new inputs must be copied into the static buffers")
+        self.out.copy_(out)
 
 
 # Device type -> the graph class the default path (Graphed) captures with; on any other device it runs eagerly.
@@ -226,6 +279,19 @@ class GraphRunner:
         self.cu_seqlens[1:len(ends) + 1].copy_(ends)
         self.cu_seqlens[len(ends) + 1:].fill_(int(ends[-1]))
 
+    def _load(self, batch, bucket: int) -> None:
+        """Copy a call's packed inputs into the static buffers the graphs read (never rebind them: a graph reads
+        the captured addresses)."""
+        layout = batch.layout
+        T, n = layout.num_tokens, layout.num_seqs
+        self.input_ids[:T].copy_(batch.input_ids)
+        self.token_type_ids[:T].copy_(batch.token_type_ids)
+        self.position_ids[:T].copy_(batch.position_ids)
+        for buffer in (self.input_ids, self.token_type_ids, self.position_ids):
+            buffer[T:bucket].zero_()  # spare tokens: valid ids, in no sequence
+        self.cu_seqlens[:n + 1].copy_(layout.cu_seqlens)
+        self.cu_seqlens[n + 1:].fill_(T)  # spare sequence slots: empty
+
     def _graph_for(self, bucket: int) -> str | None:
         """Capture `bucket` if it is not yet; None when its graph is ready, else why it runs eagerly."""
         if bucket in self.graphs:
@@ -315,17 +381,10 @@ class GraphRunner:
                 x, _, _ = model.encode(batch.input_ids, batch.token_type_ids, batch.position_ids, batch.attn,
                                        model.resolve_ops(False, padded, *batch.size), batch.inputs_embeds)
             else:
-                T, n = layout.num_tokens, layout.num_seqs
-                self.input_ids[:T].copy_(batch.input_ids)
-                self.token_type_ids[:T].copy_(batch.token_type_ids)
-                self.position_ids[:T].copy_(batch.position_ids)
-                for buffer in (self.input_ids, self.token_type_ids, self.position_ids):
-                    buffer[T:bucket].zero_()  # spare tokens: valid ids, in no sequence
-                self.cu_seqlens[:n + 1].copy_(layout.cu_seqlens)
-                self.cu_seqlens[n + 1:].fill_(T)  # spare sequence slots: empty
+                self._load(batch, bucket)
                 self.graphs[bucket].replay()
                 self.stats.replays += 1
-                x = self.outputs[bucket][:T].clone()  # the static output is rewritten by the next replay
+                x = self.outputs[bucket][:layout.num_tokens].clone()  # rewritten by the next replay
             out = model.finish(batch, x, None, None, False, False)
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)

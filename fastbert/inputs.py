@@ -125,15 +125,12 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
                          f"least one position")
     if S > model.embeddings.max_length and position_ids is None:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
-    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                    ("position_ids", position_ids)):
-        if t is None or (name == "attention_mask" and t.dim() in (3, 4)):
-            continue  # a custom mask: checked by its own shape below
-        if name == "position_ids" and tuple(t.shape) == (1, S):
-            continue  # HF broadcasts a [1, S] position_ids over the batch
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but the input is {list(shape)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
+    _check_like(shape, f"the input is {list(shape)}",
+                attention_mask=None if custom else attention_mask,  # a custom mask: checked by its own shape below
+                token_type_ids=token_type_ids,
+                position_ids=None if position_ids is not None and tuple(position_ids.shape) == (1, S)
+                else position_ids)  # HF broadcasts a [1, S] position_ids over the batch
     if custom:
         if attention_mask.dim() == 3:
             ok = tuple(attention_mask.shape) == (B, S, S)
@@ -161,12 +158,10 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
                          f"{attention_mask.dim()}-D); only a floating 4-D mask may be additive (see README, Masks)")
 
-    if token_type_ids is None:
-        token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
-    if position_ids is None:
-        position_ids = model.embeddings.position_ids(input_ids, torch.arange(S, device=device).expand(B, S))
-    elif position_ids.shape[0] == 1 and B != 1:
+    if position_ids is not None and position_ids.shape[0] == 1 and B != 1:
         position_ids = position_ids.expand(B, S)
+    token_type_ids, position_ids = _fill_defaults(model, shape, input_ids, token_type_ids, position_ids,
+                                                  lambda: torch.arange(S, device=device).expand(B, S))
 
     padded_rows = output_attentions or custom or not model.padding_free or tracing()
     if not padded_rows and (keep is None or values["real_tokens"] == B * S):
@@ -235,9 +230,7 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"with cu_seqlens, inputs_embeds must be [total_tokens, {width}], got shape "
                          f"{tuple(inputs_embeds.shape)}")
     T = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-    for name, t in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
-        if t is not None and tuple(t.shape) != (T,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but the packed input has {T} tokens")
+    _check_like((T,), f"the packed input has {T} tokens", token_type_ids=token_type_ids, position_ids=position_ids)
 
     reads = _Reads()
     reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
@@ -257,17 +250,39 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         max_seqlen = int(max_seqlen)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence ({longest} tokens)")
-    if position_ids is None:
-        if longest > model.embeddings.max_length:
-            raise ValueError(f"a sequence of {longest} tokens exceeds {_max_length_words(model)}")
-        # each token's index in its sequence: token index minus its sequence's start; the embeddings make positions
+    if position_ids is None and longest > model.embeddings.max_length:
+        raise ValueError(f"a sequence of {longest} tokens exceeds {_max_length_words(model)}")
+
+    def index_in_sequence():  # token index minus its sequence's start
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long(), output_size=T)
-        position_ids = model.embeddings.position_ids(input_ids, torch.arange(T, device=device) - starts)
-    if token_type_ids is None:
-        token_type_ids = torch.zeros(T, dtype=torch.long, device=device)
+        return torch.arange(T, device=device) - starts
+
+    token_type_ids, position_ids = _fill_defaults(model, (T,), input_ids, token_type_ids, position_ids,
+                                                  index_in_sequence)
     layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, values["lengths"])
     return Batch(input_ids, token_type_ids, position_ids, inputs_embeds, layout, output,
                  (layout.num_seqs, max_seqlen))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What both layouts share
+# --------------------------------------------------------------------------------------------------------------------
+def _check_like(shape: tuple, described: str, **tensors) -> None:
+    """Each given tensor has the input's token shape (`described` says what the input is, for the message)."""
+    for name, t in tensors.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but {described}")
+
+
+def _fill_defaults(model, shape: tuple, input_ids, token_type_ids, position_ids, index_in_sequence):
+    """HF's defaults: token type 0, and positions from each token's index in its sequence (`index_in_sequence()`,
+    asked only when needed); the embeddings turn indices into positions (RoBERTa counts from padding_idx)."""
+    device = model.embeddings.word_embeddings.weight.device
+    if token_type_ids is None:
+        token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
+    if position_ids is None:
+        position_ids = model.embeddings.position_ids(input_ids, index_in_sequence())
+    return token_type_ids, position_ids
 
 
 def _max_length_words(model) -> str:

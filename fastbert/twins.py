@@ -38,8 +38,8 @@ def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.
 
 def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
     """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
-    on its [1, nh, L, hd] view (the fastest CPU form measured: 0.27 s for 32 sequences of 16-512 tokens, against
-    1.05 s padded to the longest with a mask, and 5 s for the same loop on 3-D [nh, L, hd] inputs)."""
+    on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
+    3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code")."""
     T, _, nh, hd = qkv.shape
     if layout.uniform:
         B, S = layout.num_seqs, layout.max_seqlen
@@ -106,7 +106,7 @@ def residual_layernorm_torch(y: torch.Tensor, weight: torch.Tensor, bias: torch.
     if dropout_p > 0:
         h = F.dropout(h, dropout_p)
     h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation
-    return torch.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)  # F.layer_norm's Python wrapper costs 0.5 us
+    return torch.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)  # skips F.layer_norm's Python wrapper
 
 
 def default_scale(head_dim: int) -> float:

@@ -21,7 +21,7 @@ import pytest
 
 import fastbert
 from conftest import main_in_process
-from fastbert.__main__ import split_lines
+from fastbert.cli.encode import split_lines
 from fastbert.distributed import corpus, job, shards
 from fastbert.distributed.corpus import CorpusError
 

@@ -107,6 +107,67 @@ def test_a_bucket_holds_at_most_its_tokens_in_sequences(hf):
     assert_same(got.last_hidden_state, eager(fb, ids, mask).last_hidden_state)
 
 
+# ---- the stand-in is as strict as a graph: replay reads only what the capture read -----------------------------------
+def test_the_stand_in_replays_only_the_captured_reads():
+    """A graph replays its kernels on the captured addresses: writing into a static input changes the answer,
+    rebinding it does not (EagerGraph raises), nor may the replay branch differently or read a value on the host."""
+    static, other = torch.arange(4.0), torch.full((4,), 10.0)
+    holder = {"x": static}
+    graph = EagerGraph()
+    out = graph.capture(lambda: holder["x"] * 2)
+    static.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    graph.replay()
+    assert out.tolist() == [2.0, 4.0, 6.0, 8.0]
+    holder["x"] = other  # rebound, not copied
+    with pytest.raises(RuntimeError, match=r"read 1 tensor\(s\) the capture did not \(first: torch.float32 \(4,\)\)"):
+        graph.replay()
+
+    branch = [True]
+    graph = EagerGraph()
+    graph.capture(lambda: static * 2 if branch[0] else static + 2)
+    branch[0] = False
+    with pytest.raises(RuntimeError, match="other ops than the captured one"):
+        graph.replay()
+    with pytest.raises(RuntimeError, match="a host read"):
+        EagerGraph().capture(lambda: static * static.sum().item())
+
+
+class RebindingRunner(GraphRunner):
+    """A runner with a static-buffer bug: it rebinds its input buffers to each call's inputs instead of copying
+    them into the buffers the graph was captured on."""
+
+    def _load(self, batch, bucket):
+        T, n, size = batch.layout.num_tokens, batch.layout.num_seqs, self.buckets[-1]
+        for name in ("input_ids", "token_type_ids", "position_ids"):
+            setattr(self, name, torch.cat([getattr(batch, name), torch.zeros(size - T, dtype=torch.long)]))
+        self.cu_seqlens = torch.cat([batch.layout.cu_seqlens,
+                                     torch.full((self.max_seqs - n,), T, dtype=torch.int32)])
+
+
+class ForgetfulRunner(GraphRunner):
+    """A runner that never copies a call's inputs into the static buffers."""
+
+    def _load(self, batch, bucket):
+        pass
+
+
+def test_a_static_buffer_bug_in_the_runner_shows_on_cpu(hf):
+    fb = tiny(hf)
+    first, second = batch([9, 5], 0), batch([7, 3], 1)
+    want = eager(fb, *second).last_hidden_state
+    runner = RebindingRunner(fb, token_buckets=(16,), max_seqs=4, graph_class=EagerGraph)
+    with pytest.raises(RuntimeError, match="new inputs must be copied into the static buffers"):
+        runner(*second)
+    runner = ForgetfulRunner(fb, token_buckets=(16,), max_seqs=4, graph_class=EagerGraph)
+    runner(*first)
+    stale = runner(*second).last_hidden_state  # the capture's example inputs, not this call's
+    assert (stale - want).abs().max() > 1e-2
+    runner = GraphRunner(fb, token_buckets=(16,), max_seqs=4, graph_class=EagerGraph)
+    runner(*first)
+    assert_same(runner(*second).last_hidden_state, want)
+    assert runner.stats.replays == 2
+
+
 class FailingGraph(EagerGraph):
     def capture(self, fn):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -27,6 +27,7 @@ def test_wheel_holds_fastbert_kernels_and_no_top_level_kernels(wheel):
         assert f"fastbert/kernels/{op}.py" in names
     assert "fastbert/modeling.py" in names
     assert "fastbert/distributed/job.py" in names
+    assert "fastbert/cli/main_job.py" in names and "fastbert/cli/encode.py" in names  # the two commands
     assert not [n for n in names if n.startswith("kernels/")]
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["fastbert"]

