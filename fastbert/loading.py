@@ -255,6 +255,11 @@ def share_hf(model, base) -> None:
         parent, _, leaf = name.rpartition(".")
         model.get_submodule(parent)._modules[leaf] = hf_modules[name]
     model.__dict__["_shared_paths"] = paths  # write_back puts whatever sits at these paths back into HF's model
+    for name, ours in model.named_modules():  # submodules in HF's order: optimizer states are saved by position
+        theirs = hf_modules.get(name)
+        if theirs is not None and list(ours._modules) != [k for k in theirs._modules if k in ours._modules]:
+            order = {k: i for i, k in enumerate(theirs._modules)}
+            ours._modules = dict(sorted(ours._modules.items(), key=lambda kv: order.get(kv[0], len(order))))
     for layer in model.encoder.layer:
         layer.attention.self.pack()
 
