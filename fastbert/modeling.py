@@ -122,8 +122,12 @@ class BertSelfAttention(nn.Module):
     def parts(self) -> tuple:
         """(query.weight, key.weight, value.weight, query.bias, key.bias, value.bias) of the base layers (under a
         PEFT adapter, the layer it wraps)."""
-        linears = [adapters.base_layer(self._modules[name])._parameters for name in _QKV]
-        return tuple(p["weight"] for p in linears) + tuple(p["bias"] for p in linears)
+        mods = self._modules
+        q, k, v = mods["query"], mods["key"], mods["value"]
+        if not type(q) is type(k) is type(v) is nn.Linear:  # (a plain read first: this runs every forward)
+            q, k, v = (adapters.base_layer(m) for m in (q, k, v))
+        q, k, v = q._parameters, k._parameters, v._parameters
+        return q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]
 
     def pack(self) -> None:
         """Put the parts' current values into one fused weight and bias, and point the parts at their rows. A fused
@@ -146,7 +150,7 @@ class BertSelfAttention(nn.Module):
         forward, the parts concatenated (a copy: gradients reach HF's own parameters, and the trace reads them);
         otherwise the fused tensors themselves."""
         parts = self.parts()
-        if tracing() or torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        if torch.is_grad_enabled() and any(p.requires_grad for p in parts) or tracing():
             return torch.cat(parts[:3]), torch.cat(parts[3:])
         return self._packed(parts)
 
