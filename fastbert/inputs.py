@@ -23,9 +23,25 @@ from .mask import AttentionMask, not_zero_one, tracing
 DECODER_ONLY_ARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask")
 # HF's packed-sequence keywords (FlashAttention's varlen arguments, as transformers passes them).
 HF_PACKED_ARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-# Keywords transformers' heads pass down to their encoder (Trainer's num_items_in_batch among them) that an encoder
-# has no use for: accepted and ignored, as transformers' own encoders do.
-IGNORED_ARGS = ("num_items_in_batch", "output_router_logits", "seq_idx", "is_causal")
+
+
+def _transformers_kwargs() -> tuple:
+    """The keywords of transformers' TransformersKwargs (what every transformers 5 model forward takes in **kwargs),
+    as the installed transformers names them; none in transformers 4."""
+    try:
+        from transformers.utils.generic import TransformersKwargs
+    except ImportError:
+        return ()
+    return tuple(getattr(TransformersKwargs, "__annotations__", {}))
+
+
+# Keywords transformers' heads pass down to their encoder that an encoder has no use for: accepted and ignored, as
+# transformers' own encoders do. Trainer's num_items_in_batch, the loss functions' keywords (a masked-LM head passes
+# shift_labels and ignore_index down with the rest of its **kwargs), and transformers' TransformersKwargs. Keywords
+# that would change the answer (is_causal=True, caches, cross-attention inputs) are refused where they are read.
+IGNORED_ARGS = tuple(dict.fromkeys(
+    ("num_items_in_batch", "output_router_logits", "seq_idx", "is_causal", "shift_labels", "ignore_index",
+     *_transformers_kwargs())))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from . import adapters
 from . import config as configs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -168,14 +169,38 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
     return model.eval()  # like HF's from_pretrained
 
 
-# The module types fastbert takes over from an HF encoder by reference (every module of it but the attention's
-# query/key/value, which become the fused QKV weight).
+# The module types fastbert takes over from an HF encoder by reference: every module of it, query/key/value included
+# (their weights become rows of the fused QKV weight).
 _SHARED_LEAVES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding, torch.nn.Dropout)
 
 
 def shared_leaves(model):
-    """(path, module) of each module a model built from HF shares with it by reference."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, _SHARED_LEAVES)]
+    """(path, module) of each module a model built from HF shares with it by reference: the paths taken when it was
+    built, holding whatever is there now (an adapter PEFT wrapped around a linear, a resized vocabulary)."""
+    paths = model.__dict__.get("_shared_paths")
+    if paths is None:
+        return [(name, m) for name, m in model.named_modules() if isinstance(m, _SHARED_LEAVES)]
+    return [(name, model.get_submodule(name)) for name in paths]
+
+
+def layout_of(module) -> dict:
+    """key -> shape of an HF encoder's state_dict as fastbert lays it out: a linear an adapter wraps (PEFT's
+    base_layer) counts as the layer it wraps, and the adapter's own tensors are not the encoder's layout."""
+    wrapped = sorted((name + "." for name, m in module.named_modules() if name and "base_layer" in m._modules),
+                     key=len, reverse=True)
+    shapes = {}
+    for key, value in module.state_dict().items():
+        owner = next((w for w in wrapped if key.startswith(w)), None)
+        if owner is not None:
+            rest = key[len(owner):]
+            if not rest.startswith("base_layer."):
+                continue  # lora_A / lora_B / ...: the adapter's
+            while rest.startswith("base_layer."):
+                rest = rest[len("base_layer."):]
+            key = owner + rest
+        if key not in _IGNORED:
+            shapes[key] = value.shape
+    return shapes
 
 
 def encoder_of(hf_model):
@@ -184,9 +209,9 @@ def encoder_of(hf_model):
 
 
 def from_hf(cls, hf_model, kernels="auto", padding_free=True, where: str = "the model"):
-    """One copy of the weights. The new model holds HF's own module objects (embeddings, dense layers, LayerNorms,
-    pooler), so anything that replaces or moves one of them is seen by both; the only new tensor is the fused QKV
-    weight, and HF's query/key/value parameters become views of it (BertSelfAttention.tie)."""
+    """One copy of the weights. The new model holds HF's own module objects (embeddings, query/key/value, dense
+    layers, LayerNorms, pooler), so anything that replaces or moves one of them is seen by both; query/key/value's
+    weights move into one fused QKV weight whose rows they alias (BertSelfAttention.pack)."""
     base = encoder_of(hf_model)
     model = check_hf(cls, base, kernels, padding_free, where)
     share_hf(model, base)
@@ -202,7 +227,7 @@ def check_hf(cls, base, kernels="auto", padding_free=True, where: str = "the mod
         raise TypeError(f"{where}: {type(base).__name__} has no transformers config; give a transformers model")
     configs.check_supported(config, where=f"{where} ({type(base).__name__}) config")
     model = _build(cls, config, getattr(base, "pooler", None) is not None, kernels, padding_free)
-    theirs = {k: v.shape for k, v in base.state_dict().items() if k not in _IGNORED}
+    theirs = layout_of(base)
     ours = {k: v.shape for k, v in model.state_dict().items()}
     if theirs != ours:
         missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
@@ -214,6 +239,7 @@ def check_hf(cls, base, kernels="auto", padding_free=True, where: str = "the mod
     hf_modules = dict(base.named_modules())
     for name, ours in shared_leaves(model):
         theirs = hf_modules.get(name)
+        theirs = None if theirs is None else adapters.base_layer(theirs)
         if theirs is None or theirs.__class__ is not ours.__class__:
             raise ValueError(f"{where}: {type(base).__name__}.{name} is {type(theirs).__name__}, not the "
                              f"{type(ours).__name__} fastbert runs")
@@ -221,27 +247,21 @@ def check_hf(cls, base, kernels="auto", padding_free=True, where: str = "the mod
 
 
 def share_hf(model, base) -> None:
-    """Put HF encoder `base`'s modules into `model` (built by check_hf) and fuse its query/key/value."""
+    """Put HF encoder `base`'s modules into `model` (built by check_hf), query/key/value (or the adapters PEFT put
+    around them) included, and make query/key/value's weights rows of one fused QKV weight."""
     hf_modules = dict(base.named_modules())
-    for name, _ in shared_leaves(model):
+    paths = tuple(name for name, _ in shared_leaves(model))
+    for name in paths:
         parent, _, leaf = name.rpartition(".")
         model.get_submodule(parent)._modules[leaf] = hf_modules[name]
-    for i, layer in enumerate(model.encoder.layer):
-        hf_self = hf_modules[f"encoder.layer.{i}.attention.self"]
-        parts = [getattr(hf_self, q) for q in ("query", "key", "value")]
-        fused = layer.attention.self
-        shared = hf_self.__dict__.get("_fastbert_qkv")  # a fused weight an earlier from_hf made of these
-        if shared is not None and parts[0].weight.data_ptr() == shared[0].data_ptr() \
-                and parts[0].bias.data_ptr() == shared[1].data_ptr():
-            fused.qkv_weight, fused.qkv_bias = shared  # the same parameters: two fastbert models, still one copy
-        else:
-            with torch.no_grad():
-                fused.qkv_weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]),
-                                                      requires_grad=parts[0].weight.requires_grad)
-                fused.qkv_bias = torch.nn.Parameter(torch.cat([p.bias for p in parts]),
-                                                    requires_grad=parts[0].bias.requires_grad)
-            hf_self.__dict__["_fastbert_qkv"] = (fused.qkv_weight, fused.qkv_bias)
-        fused.tie([p.weight for p in parts] + [p.bias for p in parts])
+    model.__dict__["_shared_paths"] = paths  # write_back puts whatever sits at these paths back into HF's model
+    for name, ours in model.named_modules():  # submodules in HF's order: optimizer states are saved by position
+        theirs = hf_modules.get(name)
+        if theirs is not None and list(ours._modules) != [k for k in theirs._modules if k in ours._modules]:
+            order = {k: i for i, k in enumerate(theirs._modules)}
+            ours._modules = dict(sorted(ours._modules.items(), key=lambda kv: order.get(kv[0], len(order))))
+    for layer in model.encoder.layer:
+        layer.attention.self.pack()
 
 
 def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dict: dict | None = None,
@@ -264,7 +284,7 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
         config.architectures = [{"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel",
                                  "camembert": "CamembertModel", "electra": "ElectraModel"}[config.model_type]]
     config.save_pretrained(folder)
-    # query/key/value are views of the fused weight: safetensors wants separate storage
+    # contiguous copies: a caller's state_dict may hold views, which safetensors refuses
     state = {k: v.detach().contiguous().clone() for k, v in (state_dict or model.state_dict()).items()}
     if safe_serialization:
         from safetensors.torch import save_file

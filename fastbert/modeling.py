@@ -20,22 +20,25 @@ One forward in three parts:
     finish: scatter back to [B, S, H] once (zeros at padding); pooler = tanh(first token @ W_p + b_p); HF's outputs
 
 Each op runs on the backend named in `model.kernels`, resolved once per forward (fastbert/dispatch.py). Module and
-parameter names follow HF's so that state_dict keys are HF's; the one difference inside is the fused W_qkv, which
-state_dict splits back into query/key/value (and load_state_dict concatenates).
+parameter names are HF's (query/key/value included: named_parameters, state_dict, PEFT targets); underneath, query/
+key/value's weights are rows of one fused W_qkv, so the projection is one GEMM (docs/contract.md says why).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import warnings
 
 import torch
 import torch.nn as nn
 import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from . import auto, dispatch, fallback, twins
+from . import adapters, auto, dispatch, fallback, twins
 from . import config as configs
 from .inputs import Batch, prepare
-from .layout import first_tokens, pad
+from .layout import first_tokens, pad, unpad
+from .mask import tracing
 from .dispatch import OPS
 
 # With output_attentions, transformers 5 reports an empty cross_attentions tuple alongside attentions (part of the
@@ -100,87 +103,98 @@ EMBEDDINGS = {"bert": BertEmbeddings, "roberta": RobertaEmbeddings, "electra": B
 
 
 class BertSelfAttention(nn.Module):
-    """Holds the fused QKV projection: W_qkv [3H, H] = cat(W_q, W_k, W_v), built once at load time. Outside, in
-    state_dict() and load_state_dict() (and their errors), it is HF's query/key/value."""
+    """HF's query/key/value, as HF's nn.Linear modules with HF's parameter names, whose weights and biases sit side by
+    side in one fused weight [3H, H] and bias [3H]: the projection is one GEMM over them. Each part's parameter has
+    a storage of its own that aliases its rows of the fused tensors (`_alias`), so state_dict(), safetensors and
+    transformers' tied-weights checks see three independent tensors, while an in-place update (an optimizer step,
+    load_state_dict, PEFT's merge) lands in the fused weight at once: one copy of the weights."""
 
     def __init__(self, config):
         super().__init__()
         H = config.hidden_size
-        self.qkv_weight = nn.Parameter(torch.empty(3 * H, H))
-        self.qkv_bias = nn.Parameter(torch.empty(3 * H))
-        self.register_state_dict_post_hook(_split_qkv)
-        # HF's query/key/value parameters whose storage is the fused weight (a model built from an HF model): kept
-        # pointing into it when the fused weight moves (.to(), .half(), load_state_dict(assign=True)). Not registered:
-        # they are HF's parameters, not this module's.
-        self._tied = ()
+        self.query = nn.Linear(H, H)
+        self.key = nn.Linear(H, H)
+        self.value = nn.Linear(H, H)
+        self._fused = None  # (weight [3H, H], bias [3H], the parts' data pointers when packed)
+        self.register_load_state_dict_post_hook(lambda module, keys: module.pack())  # assign=True puts new tensors
+        self.pack()
 
-    def tie(self, parts) -> None:
-        """Make HF's (query.weight, key.weight, value.weight, query.bias, key.bias, value.bias) views of the fused
-        weight and bias: one copy of the weights, whichever model an optimizer steps."""
-        self._tied = tuple(parts)
-        self._point_tied_at_fused()
+    def parts(self) -> tuple:
+        """(query.weight, key.weight, value.weight, query.bias, key.bias, value.bias) of the base layers (under a
+        PEFT adapter, the layer it wraps)."""
+        mods = self._modules
+        q, k, v = mods["query"], mods["key"], mods["value"]
+        if not type(q) is type(k) is type(v) is nn.Linear:  # (a plain read first: this runs every forward)
+            q, k, v = (adapters.base_layer(m) for m in (q, k, v))
+        q, k, v = q._parameters, k._parameters, v._parameters
+        return q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]
+
+    def pack(self) -> None:
+        """Put the parts' current values into one fused weight and bias, and point the parts at their rows. A fused
+        weight these very parts already alias (a second fastbert model over the same HF modules) is kept."""
+        parts = self.parts()
+        holder = adapters.base_layer(self._modules["query"]).__dict__
+        record = holder.get("_fastbert_fused")
+        if record is not None and record[2] == _pointers(parts):
+            self._fused = record
+            return
+        with torch.no_grad():
+            weight, bias = torch.cat([p.detach() for p in parts[:3]]), torch.cat([p.detach() for p in parts[3:]])
+        for fused, group in ((weight, parts[:3]), (bias, parts[3:])):
+            for part, rows in zip(group, fused.chunk(3, dim=0)):
+                part.data = _alias(rows)
+        self._fused = holder["_fastbert_fused"] = (weight, bias, _pointers(parts))
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_qkv [3H, H], b_qkv [3H]) for this forward. Where autograd needs the parts, or a trace records the
+        forward, the parts concatenated (a copy: gradients reach HF's own parameters, and the trace reads them);
+        otherwise the fused tensors themselves."""
+        parts = self.parts()
+        if torch.is_grad_enabled() and any(p.requires_grad for p in parts) or tracing():
+            return torch.cat(parts[:3]), torch.cat(parts[3:])
+        return self._packed(parts)
+
+    def _packed(self, parts) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused is None or self._fused[2] != _pointers(parts):  # `.data =`, a replaced module, ...
+            self.pack()
+        return self._fused[0], self._fused[1]
+
+    @property
+    def qkv_weight(self) -> torch.Tensor:
+        """The fused weight [3H, H]: not a parameter, its rows are query/key/value.weight."""
+        return self._packed(self.parts())[0]
+
+    @property
+    def qkv_bias(self) -> torch.Tensor:
+        return self._packed(self.parts())[1]
 
     def untie(self) -> None:
-        """Give HF's query/key/value their own storage again, holding the fused weight's current values (and its
-        gradients): what a trained model leaves behind, in a form safetensors can save."""
-        for fused, parts in ((self.qkv_weight, self._tied[:3]), (self.qkv_bias, self._tied[3:])):
-            for part, value, grad in zip(parts, fused.detach().chunk(3, dim=0),
-                                         (None,) * 3 if fused.grad is None else fused.grad.chunk(3, dim=0)):
-                part.data = value.clone()
-                part.requires_grad_(fused.requires_grad)
-                part.grad = None if grad is None else grad.clone()
-        self._tied = ()
-
-    def _point_tied_at_fused(self) -> None:
-        for fused, parts in ((self.qkv_weight, self._tied[:3]), (self.qkv_bias, self._tied[3:])):
-            for part, view in zip(parts, fused.data.chunk(3, dim=0)):
-                part.data = view
+        """Give query/key/value storage of their own again (what an HF model handed back holds)."""
+        for part in self.parts():
+            part.data = part.data.clone()
+        self._fused = None
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self._point_tied_at_fused()
+        super()._apply(fn, recurse)  # .to(), .half(), to_empty(), ...: the parts each got new storage
+        self.pack()
         return self
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        """HF's query/key/value come in and are concatenated into the fused weight. A missing or mis-shaped part is
-        reported under HF's own key, never under the internal fused name."""
-        not_loaded = []  # fused names whose HF parts were missing or mis-shaped (reported under HF's names)
-        for kind, fused in (("weight", self.qkv_weight), ("bias", self.qkv_bias)):
-            fused_key = prefix + "qkv_" + kind
-            if fused_key in state_dict:  # already fused (a state dict taken with keep_vars or by hand)
-                continue
-            keys = [f"{prefix}{name}.{kind}" for name in _QKV]
-            present = [k for k in keys if k in state_dict]
-            parts = [state_dict.pop(k) for k in present]
-            if len(parts) < 3:
-                missing_keys.extend(k for k in keys if k not in present)
-                not_loaded.append(fused_key)
-                continue
-            want = (fused.shape[0] // 3, *fused.shape[1:])
-            wrong = [f"{k}: checkpoint {tuple(p.shape)} vs model {want}" for k, p in zip(keys, parts)
-                     if tuple(p.shape) != want]
-            if wrong:
-                error_msgs.append("size mismatch for " + "; ".join(wrong))
-                not_loaded.append(fused_key)
-                continue
-            state_dict[fused_key] = torch.cat(parts, dim=0)
-        n_missing = len(missing_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        missing_keys[n_missing:] = [k for k in missing_keys[n_missing:] if k not in not_loaded]
-        self._point_tied_at_fused()  # assign=True puts new tensors in place
 
 
 _QKV = ("query", "key", "value")
 
 
-def _split_qkv(module, state_dict, prefix, local_metadata):
-    """state_dict(): the fused weight goes out as HF's query/key/value (views, no copy)."""
-    for kind in ("weight", "bias"):
-        fused = state_dict.pop(prefix + "qkv_" + kind)
-        for name, part in zip(_QKV, fused.chunk(3, dim=0)):
-            state_dict[f"{prefix}{name}.{kind}"] = part
+def _pointers(parts) -> tuple:
+    return tuple(p.data_ptr() for p in parts)
+
+
+def _alias(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (a slice of a fused tensor) under a storage object of its own that points at the same memory: what a
+    checkpoint writer or tied-weights check sees as an independent tensor. DLPack provides that; where it cannot
+    (the meta device, where there is no memory to share), a plain view."""
+    try:
+        return torch.from_dlpack(rows)
+    except (RuntimeError, ValueError, TypeError, BufferError):
+        return rows
 
 
 class BertSelfOutput(nn.Module):  # also serves as HF's BertOutput: a dense back to H, then residual + LayerNorm
@@ -219,7 +233,21 @@ class LayerWeights(NamedTuple):
     ln2_bias: torch.Tensor
 
 
-class BertLayer(nn.Module):
+try:  # transformers finds the layers it may checkpoint by this class (gradient_checkpointing_enable, PEFT, Trainer)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # transformers before 4.52: the same behaviour, under the same name
+    import functools
+
+    class GradientCheckpointingLayer(nn.Module):
+        gradient_checkpointing = False
+
+        def __call__(self, *args, **kwargs):
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs), *args)
+            return super().__call__(*args, **kwargs)
+
+
+class BertLayer(GradientCheckpointingLayer):
     def __init__(self, config):
         super().__init__()
         self.config = config  # read for the dropout probabilities in train mode
@@ -235,10 +263,13 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False):
         """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
-        ops as resolved for this forward (dispatch.plan)."""
+        ops as resolved for this forward (dispatch.plan). Under gradient checkpointing, GradientCheckpointingLayer
+        recomputes this in the backward pass (x, attn, run, output_attentions come positionally for that)."""
         w, eps = self.weights(), self.eps
         p_attn = self.config.attention_probs_dropout_prob if self.training else 0.0
         p_hidden = self.config.hidden_dropout_prob if self.training else 0.0
+        if w is None:  # an adapter (PEFT) wraps one of the layer's linears
+            return self._forward_adapted(x, attn, run, output_attentions, p_attn, p_hidden)
 
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                         # [T, 3, nh, hd]
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions)           # [T, H]
@@ -247,15 +278,53 @@ class BertLayer(nn.Module):
         x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_hidden)      # [T, H]
         return x, probs
 
-    def weights(self) -> LayerWeights:
+    def _forward_adapted(self, x, attn, run, output_attentions, p_attn, p_hidden):
+        """The same layer with adapters on some linears. The QKV projection stays one GEMM over the base weights;
+        each adapted part adds its low-rank x·A·B to its third of the output. Any other adapted linear is called as
+        the module it is (its op runs as PyTorch: merge_and_unload() puts it back on the fused ops)."""
+        sa, attn_out = self.attention.self, self.attention.output
+        weight, bias = sa.fused()
+        qkv = run.qkv_projection(x, weight, bias, self.num_heads)                                # [T, 3, nh, hd]
+        for i, name in enumerate(_QKV):
+            delta = adapters.lora_delta(sa._modules[name], x)                                   # [T, H] or None
+            if delta is not None:
+                qkv[:, i] += delta.view(qkv.shape[0], *qkv.shape[2:]).to(qkv.dtype)
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions)           # [T, H]
+        x = self._dense_residual_layernorm(attn_out, ctx, x, run, p_hidden)                     # [T, H]
+        dense = self.intermediate.dense
+        if adapters.is_plain_linear(dense):
+            h = run.bias_gelu(x, dense.weight, dense.bias, self.activation)                      # [T, I]
+        else:
+            h = twins._activation_torch(dense(x), self.activation)
+        return self._dense_residual_layernorm(self.output, h, x, run, p_hidden), probs         # [T, H]
+
+    def _dense_residual_layernorm(self, block, y, residual, run, p_hidden):
+        """LayerNorm(dropout(dense(y)) + residual), on the fused op when `dense` is a plain linear."""
+        dense, ln = block.dense, block.LayerNorm
+        if adapters.is_plain_linear(dense):
+            return run.residual_layernorm(y, dense.weight, dense.bias, residual, ln.weight, ln.bias, self.eps,
+                                          p_hidden)
+        h = dense(y)
+        if p_hidden > 0:
+            h = nn.functional.dropout(h, p_hidden)
+        return ln(h + residual)
+
+    def weights(self) -> LayerWeights | None:
         """The layer's current parameters, read through the module dicts: nn.Module.__getattr__ costs ~0.3 us a
-        step in Python, and reading HF's nested names that way was a quarter of a small batch's forward."""
+        step in Python, and reading HF's nested names that way was a quarter of a small batch's forward. None when
+        an adapter wraps one of the linears (BertLayer._forward_adapted)."""
         attention, ffn_in, ffn_out = self._modules["attention"], self._modules["intermediate"], self._modules["output"]
-        fused, attn_out = attention._modules["self"]._parameters, attention._modules["output"]._modules
-        ffn_in, ffn_out = ffn_in._modules["dense"]._parameters, ffn_out._modules
+        sa, attn_out = attention._modules["self"], attention._modules["output"]._modules
+        ffn_in, ffn_out = ffn_in._modules["dense"], ffn_out._modules
+        linears = sa._modules
+        if not (type(linears["query"]) is type(linears["key"]) is type(linears["value"]) is type(attn_out["dense"])
+                is type(ffn_in) is type(ffn_out["dense"]) is nn.Linear):
+            return None
+        qkv, qkv_bias = sa.fused()
         o, ln1 = attn_out["dense"]._parameters, attn_out["LayerNorm"]._parameters
         f, ln2 = ffn_out["dense"]._parameters, ffn_out["LayerNorm"]._parameters
-        return LayerWeights(fused["qkv_weight"], fused["qkv_bias"], o["weight"], o["bias"], ln1["weight"], ln1["bias"],
+        ffn_in = ffn_in._parameters
+        return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"],
                             ffn_in["weight"], ffn_in["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
 
 
@@ -272,6 +341,66 @@ class BertPooler(nn.Module):
 
     def forward(self, first_token_states):
         return torch.tanh(self.dense(first_token_states))                        # [n, H] from each [CLS] token
+
+
+def _same(h):
+    return h
+
+
+def _shapes(batch: Batch):
+    """(shaped, unshaped, first) for a batch: packed [T, H] -> the caller's shape (zeros at padded positions), its
+    inverse, and the tokens the pooler reads."""
+    layout = batch.layout
+    if batch.output == "packed":  # packed in, packed out
+        return _same, _same, lambda h: first_tokens(h, layout)
+    if batch.output == "hf_packed":  # transformers' packed form: one row of T tokens; its pooler reads token 0
+        return (lambda h: h[None]), (lambda h: h[0]), (lambda h: h[:1])
+    if layout is not None:
+        return (lambda h: pad(h, layout)), (lambda h: unpad(h, layout)), (lambda h: first_tokens(h, layout))
+    B, S = batch.shape
+    unshaped = lambda h: h.reshape(B * S, h.shape[-1])  # noqa: E731
+    if batch.real_tokens is not None:  # padded rows of a padding-free model: the outputs packing would give
+        keep = batch.real_tokens
+        first_real = keep.to(torch.int32).argmax(dim=1)  # a row with no real token: 0, which is zeroed below
+        shaped = lambda h: h.view(B, S, h.shape[-1]) * keep[:, :, None]  # noqa: E731
+        return shaped, unshaped, lambda h: shaped(h)[torch.arange(B, device=h.device), first_real]
+    # padded rows: HF's pooler reads position 0 of every row
+    return (lambda h: h.view(B, S, h.shape[-1])), unshaped, (lambda h: h.view(B, S, h.shape[-1])[:, 0])
+
+
+class HiddenStates:
+    """Which hidden states a forward returns, and in the caller's shape. As in transformers, hidden_states[i] is the
+    tensor layer i consumes: the packed layer input is gathered back from it, so gradients reach it (attribution
+    methods read them). Layers not selected cost nothing; without output_hidden_states there is no HiddenStates."""
+
+    def __init__(self, selected, shaped, unshaped):
+        self.selected, self.shaped, self.unshaped = selected, shaped, unshaped
+
+    @staticmethod
+    def of(output_hidden_states, num_layers: int, batch: Batch) -> "HiddenStates | None":
+        """transformers' `output_hidden_states`: a flag, or (transformers 5) the index or indices of the hidden states
+        to keep (negative ones count from the end; out of range select nothing); the others come back as None."""
+        if not output_hidden_states:
+            return None
+        selected = None
+        if not isinstance(output_hidden_states, bool):
+            indices = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+                raise TypeError(f"output_hidden_states must be a bool, an int or a list of ints, got "
+                                f"{output_hidden_states!r}")
+            n = num_layers + 1
+            selected = {i % n for i in indices if -n <= i < n}
+        shaped, unshaped, _ = _shapes(batch)
+        return HiddenStates(selected, shaped, unshaped)
+
+    def record(self, states: list, x: torch.Tensor) -> torch.Tensor:
+        """Append hidden state len(states) (or None) and return what the next layer consumes."""
+        if self.selected is not None and len(states) not in self.selected:
+            states.append(None)
+            return x
+        h = self.shaped(x)
+        states.append(h)
+        return self.unshaped(h)
 
 
 class BertModel(nn.Module):
@@ -295,6 +424,7 @@ class BertModel(nn.Module):
         self.padding_free = padding_free
         self._plans = {}  # dispatch.Situation -> the resolved ops (dispatch.plan)
         self._plans_failures = 0  # len(fallback._FAILED) when the plans were made
+        self._warned_autograd = False  # said once per model (BertModel._warn_autograd_in_eval)
         H = config.hidden_size
         width = config.embedding_size if kind == "electra" else H
         self.head_dim = H // config.num_attention_heads
@@ -321,9 +451,6 @@ class BertModel(nn.Module):
         if isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-        if isinstance(module, BertSelfAttention):
-            nn.init.normal_(module.qkv_weight, std=std)
-            nn.init.zeros_(module.qkv_bias)
 
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
@@ -453,7 +580,7 @@ class BertModel(nn.Module):
         [1, T] ids are accepted as transformers takes them. Unset output flags take the config's values, as HF's do;
         keywords a head or Trainer passes that an encoder has no use for (num_items_in_batch, ...) are ignored."""
         cfg = self.config
-        output_hidden_states = bool(cfg.output_hidden_states if output_hidden_states is None else output_hidden_states)
+        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         output_attentions = bool(getattr(cfg, "output_attentions", False) if output_attentions is None
                                  else output_attentions)
         return_dict = getattr(cfg, "return_dict", True) if return_dict is None else return_dict
@@ -462,12 +589,27 @@ class BertModel(nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or (batch.inputs_embeds is not None and batch.inputs_embeds.requires_grad))
+        if needs_grad and not self.training and not self._warned_autograd:
+            self._warn_autograd_in_eval()
         run = self.resolve_ops(needs_grad, batch.why_padded(output_attentions), *batch.size)
+        keep = HiddenStates.of(output_hidden_states, len(self.encoder.layer), batch)
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
-                                                   batch.attn, run, batch.inputs_embeds, output_hidden_states,
-                                                   output_attentions)
-        out = self.finish(batch, x, hidden_states, attentions, output_hidden_states, output_attentions)
+                                                   batch.attn, run, batch.inputs_embeds, keep, output_attentions)
+        out = self.finish(batch, x, hidden_states, attentions, keep is not None, output_attentions)
         return out if return_dict else out.to_tuple()
+
+    def _warn_autograd_in_eval(self) -> None:
+        """An eval-mode forward with autograd on (model(**inputs) without torch.no_grad(), a common habit) runs every
+        op on its PyTorch twin: on a GPU under "auto" that is a silent speed cliff, so it is said once per model."""
+        device = self.embeddings.word_embeddings.weight.device
+        if device.type not in dispatch.MEASURED_DEVICE_TYPES or "auto" not in self._kernels.values() \
+                or dispatch.triton_unavailable(device):
+            return
+        self._warned_autograd = True
+        warnings.warn("fastbert: this eval-mode forward runs with autograd enabled, so every op runs its PyTorch twin "
+                      "instead of its Triton kernel (the kernels serve inference). Call the model under "
+                      "torch.inference_mode() (or torch.no_grad()) for the fast path; said once for this model",
+                      stacklevel=3)
 
     def cuda_graphs(self, token_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), max_seqs: int = 256,
                     max_seqlen: int | None = None):
@@ -478,46 +620,37 @@ class BertModel(nn.Module):
         return GraphRunner(self, token_buckets, max_seqs, max_seqlen)
 
     def encode(self, input_ids, token_type_ids, position_ids, attn, run, inputs_embeds=None,
-               keep_hidden_states=False, output_attentions=False):
+               keep_hidden_states=None, output_attentions=False):
         """The device-only part: packed tokens [T] -> final hidden states [T, H]. No host read, no branch on tensor
-        values (a CUDA graph captures this)."""
+        values (a CUDA graph captures this). `keep_hidden_states`: a HiddenStates saying which layer inputs to return
+        and in what shape (True: all of them, packed), or None."""
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [T, H] (ELECTRA: [T, E])
         if self.embeddings_project is not None:
             x = self.embeddings_project(x)                                               # [T, E] -> [T, H]
-        hidden_states, attentions = [x] if keep_hidden_states else None, [] if output_attentions else None
-        checkpointing = self.training and torch.is_grad_enabled()
-        for layer in self.encoder.layer:
-            if checkpointing and layer.gradient_checkpointing:  # recomputed in backward, activations not kept
-                x, probs = layer._gradient_checkpointing_func(layer.__call__, x, attn, run, output_attentions)
-            else:
-                x, probs = layer(x, attn, run, output_attentions)
+        if keep_hidden_states is True:
+            keep_hidden_states = HiddenStates(None, _same, _same)
+        hidden_states, attentions = [] if keep_hidden_states else None, [] if output_attentions else None
+        for layer in self.encoder.layer:  # (a checkpointing layer recomputes itself in backward: its own __call__)
             if keep_hidden_states:
-                hidden_states.append(x)
+                x = keep_hidden_states.record(hidden_states, x)
+            x, probs = layer(x, attn, run, output_attentions)
             if output_attentions:
                 attentions.append(probs)
+        if keep_hidden_states:
+            x = keep_hidden_states.record(hidden_states, x)
         return x, hidden_states, attentions
 
     def finish(self, batch: Batch, x, hidden_states, attentions, output_hidden_states, output_attentions):
-        """Packed [T, H] -> the caller's shape (zeros at padded positions), the pooler, HF's output class."""
-        layout = batch.layout
-        if batch.output == "packed":  # packed in, packed out
-            shaped, first = (lambda h: h), (lambda h: first_tokens(h, layout))
-        elif batch.output == "hf_packed":  # transformers' packed form: one row of T tokens; its pooler reads token 0
-            shaped, first = (lambda h: h[None]), (lambda h: h[:1])
-        elif layout is not None:
-            shaped, first = (lambda h: pad(h, layout)), (lambda h: first_tokens(h, layout))
-        elif batch.real_tokens is not None:  # padded rows of a padding-free model: the outputs packing would give
-            B, S, keep = *batch.shape, batch.real_tokens
-            first_real = keep.to(torch.int32).argmax(dim=1)  # a row with no real token: 0, which is zeroed below
-            shaped = lambda h: h.view(B, S, h.shape[-1]) * keep[:, :, None]  # noqa: E731
-            first = lambda h: shaped(h)[torch.arange(B, device=h.device), first_real]  # noqa: E731
-        else:  # padded rows: HF's pooler reads position 0 of every row
-            B, S = batch.shape
-            shaped, first = (lambda h: h.view(B, S, h.shape[-1])), (lambda h: h.view(B, S, h.shape[-1])[:, 0])
+        """Packed [T, H] -> the caller's shape (zeros at padded positions), the pooler, HF's output class.
+        `hidden_states` come from encode already in the caller's shape; the last one, when kept, is the
+        last_hidden_state itself (as in transformers)."""
+        shaped, _, first = _shapes(batch)
+        last = hidden_states[-1] if output_hidden_states and hidden_states and hidden_states[-1] is not None \
+            else shaped(x)
         return BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=shaped(x),
+            last_hidden_state=last,
             pooler_output=self.pooler(first(x)) if self.pooler is not None else None,
-            hidden_states=tuple(shaped(h) for h in hidden_states) if output_hidden_states else None,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
             cross_attentions=_EMPTY_CROSS_ATTENTIONS if output_attentions else None,  # as the installed transformers
         )

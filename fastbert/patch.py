@@ -7,10 +7,9 @@
 optimize finds every transformers encoder fastbert runs (BertModel, RobertaModel, XLMRobertaModel, CamembertModel,
 ElectraModel) anywhere in the model's module tree (a pipeline: in its .model) and puts a fastbert.BertModel in its
 place, at every reference to it. The fastbert module is built with BertModel.from_hf: one copy of the weights (it
-holds HF's own embedding, dense and LayerNorm modules; HF's query/key/value become views of its fused QKV weight) and
-HF's config object itself. restore puts each HF encoder back where it was: modules fastbert replaced meanwhile (a
-resized vocabulary) go back into it, and query/key/value get their own storage again, holding the fused weight's
-current values, so the HF model saves with safetensors as before.
+holds HF's own modules, query/key/value included, whose weights become rows of its fused QKV weight) and HF's config
+object itself. restore puts each HF encoder back where it was: whatever sits at its module paths meanwhile (a
+resized vocabulary, PEFT's adapters) goes back into it, and query/key/value get plain storage of their own again.
 
 Use the return value: for a bare encoder (optimize(BertModel)), the fastbert module itself is what comes back.
 Nothing is changed when optimize refuses: every encoder is checked (the config's fields, the modules' layout) before

@@ -1,0 +1,350 @@
+"""transformers' model contract with fastbert inside: the checks of transformers' own model tests
+(tests/test_modeling_common.py) that equal numbers do not cover, each written out here for a head whose encoder
+fastbert.optimize swapped. Every family fastbert runs goes through the same checks (FAMILIES): a family that lands
+later adds its entry and keeps the contract."""
+import collections
+import copy
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from conftest import perturb_
+
+S = 7
+IDS = torch.tensor([[5, 8, 13, 21, 34, 2, 3], [9, 10, 11, 12, 0, 0, 0]])
+MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+SMALL = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40,
+             max_position_embeddings=16, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+# model_type -> (its config class with the family's own fields, its masked-LM head)
+FAMILIES = {
+    "bert": (lambda: transformers.BertConfig(**SMALL), transformers.BertForMaskedLM),
+    "roberta": (lambda: transformers.RobertaConfig(**{**SMALL, "max_position_embeddings": S + 3, "pad_token_id": 1}),
+                transformers.RobertaForMaskedLM),
+    "electra": (lambda: transformers.ElectraConfig(**SMALL, embedding_size=24), transformers.ElectraForMaskedLM),
+}
+
+
+def hf_head(family, head=None, seed=0, **config):
+    """A transformers head of `family` with random, non-trivial weights, in eval mode."""
+    make_config, default_head = FAMILIES[family]
+    cfg = make_config()
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    return perturb_((head or default_head)(cfg), weight_std=0.05).eval()
+
+
+def with_fastbert(model, padding_free=True):
+    """The same model, its encoder swapped for fastbert (the PyTorch twins: these are CPU checks)."""
+    return fastbert.optimize(copy.deepcopy(model), kernels="torch", padding_free=padding_free)
+
+
+def fused_rows_alias_parts(encoder) -> bool:
+    """query/key/value's parameters are rows of the layer's fused QKV weight (one copy, one GEMM)."""
+    for layer in encoder.encoder.layer:
+        sa = layer.attention.self
+        rows = sa.qkv_weight.chunk(3), sa.qkv_bias.chunk(3)
+        for i, name in enumerate(("query", "key", "value")):
+            part = getattr(sa, name)
+            if part.weight.data_ptr() != rows[0][i].data_ptr() or part.bias.data_ptr() != rows[1][i].data_ptr():
+                return False
+    return True
+
+
+# ---- construction on the meta device (transformers' test_all_tensors_are_parameter_or_buffer,
+# ---- test_init_weights_can_init_buffers; init_empty_weights, big-model loading, FSDP's deferred init) -------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_meta_device_then_to_empty_init_and_loading(family):
+    reference = hf_head(family)
+    with torch.device("meta"):
+        model = type(reference)(copy.deepcopy(reference.config)).eval()
+    fastbert.optimize(model, kernels="torch")
+    model.to_empty(device="cpu")
+    model.init_weights()  # transformers' own initialisation reaches fastbert's modules
+    with torch.no_grad():
+        logits = model(IDS, attention_mask=MASK).logits
+    assert logits.device.type == "cpu" and torch.isfinite(logits).all()
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "cpu"]
+    # buffers as a model built on the CPU has them (test_init_weights_can_init_buffers)
+    built = with_fastbert(type(reference)(copy.deepcopy(reference.config)))
+    ours, theirs = dict(model.named_buffers()), dict(built.named_buffers())
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    model.load_state_dict(reference.state_dict(), strict=True)
+    with torch.no_grad():
+        got, want = model(IDS, attention_mask=MASK).logits, reference(IDS, attention_mask=MASK).logits
+    real = MASK.bool()
+    assert (got[real] - want[real]).abs().max() <= 1e-5
+    assert fused_rows_alias_parts(model.base_model)  # one copy of the weights after to_empty + loading
+
+
+def test_from_pretrained_low_cpu_mem_usage_and_device_map_then_optimize(tmp_path):
+    reference = hf_head("bert")
+    reference.save_pretrained(tmp_path)
+    for kwargs in ({"low_cpu_mem_usage": True}, {"device_map": "cpu"}):
+        model = fastbert.optimize(transformers.BertForMaskedLM.from_pretrained(tmp_path, **kwargs), kernels="torch")
+        with torch.no_grad():
+            got, want = model(IDS, attention_mask=MASK).logits, reference(IDS, attention_mask=MASK).logits
+        assert (got[MASK.bool()] - want[MASK.bool()]).abs().max() <= 1e-5, kwargs
+        assert fused_rows_alias_parts(model.bert)
+
+
+def test_meta_bare_encoder_to_empty_then_loading():
+    """fastbert's own model built on meta (what from_pretrained does), to_empty, then HF's weights."""
+    hf = hf_head("bert").bert
+    with torch.device("meta"):
+        fb = fastbert.BertModel(hf.config, add_pooling_layer=False, kernels="torch")  # a masked-LM head has none
+    fb.to_empty(device="cpu").load_state_dict(hf.state_dict(), strict=True)
+    with torch.no_grad():
+        got, want = fb(IDS, attention_mask=MASK).last_hidden_state, hf(IDS, attention_mask=MASK).last_hidden_state
+    assert (got[MASK.bool()] - want[MASK.bool()]).abs().max() <= 1e-5 and fused_rows_alias_parts(fb)
+
+
+# ---- the autograd graph (test_retain_grad_hidden_states_attentions) ------------------------------------------------
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attentions", [False, True], ids=["hidden", "hidden+attentions"])
+def test_hidden_states_and_attentions_are_in_the_graph(family, padding_free, attentions):
+    """hidden_states[i] is the tensor layer i consumes: gradients reach it, and they are HF's."""
+    reference = hf_head(family, output_hidden_states=True, output_attentions=attentions)
+    if attentions:
+        reference.config._attn_implementation = "eager"  # transformers' own test does the same
+    model = with_fastbert(reference, padding_free)
+    weights = torch.randn(2, S, reference.config.vocab_size)
+    grads = []
+    for m in (reference, model):
+        out = m(IDS, attention_mask=MASK)
+        kept = [*out.hidden_states, *(out.attentions if attentions else ())]
+        for t in kept:
+            t.retain_grad()
+        (out.logits * weights)[MASK.bool()].sum().backward()
+        grads.append([t.grad for t in kept])
+    assert all(g is not None for g in grads[1]), [i for i, g in enumerate(grads[1]) if g is None]
+    real = MASK.bool()
+    for i, (ours, theirs) in enumerate(zip(grads[1], grads[0])):
+        if ours.dim() == 3:  # a hidden state [B, S, H]: HF's gradient on the real tokens
+            assert (ours[real] - theirs[real]).abs().max() <= 1e-5, i
+        else:  # attention probabilities [B, nh, S, S]: between real tokens
+            pair = real[:, None, :, None] & real[:, None, None, :]
+            assert (ours.masked_select(pair) - theirs.masked_select(pair)).abs().max() <= 1e-5, i
+
+
+def test_last_hidden_state_is_the_last_hidden_states_entry():
+    model = with_fastbert(hf_head("bert"))
+    for padding_free in (True, False):
+        model.bert.padding_free = padding_free
+        out = model.bert(IDS, attention_mask=MASK, output_hidden_states=True)
+        assert out.hidden_states[-1] is out.last_hidden_state
+
+
+# ---- output_hidden_states as layer indices (test_can_capture_specific_layers_hidden_states) -----------------------
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_hidden_states_selects_layers(family, padding_free):
+    reference = hf_head(family)
+    model = with_fastbert(reference, padding_free)
+    with torch.no_grad():
+        every = model(IDS, attention_mask=MASK, output_hidden_states=True).hidden_states
+        n = len(every)
+        for selection in ([*range(0, n, 2), -1], [1], 2, [-2, 99]):
+            want = reference(IDS, attention_mask=MASK, output_hidden_states=selection).hidden_states
+            got = model(IDS, attention_mask=MASK, output_hidden_states=selection).hidden_states
+            indices = [selection] if isinstance(selection, int) else selection
+            kept = {i % n for i in indices if -n <= i < n}
+            assert len(got) == n == len(want), selection
+            for i in range(n):
+                if i in kept:
+                    assert torch.equal(got[i], every[i])
+                    assert (got[i][MASK.bool()] - want[i][MASK.bool()]).abs().max() <= 1e-5
+                else:
+                    assert got[i] is None and want[i] is None, (selection, i)
+
+
+def test_output_hidden_states_selection_on_packed_input():
+    fb = fastbert.BertModel.from_hf(hf_head("bert").bert, kernels="torch")
+    ids, cu = torch.tensor([5, 8, 13, 9, 10]), torch.tensor([0, 3, 5], dtype=torch.int32)
+    with torch.no_grad():
+        every = fb(ids, cu_seqlens=cu, output_hidden_states=True).hidden_states
+        got = fb(ids, cu_seqlens=cu, output_hidden_states=[0, -1]).hidden_states
+    assert [h is None for h in got] == [False, True, False] and torch.equal(got[0], every[0])
+    with pytest.raises(TypeError, match="output_hidden_states must be a bool, an int or a list of ints"):
+        fb(ids, cu_seqlens=cu, output_hidden_states=["1"])
+
+
+# ---- the keyword contract (test_causal_lm_loss_honors_shift_labels) -----------------------------------------------
+def test_keywords_heads_pass_down_are_accepted_and_ignored():
+    reference = hf_head("bert")
+    model = with_fastbert(reference)
+    labels = IDS.masked_fill(MASK == 0, -100)  # padded positions (zeros under padding_free) take no part
+    with torch.no_grad():
+        want = reference(IDS, attention_mask=MASK, labels=labels).loss
+        got = model(IDS, attention_mask=MASK, labels=labels, shift_labels=IDS, ignore_index=-100)
+        plain = model.bert(IDS, attention_mask=MASK)
+        passed = model.bert(IDS, attention_mask=MASK, shift_labels=IDS, ignore_index=-100, seq_idx=None,
+                            output_router_logits=False, num_items_in_batch=torch.tensor(5), is_causal=False)
+    assert abs(got.loss.item() - want.item()) <= 1e-5
+    assert torch.equal(plain.last_hidden_state, passed.last_hidden_state)
+
+
+def test_causal_lm_head_loss_follows_shift_labels():
+    """transformers' differential check: with shift_labels given, the loss moves when shift_labels changes and stays
+    when only labels changes."""
+    model = with_fastbert(hf_head("bert", head=transformers.BertLMHeadModel))
+    other = torch.roll(IDS, 1, dims=1)
+    with torch.no_grad():
+        base = model(IDS, attention_mask=MASK, labels=IDS, shift_labels=IDS).loss
+        labels_changed = model(IDS, attention_mask=MASK, labels=other, shift_labels=IDS).loss
+        shift_changed = model(IDS, attention_mask=MASK, labels=IDS, shift_labels=other).loss
+    assert torch.equal(base, labels_changed) and not torch.equal(base, shift_changed)
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"past_key_values": object()}, NotImplementedError, "past_key_values is not supported"),
+    ({"cache": object()}, NotImplementedError, "cache is not supported"),
+    ({"is_causal": True}, NotImplementedError, "is_causal=True is not supported"),
+    ({"attention_masks": MASK}, TypeError, "unexpected keyword argument 'attention_masks'"),
+])
+def test_keywords_that_would_change_the_answer_are_refused(kwargs, exc, words):
+    model = with_fastbert(hf_head("bert"))
+    with pytest.raises(exc, match=words):
+        model.bert(IDS, attention_mask=MASK, **kwargs)
+
+
+# ---- gradient checkpointing (test_gradient_checkpointing_enable_disable, test_training_gradient_checkpointing*) ----
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}, {"use_reentrant": True}])
+def test_gradient_checkpointing_layers_as_transformers_finds_them(family, kwargs):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    model = with_fastbert(hf_head(family)).train()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers == list(model.base_model.encoder.layer)
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable(**({} if kwargs is None else {"gradient_checkpointing_kwargs" if enable.__name__.startswith("gradient")
+                                         else "activation_checkpointing_kwargs": kwargs}))
+    assert all(m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+    # transformers' check: the first checkpointing layer runs its forward through _gradient_checkpointing_func
+    layer, calls = layers[0], []
+    func = layer._gradient_checkpointing_func
+    layer._gradient_checkpointing_func = lambda forward, *args: calls.append(1) or func(forward, *args)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model(IDS, attention_mask=MASK, labels=IDS).loss.backward()
+    assert calls == [1]
+    missing = [n for n, p in model.named_parameters() if p.grad is None and "pooler" not in n]
+    assert not missing, missing
+    model.gradient_checkpointing_disable()
+    assert not any(m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+
+
+# ---- the weights contract (test_tied_weights_keys, test_model_weights_reload_no_missing_tied_weights) --------------
+def storage_groups(model) -> list:
+    """state_dict names grouped by the storage they share, as transformers' tied-weights checks group them."""
+    from transformers.pytorch_utils import id_tensor_storage
+    groups = collections.defaultdict(list)
+    for name, tensor in model.state_dict().items():
+        groups[id_tensor_storage(tensor)].append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_names_and_storages_are_hfs(family):
+    reference = hf_head(family, tie_word_embeddings=True)
+    model = with_fastbert(reference)
+    # in HF's order too: an optimizer's state is saved and loaded by parameter position
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert {n for n, _ in model.named_modules()} >= {n for n, m in reference.named_modules()
+                                                     if isinstance(m, torch.nn.Linear)}
+    assert storage_groups(model) == storage_groups(reference)  # only what the head declares tied (its decoder)
+    assert fused_rows_alias_parts(model.base_model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reload_reports_hfs_missing_keys(family):
+    """save_pretrained, every weight on file removed, from_pretrained: the missing keys are the parameters' names."""
+    from safetensors.torch import save_file
+    model = with_fastbert(hf_head(family))
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        save_file({"tensor": torch.tensor([1, 2])}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reloaded, info = type(model).from_pretrained(folder, output_loading_info=True)
+    fastbert.optimize(reloaded, kernels="torch")
+    names = {n for n, _ in [*reloaded.named_parameters(), *reloaded.named_buffers()]}
+    missing = set(info["missing_keys"])
+    extra_missing = missing - names
+    for group in storage_groups(reloaded):  # a tied group counts as present if one of its names is
+        if set(group) - extra_missing:
+            extra_missing -= set(group)
+    assert extra_missing == set()
+    assert names - missing == set()
+
+
+def test_state_dict_round_trips_through_safetensors_and_in_place_writes_reach_the_model():
+    """Three independent tensors to safetensors; and a write through state_dict() (an EMA's habit) is in the
+    fused weight the forward reads."""
+    from safetensors.torch import load_file, save_file
+    reference = hf_head("bert")
+    model = with_fastbert(reference)
+    with tempfile.TemporaryDirectory() as folder:
+        save_file(model.bert.state_dict(), os.path.join(folder, "w.safetensors"))  # (the head ties its decoder)
+        loaded = load_file(os.path.join(folder, "w.safetensors"))
+    assert loaded.keys() == reference.bert.state_dict().keys() - {"embeddings.position_ids", "embeddings.token_type_ids"}
+    assert all(torch.equal(loaded[k], reference.bert.state_dict()[k]) for k in loaded)
+    with torch.no_grad():
+        model.state_dict()["bert.encoder.layer.0.attention.self.key.weight"].mul_(0.5)
+        reference.bert.encoder.layer[0].attention.self.key.weight.mul_(0.5)
+        got, want = model(IDS, attention_mask=MASK).logits, reference(IDS, attention_mask=MASK).logits
+    assert (got[MASK.bool()] - want[MASK.bool()]).abs().max() <= 1e-5
+
+
+def test_a_part_given_new_storage_is_packed_again():
+    """`.data =` on query's weight (PEFT's safe merge, user code) is seen: the fused weight is rebuilt."""
+    reference = hf_head("bert")
+    model = with_fastbert(reference)
+    with torch.no_grad():
+        for m in (reference, model):
+            q = m.bert.encoder.layer[1].attention.self.query
+            q.weight.data = q.weight.data * 2 + 0.01
+        got, want = model(IDS, attention_mask=MASK).logits, reference(IDS, attention_mask=MASK).logits
+    assert (got[MASK.bool()] - want[MASK.bool()]).abs().max() <= 1e-5 and fused_rows_alias_parts(model.bert)
+
+
+# ---- no silent speed cliff: an eval-mode forward with autograd on, under "auto" on a GPU ---------------------------
+def test_autograd_in_eval_warns_once_per_model_not_in_train_mode(monkeypatch):
+    """On a GPU (here: the CPU standing in for one, the interpreter making Triton runnable) an eval-mode forward
+    without no_grad runs every op on its twin: said once per model, naming torch.inference_mode(). Train mode and
+    no_grad say nothing."""
+    from fastbert import dispatch
+    from fastbert.kernels import utils as kernel_utils
+    monkeypatch.setattr(kernel_utils, "INTERPRET", True)
+    monkeypatch.setattr(dispatch, "MEASURED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    hf = hf_head("bert").bert
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto")
+    with pytest.warns(UserWarning, match=r"eval-mode forward runs with autograd enabled.*torch\.inference_mode\(\)"):
+        fb(IDS, attention_mask=MASK)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fb(IDS, attention_mask=MASK)  # said once for this model
+        fb.train()(IDS, attention_mask=MASK)  # train mode: the twins are the documented path
+        fastbert.BertModel.from_hf(hf, kernels="torch").eval()(IDS, attention_mask=MASK)  # no kernel asked for
+    assert not [w for w in record if "eval-mode forward" in str(w.message)]
+    other = fastbert.BertModel.from_hf(hf, kernels="auto")
+    with pytest.warns(UserWarning, match="said once for this model"):
+        other(IDS, attention_mask=MASK)  # another model: said again
+
+
+def test_no_autograd_warning_off_the_gpu(monkeypatch):
+    from fastbert import dispatch
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    fb = fastbert.BertModel.from_hf(hf_head("bert").bert, kernels="auto")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fb(IDS, attention_mask=MASK)
+    assert not [w for w in record if "eval-mode forward" in str(w.message)]

@@ -1,0 +1,154 @@
+"""PEFT LoRA with fastbert, in both orders: get_peft_model then fastbert.optimize, and fastbert.optimize then
+get_peft_model. The reference is stock transformers + PEFT with the same adapter weights: same forward, same LoRA
+gradients, the same trainable parameters, an adapter that loads into the stock model, merge_and_unload, restore.
+Underneath, query/key/value stay one fused GEMM with each adapter's x·A·B added to its output."""
+import copy
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert import twins
+from conftest import perturb_
+from test_contract import fused_rows_alias_parts
+
+peft = pytest.importorskip("peft")
+
+IDS = torch.tensor([[5, 8, 13, 21, 34, 2, 3], [9, 10, 11, 12, 0, 0, 0], [7, 6, 0, 0, 0, 0, 0]])
+MASK = (IDS != 0).long()
+REAL = MASK.bool()
+LABELS = torch.tensor([0, 2, 1])
+TARGETS = {"query+value": ["query", "value"], "all-linear": "all-linear"}
+
+
+def hf_classifier(seed=0):
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=40, max_position_embeddings=16, type_vocab_size=2, num_labels=3,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(seed)
+    return perturb_(transformers.BertForSequenceClassification(cfg), weight_std=0.05).eval()
+
+
+def lora_config(targets):
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="SEQ_CLS")
+
+
+def randomize_adapters_(model, seed=1):
+    """LoRA's B starts at zero (the adapter adds nothing): draw every adapter weight, from a seed, by name."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def stock_and_fastbert(order, targets):
+    """(stock HF + PEFT, the same with fastbert inside built in `order`), adapters equal."""
+    hf = hf_classifier()
+    stock = randomize_adapters_(peft.get_peft_model(copy.deepcopy(hf), lora_config(targets)))
+    if order == "peft-then-optimize":
+        ours = fastbert.optimize(peft.get_peft_model(copy.deepcopy(hf), lora_config(targets)), kernels="torch")
+    else:
+        ours = peft.get_peft_model(fastbert.optimize(copy.deepcopy(hf), kernels="torch"), lora_config(targets))
+    randomize_adapters_(ours)
+    assert isinstance(ours.base_model.model.bert, fastbert.BertModel)
+    return stock, ours
+
+
+ORDERS = ["peft-then-optimize", "optimize-then-peft"]
+
+
+@pytest.mark.parametrize("targets", TARGETS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_forward_gradients_and_trainable_parameters_equal_stock_peft(order, targets):
+    stock, ours = stock_and_fastbert(order, TARGETS[targets])
+    trainable = lambda m: {n: p for n, p in m.named_parameters() if p.requires_grad}  # noqa: E731
+    assert trainable(ours).keys() == trainable(stock).keys()
+    assert all("lora_" in n or "classifier" in n for n in trainable(ours))  # the adapter (and the new head)
+    with torch.no_grad():
+        want = stock(IDS, attention_mask=MASK).logits
+        assert (ours(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+        with stock.disable_adapter():
+            assert (stock(IDS, attention_mask=MASK).logits - want).abs().max() > 1e-3  # the adapters do something
+    for m in (stock, ours):
+        m.train()(IDS, attention_mask=MASK, labels=LABELS).loss.backward()
+    mine, theirs = trainable(ours), trainable(stock)
+    for name in theirs:
+        assert mine[name].grad is not None and (mine[name].grad - theirs[name].grad).abs().max() <= 1e-5, name
+    frozen = [n for n, p in ours.named_parameters() if not p.requires_grad and p.grad is not None]
+    assert not frozen, frozen
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_base_projection_stays_one_fused_gemm(order, monkeypatch):
+    """The QKV projection runs once per layer over the fused base weight; query/key/value's base layers are never
+    called as three GEMMs; the adapters' low-rank paths run."""
+    _, ours = stock_and_fastbert(order, TARGETS["query+value"])
+    projections, base_calls, lora_calls = [], [], []
+    real = twins.qkv_projection_torch
+    monkeypatch.setattr(twins, "qkv_projection_torch",
+                        lambda x, w, b, nh: projections.append(tuple(w.shape)) or real(x, w, b, nh))
+    encoder = ours.base_model.model.bert
+    for layer in encoder.encoder.layer:
+        for name in ("query", "key", "value"):
+            wrapped = getattr(layer.attention.self, name)
+            fastbert.adapters.base_layer(wrapped).register_forward_hook(lambda *a: base_calls.append(1))
+            if hasattr(wrapped, "lora_A"):
+                wrapped.lora_A["default"].register_forward_hook(lambda *a: lora_calls.append(1))
+    encoder._plans.clear()  # resolved again: the patched twin is looked up when the plan is made
+    with torch.no_grad():
+        ours(IDS, attention_mask=MASK)
+    assert projections == [(96, 32)] * 2 and base_calls == [] and len(lora_calls) == 4
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_adapter_saved_from_fastbert_loads_into_stock_peft(order, tmp_path):
+    stock, ours = stock_and_fastbert(order, TARGETS["query+value"])
+    ours.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(hf_classifier(), tmp_path).eval()
+    with torch.no_grad():
+        want, got = stock(IDS, attention_mask=MASK).logits, loaded(IDS, attention_mask=MASK).logits
+    assert (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("targets", TARGETS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_merge_and_unload_and_restore(order, targets):
+    stock, ours = stock_and_fastbert(order, TARGETS[targets])
+    with torch.no_grad():
+        want = stock(IDS, attention_mask=MASK).logits
+        restored = fastbert.restore(copy.deepcopy(ours))  # a stock PEFT model again
+        encoder = restored.base_model.model.bert
+        assert type(encoder) is transformers.BertModel
+        assert isinstance(encoder.encoder.layer[0].attention.self.query, peft.tuners.lora.LoraLayer)
+        assert (restored(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+        merged = ours.merge_and_unload()  # fastbert still inside, the adapters in its weights
+        assert isinstance(merged.bert, fastbert.BertModel)
+        assert type(merged.bert.encoder.layer[0].attention.self.query) is torch.nn.Linear
+        got = merged(IDS, attention_mask=MASK).logits
+    assert (got - want).abs().max() <= 1e-5
+    assert fused_rows_alias_parts(merged.bert)  # the merged weights are in the fused QKV the forward reads
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_sentence_transformer_with_lora(order, minilm_path):
+    from sentence_transformers import SentenceTransformer
+    texts = ["A man is eating food.", "The cat sits on the mat, quietly.", "Short."]
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"])
+    stock = SentenceTransformer(minilm_path, device="cpu")
+    peft.inject_adapter_in_model(config, stock[0].auto_model)
+    randomize_adapters_(stock)
+    ours = SentenceTransformer(minilm_path, device="cpu")
+    if order == "peft-then-optimize":
+        peft.inject_adapter_in_model(config, ours[0].auto_model)
+        fastbert.optimize(ours, kernels="torch")
+    else:
+        fastbert.optimize(ours, kernels="torch")
+        peft.inject_adapter_in_model(config, ours[0].auto_model)
+    randomize_adapters_(ours)
+    assert isinstance(ours[0].auto_model, fastbert.BertModel)
+    want, got = stock.encode(texts, convert_to_tensor=True), ours.encode(texts, convert_to_tensor=True)
+    assert (got - want).abs().max() <= 1e-5
+    assert (want - SentenceTransformer(minilm_path, device="cpu").encode(texts, convert_to_tensor=True)).abs().max() > 1e-3
