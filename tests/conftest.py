@@ -183,3 +183,34 @@ def assert_kernel_matches(out, twin, ref64, dtype, fp32_tol=FP32_TOL, baseline_w
     twin_err = max_error(twin, ref64, where=baseline_where)
     bound = error_bound(dtype, twin_err, fp32_tol)
     assert err <= bound, f"kernel error {err:.3g} against fp64 > bound {bound:.3g} (twin's error {twin_err:.3g})"
+
+
+# Runs in a fresh process: counts the autotuner's benchmark calls (utils.Benchmark is every fastbert autotuner's
+# do_bench), runs CALL once and prints {"benchmarks": n, "choice": str(the autotuner's pick)}.
+_TUNING_PROBE = """
+import json, torch
+from fastbert.kernels import utils
+calls = []
+_bench = utils.Benchmark.__call__
+utils.Benchmark.__call__ = lambda self, *args, **kwargs: (calls.append(1), _bench(self, *args, **kwargs))[1]
+{call}
+torch.cuda.synchronize()
+print(json.dumps({{"benchmarks": len(calls), "choice": str(TUNER.best_config)}}))
+"""
+
+
+def tuning_in_fresh_processes(call: str, cache_dir) -> list:
+    """Runs `call` (code that launches a kernel through its autotuner and names that autotuner TUNER) in two fresh
+    processes sharing one TRITON_CACHE_DIR: [first process's {"benchmarks", "choice"}, second's]."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    results = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _TUNING_PROBE.format(call=call)], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
