@@ -3,7 +3,8 @@
     pytest bench/                          the grid for this machine (CUDA grid on a GPU, the CPU grid otherwise)
     pytest bench/ --benchmark-disable      every case checked and run once, no timing (what CI runs)
     pytest bench/ --bench-compile          add torch.compile(HF sdpa) (compile time in extra_info, never timed)
-    pytest bench/ --bench-tiny             a tiny random BERT and tiny shapes (the GPU check's --dry-run)
+    pytest bench/ --bench-tiny             a tiny random BERT and tiny shapes (the GPU check's --dry-run; the op
+                                           benchmarks always take the tiny shapes on CPU)
     pytest bench/ --benchmark-json r.json  then: python -m bench.summarize r.json --out DIR
 
 The --bench-* options are only accepted when bench/ (or a file in it) is on the command line: pytest registers
@@ -64,8 +65,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     # The Triton interpreter is a switch read when Triton first compiles a kernel module, so it must be set before
-    # any fastbert kernel is imported. Only the tiny dry run uses it: at real sizes it would take hours.
-    if option(config, "--bench-tiny") and not torch.cuda.is_available():
+    # any fastbert kernel is imported. Without CUDA the op benchmarks check the kernels at tiny sizes through it
+    # (test_bench_ops.tiny_ops); the model benchmarks on CPU run no Triton kernel.
+    if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     config._fastbert_ceilings = None
 

@@ -281,11 +281,10 @@ FP32_BOUND = 1e-4
 
 
 def accuracy_bound(dtype: torch.dtype, hf_error: float) -> float:
-    """fp16/bf16: at most 2x the error HF itself makes in that dtype (flash-attention's rule), plus 1e-6 so an
-    exactly-zero HF error does not make the bound zero. fp32: FP32_BOUND (or 2x HF's own, if larger)."""
-    if dtype == torch.float32:
-        return max(FP32_BOUND, 2 * hf_error)
-    return 2 * hf_error + 1e-6
+    """fastbert.numerics' rule with HF's own error in that dtype as the baseline; fp32: the gate FP32_BOUND."""
+    from fastbert.numerics import error_bound
+
+    return error_bound(dtype, hf_error, fp32_tol=FP32_BOUND)
 
 
 # --------------------------------------------------------------------------------------------------------------------

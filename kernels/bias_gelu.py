@@ -46,6 +46,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
 
 
 def aot_specs() -> list:
-    """Every kernel x dtype x config x {gelu, gelu_tanh}, with bias, on the archs each runs on. "relu" is left out:
-    its epilogue is one max, a strict subset of the GELU epilogues' registers and instructions."""
-    return gemm_aot_specs(OP, ("gelu", "gelu_tanh"), has_bias=True)
+    """Every kernel x dtype x config x activation (gelu, gelu_tanh, relu) x {bias, no bias}, on the archs each runs
+    on."""
+    return gemm_aot_specs(OP, ACTIVATIONS)

@@ -27,6 +27,7 @@ always pass "ieee" so the flag never causes a second compile.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -458,11 +459,12 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
 _PTR_SM90_16BIT = (128, 128, 64, 8, 3)
 
 
-def gemm_aot_specs(prefix: str, activations, has_bias: bool = True) -> list:
-    """The kernels x dtypes x configs x activations that run, named like "bias_gelu-fp16-gelu-tma-128x256x64-w8-s3",
-    each with the archs it runs on ("archs"). Pointers and the integers the JIT sees as multiples of 16 at BERT's
-    sizes are compiled with that divisibility (tests/aot_compile.py's default); "hints" {"M": None} takes it back
-    for the token count, which is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
+def gemm_aot_specs(prefix: str, activations) -> list:
+    """The kernels x dtypes x configs x activations x {bias, no bias} that run, named like
+    "bias_gelu-fp16-gelu-tma-128x256x64-w8-s3" ("-nobias" after the activation without one), each with the archs it
+    runs on ("archs"). Pointers and the integers the JIT sees as multiples of 16 at BERT's sizes are compiled with
+    that divisibility (tests/aot_compile.py's default); "hints" {"M": None} takes it back for the token count, which
+    is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
     Without the divisibility loads turn scalar and the pointer kernel spills (REG 255 STACK 32 at 128x128 GELU)."""
     specs = []
     for dtype, short in DTYPES.items():
@@ -480,26 +482,25 @@ def gemm_aot_specs(prefix: str, activations, has_bias: bool = True) -> list:
                 archs = (80,)
             else:
                 archs = (90, 80)
-            for activation in activations:
-                for precision in precisions:
-                    parts = [prefix, short] + ([activation] if activation else []) + \
-                            ([precision] if dtype == torch.float32 else []) + [kind, config_name(cfg)]
-                    constexprs = {"HAS_BIAS": has_bias, "ACTIVATION": activation, "INPUT_PRECISION": precision,
-                                  **_meta(cfg)}
-                    signature = {"a_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "c_ptr": ptr,
-                                 "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
-                                 "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"}
-                    if kind == "tma":
-                        fn, hints = gemm_tma_kernel, {"M": None, "NUM_PROGRAMS": None}
-                        signature["NUM_PROGRAMS"] = "i32"
-                    else:
-                        fn, hints = gemm_kernel, {"M": None}
-                        constexprs["stride_wk"] = 1
-                    specs.append({"name": "-".join(parts), "fn": fn, "signature": signature,
-                                  "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
-                                  "hints": hints, "archs": archs, "tma": kind == "tma",
-                                  "warp_specialize": len(cfg) > 5 and cfg[5]})
+            for activation, has_bias, precision in itertools.product(activations, (True, False), precisions):
+                parts = [prefix, short] + ([activation] if activation else []) + ([] if has_bias else ["nobias"]) \
+                        + ([precision] if dtype == torch.float32 else []) + [kind, config_name(cfg)]
+                constexprs = {"HAS_BIAS": has_bias, "ACTIVATION": activation, "INPUT_PRECISION": precision,
+                              **_meta(cfg)}
+                signature = {"a_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "c_ptr": ptr,
+                             "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
+                             "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"}
+                if kind == "tma":
+                    fn, hints = gemm_tma_kernel, {"M": None, "NUM_PROGRAMS": None}
+                    signature["NUM_PROGRAMS"] = "i32"
+                else:
+                    fn, hints = gemm_kernel, {"M": None}
+                    constexprs["stride_wk"] = 1
+                specs.append({"name": "-".join(parts), "fn": fn, "signature": signature,
+                              "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
+                              "hints": hints, "archs": archs, "tma": kind == "tma",
+                              "warp_specialize": len(cfg) > 5 and cfg[5]})
     return specs
 
-# No aot_specs() here: the core is compiled through the op modules that use it (qkv_projection: bias, no activation;
-# bias_gelu: bias + each GELU), which are exactly the variants that run.
+# No aot_specs() here: the core is compiled through the op modules that use it (qkv_projection: no activation;
+# bias_gelu: each activation; both with and without bias), which are exactly the variants that run.

@@ -83,9 +83,11 @@ def bias_residual_layernorm_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr,  # add bias[H] before the residual
     ROWS: tl.constexpr,  # rows per program
-    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,  # a row is NUM_CHUNKS (1..4) chunks of CHUNK lanes
+    CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,  # a row is NUM_CHUNKS (1 or 3) chunks of CHUNK lanes
     EVEN: tl.constexpr,  # CHUNK * NUM_CHUNKS == N: no column mask (keeps the accesses 16-byte vectors)
 ):
+    # row_config gives 1 or 3: an odd part of at most 4 is 1 or 3 (a width of 2^k or 3 x 2^k).
+    tl.static_assert(NUM_CHUNKS == 1 or NUM_CHUNKS == 3, "NUM_CHUNKS must be 1 or 3")
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
     h_rows = (rows * stride_hm)[:, None]
@@ -104,18 +106,12 @@ def bias_residual_layernorm_kernel(
     if not EVEN:
         x0 = tl.where(m0, x0, 0.0)
     total = tl.sum(x0, axis=1)
-    if NUM_CHUNKS > 1:
+    if NUM_CHUNKS == 3:
         c1 = c0 + CHUNK
         x1 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c1, c1, m0, HAS_BIAS)
-        total += tl.sum(x1, axis=1)
-    if NUM_CHUNKS > 2:
         c2 = c0 + 2 * CHUNK
         x2 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c2, c2, m0, HAS_BIAS)
-        total += tl.sum(x2, axis=1)
-    if NUM_CHUNKS > 3:
-        c3 = c0 + 3 * CHUNK
-        x3 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c3, c3, m0, HAS_BIAS)
-        total += tl.sum(x3, axis=1)
+        total += tl.sum(x1, axis=1) + tl.sum(x2, axis=1)
     mean = total / N
 
     # Two-pass statistics in fp32 (masked lanes are excluded from the centred sum).
@@ -123,32 +119,24 @@ def bias_residual_layernorm_kernel(
     if not EVEN:
         x0 = tl.where(m0, x0, 0.0)
     sq = tl.sum(x0 * x0, axis=1)
-    if NUM_CHUNKS > 1:
+    if NUM_CHUNKS == 3:
         x1 = x1 - mean[:, None]
-        sq += tl.sum(x1 * x1, axis=1)
-    if NUM_CHUNKS > 2:
         x2 = x2 - mean[:, None]
-        sq += tl.sum(x2 * x2, axis=1)
-    if NUM_CHUNKS > 3:
-        x3 = x3 - mean[:, None]
-        sq += tl.sum(x3 * x3, axis=1)
+        sq += tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     rstd = 1.0 / tl.sqrt(sq / N + eps)  # biased variance, as LayerNorm
 
     _store_chunk(out_ptr, o_rows, x0, rstd, ln_w_ptr, ln_b_ptr, c0, p0, m0)
-    if NUM_CHUNKS > 1:
+    if NUM_CHUNKS == 3:
         _store_chunk(out_ptr, o_rows, x1, rstd, ln_w_ptr, ln_b_ptr, c1, c1, m0)
-    if NUM_CHUNKS > 2:
         _store_chunk(out_ptr, o_rows, x2, rstd, ln_w_ptr, ln_b_ptr, c2, c2, m0)
-    if NUM_CHUNKS > 3:
-        _store_chunk(out_ptr, o_rows, x3, rstd, ln_w_ptr, ln_b_ptr, c3, c3, m0)
 
 def row_config(hidden: int) -> tuple:
-    """(ROWS, CHUNK, NUM_CHUNKS, num_warps) for rows of `hidden` elements: the row as 1..4 power-of-two chunks when
+    """(ROWS, CHUNK, NUM_CHUNKS, num_warps) for rows of `hidden` elements: the row as 1 or 3 power-of-two chunks when
     it splits exactly (384 -> 3 x 128, 768 -> 3 x 256, 1024 -> 1 x 1024), else one masked chunk of next_pow2;
     ~4K elements per program; 4 warps up to 4K elements, then one warp per 1K (<= 32 values per thread)."""
     chunk, num_chunks = triton.next_power_of_2(hidden), 1
     low_bit = hidden & -hidden  # the largest power of two dividing hidden
-    if hidden // low_bit <= 4:
+    if hidden // low_bit <= 3:  # the odd part: 1 or 3
         chunk, num_chunks = low_bit, hidden // low_bit
     width = chunk * num_chunks
     rows = max(1, 4096 // width)
@@ -224,23 +212,38 @@ def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual
 BERT_HIDDEN = (384, 768, 1024)  # MiniLM / BERT-base / BERT-large
 
 
+def row_configs() -> dict:
+    """{row_config(H) + (EVEN,): the smallest H that gets it} over every H the kernel takes (1..MAX_HIDDEN):
+    every distinct kernel the launcher can build for a dtype and bias choice."""
+    configs = {}
+    for hidden in range(1, MAX_HIDDEN + 1):
+        rows, chunk, num_chunks, warps = row_config(hidden)
+        configs.setdefault((rows, chunk, num_chunks, warps, chunk * num_chunks == hidden), hidden)
+    return configs
+
+
 def aot_specs() -> list:
-    """The row kernel for every dtype x BERT hidden size, with `row_config`'s choice. Pointers, T and the row
-    strides are compiled as multiples of 16 (tests/aot_compile.py's default), as the JIT sees them at BERT's sizes;
-    "hints" takes that back for T (any token count)."""
+    """The row kernel for every dtype x {bias, no bias} x config of `row_configs()` (the masked EVEN=False ones
+    included), each named by the smallest width that gets it. Pointers are compiled as multiples of 16
+    (tests/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row strides too when
+    that width is a multiple of 16; "hints" takes it back for T (any token count) and for the other widths."""
     specs = []
     for dtype, short in DTYPES.items():
         ptr = "*" + short
-        for hidden in BERT_HIDDEN:
-            rows, chunk, num_chunks, num_warps = row_config(hidden)
-            specs.append({
-                "name": f"{OP}-{short}-H{hidden}-{rows}x{num_chunks}x{chunk}-w{num_warps}",
-                "fn": bias_residual_layernorm_kernel,
-                "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
-                              "out_ptr": ptr, "T": "i32", "N": "i32", "eps": "fp32",
-                              "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32"},
-                "constexprs": {"HAS_BIAS": True, "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks,
-                               "EVEN": chunk * num_chunks == hidden},
-                "num_warps": num_warps, "num_stages": 1, "hints": {"T": None},
-            })
+        for has_bias in (True, False):
+            for (rows, chunk, num_chunks, num_warps, even), hidden in row_configs().items():
+                hints = {"T": None}
+                if hidden % 16:
+                    hints.update(N=None, stride_hm=None, stride_rm=None, stride_om=None)
+                specs.append({
+                    "name": f"{OP}-{short}{'' if has_bias else '-nobias'}-H{hidden}-{rows}x{num_chunks}x{chunk}"
+                            f"-w{num_warps}{'' if even else '-masked'}",
+                    "fn": bias_residual_layernorm_kernel,
+                    "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
+                                  "out_ptr": ptr, "T": "i32", "N": "i32", "eps": "fp32",
+                                  "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32"},
+                    "constexprs": {"HAS_BIAS": has_bias, "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks,
+                                   "EVEN": even},
+                    "num_warps": num_warps, "num_stages": 1, "hints": hints,
+                })
     return specs

@@ -17,9 +17,10 @@ import math
 import pytest
 import torch
 
-from conftest import tf32_matmuls
+from conftest import assert_kernel_matches, tf32_matmuls, tuning_in_fresh_processes
 
 from fastbert import ops
+from fastbert.numerics import FP32_TOL, max_error
 from fastbert.ops import AttentionMask, attention_torch, qkv_projection_torch
 from fastbert.kernels import attention as attention_module
 from fastbert.kernels.attention import attention, uniform_cu_seqlens
@@ -29,7 +30,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ON_CPU = pytest.mark.skipif(
     DEVICE == "cpu", reason="Triton's interpreter cannot run bf16 tl.dot (triton-lang/triton#11584); runs on CUDA")
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_ON_CPU)]
-FP32_TOL = 1e-5
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -122,23 +122,6 @@ def poisoned(T, H, dtype):
     return torch.full((T, H), float("nan"), dtype=dtype, device=DEVICE)
 
 
-def assert_matches(out, twin, ref64, dtype, live_rows):
-    """live_rows [T] bool: tokens of sequences with at least one real key. In fp16 the twin's SDPA adds the
-    finfo(fp16).min mask in fp32, where -65504 does not swamp the scores, so on a fully padded row it returns a
-    softmax over the raw scores instead of HF eager's uniform average (fp32/bf16 minima do swamp them). There the
-    twin is no yardstick: the kernel's error on those rows is held to the bound the twin sets on live rows."""
-    assert out.shape == twin.shape == ref64.shape and out.dtype == dtype
-    assert torch.isfinite(out).all(), "NaN/inf in the kernel output (an unwritten element keeps its NaN poison)"
-    err = (out.double() - ref64).abs().max().item()
-    if dtype == torch.float32:
-        twin_diff = (out.double() - twin.double()).abs().max().item()
-        assert twin_diff <= FP32_TOL, f"kernel vs torch twin: {twin_diff:.3g}"
-        assert err <= FP32_TOL, f"kernel vs fp64: {err:.3g}"
-    else:
-        twin_err = (twin.double() - ref64)[live_rows].abs().max().item() if live_rows.any() else 0.0
-        assert err <= 2 * twin_err + 1e-6, f"kernel error {err:.3g} vs twin error {twin_err:.3g} against fp64"
-
-
 def run_case(B, S, nh, hd, dtype, padding, layout, config=None, q_gain=1.0, seed=0):
     qkv = make_qkv(B, S, nh, hd, dtype, layout, seed=seed, q_gain=q_gain)
     attention_mask = make_padding(B, S, padding, seed=seed)
@@ -150,7 +133,10 @@ def run_case(B, S, nh, hd, dtype, padding, layout, config=None, q_gain=1.0, seed
     assert result.data_ptr() == out.data_ptr()
     twin, _ = attention_torch(qkv, mask, scale)
     live_rows = attention_mask.bool().any(dim=1).repeat_interleave(S)
-    assert_matches(out, twin, reference64(qkv, attention_mask, scale), dtype, live_rows)
+    # In fp16 the twin's SDPA adds the finfo(fp16).min mask in fp32, where -65504 does not swamp the scores, so on
+    # a fully padded row it returns a softmax over the raw scores instead of HF eager's uniform average (fp32/bf16
+    # minima do swamp them): the twin's error is measured on live rows only, the kernel's everywhere.
+    assert_kernel_matches(out, twin, reference64(qkv, attention_mask, scale), dtype, baseline_where=live_rows)
     return qkv, attention_mask, out
 
 
@@ -208,17 +194,33 @@ def test_peaked_scores(dtype):
     run_case(2, 97, 2, 32, dtype, "holes", "contiguous", q_gain=6.0, seed=3)
 
 
-def test_fp32_tf32():
-    """allow_tf32 on: fp32 tl.dot runs as tf32 (10-bit mantissa inputs, like torch.matmul under the same flag), so
-    the bar is tf32's ~1e-3 relative rounding at O(1) outputs, not 1e-5. (The interpreter computes in full fp32.)"""
-    with tf32_matmuls(True):
-        B, S, nh, hd, dtype = 2, 65, 2, 64, torch.float32
-        qkv = make_qkv(B, S, nh, hd, dtype)
-        attention_mask = make_padding(B, S, "holes")
-        mask = AttentionMask.build(attention_mask, B, S, dtype)
-        out = padded_attention(qkv, S, ops.default_scale(hd), mask.key_valid, out=poisoned(B * S, nh * hd, dtype))
-    err = (out.double() - reference64(qkv, attention_mask, ops.default_scale(hd))).abs().max().item()
-    assert torch.isfinite(out).all() and err <= 5e-3, err
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_tf32_switch_reaches_the_kernel(allow_tf32, monkeypatch):
+    """fp32 launches with input_precision "tf32" exactly when torch's switch is on, fp16 always with "ieee". What
+    the precision does to the numbers: test_tf32_switch_changes_the_numbers (CUDA)."""
+    launched = []
+    real_run = attention_module._attention_fwd_kernel.run
+    monkeypatch.setattr(attention_module._attention_fwd_kernel, "run", lambda *args, **kwargs: (
+        launched.append(kwargs["INPUT_PRECISION"]), real_run(*args, **kwargs))[1])
+    with tf32_matmuls(allow_tf32):
+        for dtype in (torch.float32, torch.float16):
+            padded_attention(make_qkv(2, 5, 2, 32, dtype), 5, 0.125, config=_INTERPRETER_TILE)
+    assert launched == [("tf32" if allow_tf32 else "ieee"), "ieee"]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter runs every fp32 dot in full fp32 whatever "
+                                            "input_precision says: only a GPU can tell ieee from tf32")
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_tf32_switch_changes_the_numbers(allow_tf32):
+    """One key per sequence: the output is p @ v with p = 1. v = 1 + 2^-12 is exact in fp32 ("ieee" returns it),
+    and tf32's 10 mantissa bits round it to 1."""
+    qkv = torch.full((16, 3, 2, 32), 1 + 2 ** -12, device=DEVICE)
+    with tf32_matmuls(allow_tf32):
+        out = padded_attention(qkv, 1, 0.125)
+    assert torch.equal(out, torch.full_like(out, 1.0 if allow_tf32 else 1 + 2 ** -12)), out[0, :4].tolist()
+
+
+_INTERPRETER_TILE = attention_module._INTERPRETER_CONFIG
 
 
 def _tiles():
@@ -299,43 +301,59 @@ def test_input_precision_follows_allow_tf32():
         assert attention_module.input_precision(torch.bfloat16) == "ieee"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
-@pytest.mark.parametrize("seq_bucket", [8, 64, 512])
-def test_prune_keeps_only_compiled_tiles(dtype, head_dim, seq_bucket):
-    """The autotuner only ever runs tiles that have an AOT spec (so none of them spills), and no 128-query tile for
-    sequences of <= 64 tokens."""
-    configs = attention_module._all_configs()
-    precision = "ieee"
-    kept = attention_module._prune(configs, {"qkv_ptr": torch.empty(0, dtype=dtype), "seq_bucket": seq_bucket},
+# The tiles attention_configs' docstring promises, written out by hand: (BLOCK_M, BLOCK_N, num_warps, num_stages,
+# maxnreg) per (dtype, input precision, head dim). fp16/bf16: the 128x64 throughput tile, then a 64-query tile
+# (64x32 at hd 128, ptxas's own register budget for 128x64 there); fp32: one tile per head dim and precision.
+_HALF = [(128, 64, 8, 2, 255), (64, 64, 4, 2, 255)]
+_HALF_HD128 = [(128, 64, 8, 2, None), (64, 32, 4, 2, 255)]
+EXPECTED_TILES = {
+    **{(dtype, "ieee", hd): _HALF for dtype in (torch.float16, torch.bfloat16) for hd in (16, 32, 64)},
+    **{(dtype, "ieee", 128): _HALF_HD128 for dtype in (torch.float16, torch.bfloat16)},
+    (torch.float32, "ieee", 16): [(64, 32, 8, 2, 255)], (torch.float32, "ieee", 32): [(64, 32, 8, 2, 255)],
+    (torch.float32, "ieee", 64): [(64, 16, 4, 2, None)], (torch.float32, "ieee", 128): [(32, 16, 4, 2, None)],
+    (torch.float32, "tf32", 16): [(64, 32, 8, 2, 255)], (torch.float32, "tf32", 32): [(64, 32, 8, 2, 255)],
+    (torch.float32, "tf32", 64): [(64, 16, 4, 2, None)], (torch.float32, "tf32", 128): [(64, 32, 8, 2, 255)],
+}
+
+
+@pytest.mark.parametrize("dtype,precision,head_dim", list(EXPECTED_TILES), ids=str)
+def test_attention_configs_are_the_documented_tiles(dtype, precision, head_dim):
+    got = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision)]
+    assert got == EXPECTED_TILES[dtype, precision, head_dim]
+
+
+@pytest.mark.parametrize("seq_bucket", [8, 64, 128, 512])
+@pytest.mark.parametrize("dtype,precision,head_dim", list(EXPECTED_TILES), ids=str)
+def test_prune_keeps_the_call_s_tiles(dtype, precision, head_dim, seq_bucket):
+    """The autotuner tries exactly this call's documented tiles, minus the 128-query tile for sequences of <= 64
+    tokens (never all of them)."""
+    kept = attention_module._prune(attention_module._all_configs(),
+                                   {"qkv_ptr": torch.empty(0, dtype=dtype), "seq_bucket": seq_bucket},
                                    HEAD_DIM=head_dim, INPUT_PRECISION=precision, HAS_MASK=True)
-    allowed = {attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision)}
-    assert kept and {attention_module._key(c) for c in kept} <= allowed
-    if seq_bucket <= 64:
-        assert all(c.kwargs["BLOCK_M"] <= 64 for c in kept)
+    expected = EXPECTED_TILES[dtype, precision, head_dim]
+    if seq_bucket <= 64 and dtype != torch.float32:
+        expected = expected[1:]  # the 64-query tile alone
+    assert sorted(map(str, (attention_module._key(c) for c in kept))) == sorted(map(str, expected))
 
 
 def test_aot_specs_well_formed():
-    """Spec format only (tests/test_aot.py compiles them): unique names, every kernel argument typed or constant,
-    every (dtype, precision, head dim, mask variant, tile) the launcher can run is present, and the count stays
-    small."""
+    """Spec format (tests/test_aot.py compiles them): unique names, every kernel argument typed or constant, and
+    exactly the documented tiles for each (dtype, precision, head dim) and mask variant: 48 kernels."""
     specs = attention_module.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(names) == len(set(names)) and len(specs) <= 60
+    assert len(names) == len(set(names)) == 48
     arg_names = set(attention_module._attention_fwd_kernel.arg_names)  # JITFunction or, here, InterpretedFunction
     for spec in specs:
         assert not set(spec["signature"]) & set(spec["constexprs"]), spec["name"]
         assert set(spec["signature"]) | set(spec["constexprs"]) == arg_names, spec["name"]
         assert set(spec["hints"]) <= set(spec["signature"]), spec["name"]
-    covered = {(s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
-                s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"],
-                s["num_stages"], s.get("maxnreg")) for s in specs}
-    for dtype, tag in attention_module._DTYPES.items():
-        for precision in ("ieee", "tf32") if dtype == torch.float32 else ("ieee",):
-            for head_dim in kernel_utils.HEAD_DIMS:
-                for has_mask in (True, False):
-                    for config in attention_module.attention_configs(dtype, head_dim, precision):
-                        assert (f"*{tag}", precision, head_dim, has_mask) + attention_module._key(config) in covered
+    tags = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
+    covered = sorted(str((s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
+                          s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"],
+                          s["num_warps"], s["num_stages"], s.get("maxnreg"))) for s in specs)
+    expected = sorted(str((tags[dtype], precision, hd, mask) + tile) for (dtype, precision, hd), tiles in
+                      EXPECTED_TILES.items() for mask in (True, False) for tile in tiles)
+    assert covered == expected
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -468,14 +486,32 @@ def test_many_rows_launch():
     assert torch.equal(out, qkv[:, 2].reshape(65536, 64))  # one key: the output is its value
 
 
-def test_kv_end_is_not_taken_from_callers():
-    """kv_end bounds every key the kernel reads, so the launcher computes it from key_valid itself (and the kernel
-    clamps it into [0, S]); a caller can no longer pass one that reads past a row."""
-    qkv, mask = _good()
-    cu_seqlens, kv_end = uniform_cu_seqlens(2, 5, qkv.device), torch.full((2,), 99, dtype=torch.int32)
-    for entry in (attention, attention_module.launch):  # the checked entry point and the model's unchecked one
-        with pytest.raises(TypeError, match="kv_end"):
-            entry(qkv, cu_seqlens, 5, 0.125, key_valid=mask.key_valid, kv_end=kv_end)
+def test_last_real_key():
+    """kv_end, which bounds every key read, as the launcher derives it from key_valid: 1 + the last real key's
+    index, 0 for a fully padded row."""
+    keep = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 0], [1, 0, 1, 0, 0]], dtype=torch.bool)
+    assert attention_module.last_real_key(keep).tolist() == [2, 5, 0, 3]
+    assert attention_module.last_real_key(keep).dtype == torch.int32
+
+
+@pytest.mark.parametrize("entry", ["attention", "launch"])
+def test_keys_past_the_last_real_key_are_never_read(entry):
+    """The checked entry point and the model's unchecked one both bound key reads by key_valid's last real key:
+    NaN in the keys and values past it (a block and a half of them, at the 32-key interpreter tile) never reaches
+    the output, and the live rows match fp64."""
+    B, S, nh, hd = 2, 70, 2, 32
+    qkv = make_qkv(B, S, nh, hd, torch.float32)
+    attention_mask = make_padding(B, S, "right")  # row 0: all 70 real; row 1: 47 real, then padding
+    mask = AttentionMask.build(attention_mask, B, S, torch.float32)
+    ends = (70, 47)
+    assert attention_mask.sum(dim=1).tolist() == list(ends)
+    reference = reference64(qkv, attention_mask, ops.default_scale(hd))
+    qkv.view(B, S, 3, nh, hd)[1, ends[1]:, 1:] = float("nan")  # row 1's keys and values past its last real key
+    fn = attention if entry == "attention" else attention_module.launch
+    out = fn(qkv, uniform_cu_seqlens(B, S, qkv.device), S, ops.default_scale(hd), key_valid=mask.key_valid,
+             out=poisoned(B * S, nh * hd, torch.float32))
+    assert torch.isfinite(out).all()
+    assert max_error(out, reference) <= FP32_TOL
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -518,7 +554,7 @@ def test_varlen_matches_twin_and_fp64(lengths, nh, hd, layout, dtype):
     out = attention(qkv, cu, max(lengths), scale, out=poisoned(T, nh * hd, dtype))
     layout_ = TokenLayout(cu, max(lengths), T, tuple(lengths), None, len(lengths), max(lengths))
     twin = ops.attention_varlen_torch(qkv, layout_, scale)
-    assert_matches(out, twin, varlen_reference64(qkv, lengths, scale), dtype, torch.ones(T, dtype=torch.bool))
+    assert_kernel_matches(out, twin, varlen_reference64(qkv, lengths, scale), dtype)
 
 
 def test_varlen_grid_larger_than_the_sequences():
@@ -557,14 +593,16 @@ def test_varlen_dispatch_through_ops():
     assert (got - want).abs().max().item() <= FP32_TOL
 
 
-def test_autotuner_keeps_its_choice_across_processes():
-    """The attention autotuner writes its winner per key to Triton's cache dir (cache_results=True); checked in a fresh
-    process without the interpreter, where Triton honours the flag."""
-    import os
-    import subprocess
-    import sys
-    code = "from fastbert.kernels import attention; print(attention._attention_fwd.cache_results)"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "True"
+@pytest.mark.skipif(DEVICE == "cpu", reason="a CUDA test: Triton's interpreter switches the autotuner's disk cache off "
+                                            "(Autotuner: cache_results ... and not knobs.runtime.interpret), and "
+                                            "without it no compiled kernel runs")
+def test_autotuner_keeps_its_choice_across_processes(tmp_path):
+    """Attention tuned in one process is not benchmarked again in the next one sharing the Triton cache dir."""
+    call = ("from fastbert.kernels import attention\n"
+            "qkv = torch.randn(256, 3, 2, 64, device='cuda', dtype=torch.float16)\n"
+            "cu = torch.tensor([0, 128, 256], dtype=torch.int32, device='cuda')\n"
+            "attention.attention(qkv, cu, 128, 0.125)\n"
+            "TUNER = attention._attention_fwd")
+    first, second = tuning_in_fresh_processes(call, tmp_path)
+    assert first["benchmarks"] > 0, first
+    assert second == {"benchmarks": 0, "choice": first["choice"]}, (first, second)

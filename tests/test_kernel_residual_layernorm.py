@@ -8,6 +8,7 @@ own max error against fp64 (+1e-6). The row kernel has no tl.dot, so bf16 runs i
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
 from fastbert import ops
@@ -82,7 +83,7 @@ def test_strided_inputs_no_bias_and_eps(dtype, eps):
 @pytest.mark.parametrize("H,T", [(100, 7), (1023, 7), (1024, 7), (1536, 5), (640, 9), (32, 131)])
 def test_row_widths(H, T, dtype):
     """Row widths around the chunk choices: 100 (one masked chunk of 128), 1023 (one masked lane), 1024 (one chunk),
-    1536 (3 x 512), 640 (5 x 128 does not split into <= 4 chunks: one masked chunk of 1024), 32 (128 rows per
+    1536 (3 x 512), 640 (5 x 128 is not 1 or 3 power-of-two chunks: one masked chunk of 1024), 32 (128 rows per
     program, T = 131 leaves a partial program)."""
     K = 64
     y, w, b, res, gamma, beta = inputs(T, K, H, dtype)
@@ -226,12 +227,32 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         residual_layernorm(y, w, b, res, gamma, beta, 1e-12)
 
 
-@pytest.mark.parametrize("hidden", rln_mod.BERT_HIDDEN)
-def test_no_idle_lanes_at_bert_sizes(hidden):
-    """BERT's hidden sizes split into 1..4 power-of-two chunks exactly; ~4K elements per program."""
-    rows, chunk, num_chunks, warps = rln_mod.row_config(hidden)
-    assert chunk * num_chunks == hidden and 1 <= num_chunks <= 4 and chunk & (chunk - 1) == 0
-    assert rows & (rows - 1) == 0 and 2048 < rows * hidden <= 4096 and warps == 4
+@pytest.mark.parametrize("hidden,expected", [(384, (8, 128, 3, 4)), (768, (4, 256, 3, 4)), (1024, (4, 1024, 1, 4))])
+def test_no_idle_lanes_at_bert_sizes(hidden, expected):
+    """BERT's hidden sizes as whole power-of-two chunks (3 x 128, 3 x 256, 1 x 1024); ~4K elements per program."""
+    assert rln_mod.row_config(hidden) == expected
+
+
+def test_every_width_takes_one_or_three_chunks():
+    """The kernel has code for 1 and 3 chunks only (an odd part of at most 4 is 1 or 3): every width the launcher
+    takes gets one of them, as whole chunks or one masked chunk."""
+    for hidden in range(1, rln_mod.MAX_HIDDEN + 1):
+        rows, chunk, num_chunks, warps = rln_mod.row_config(hidden)
+        assert num_chunks in (1, 3), hidden
+        assert chunk * num_chunks == hidden or (num_chunks == 1 and chunk == triton.next_power_of_2(hidden)), hidden
+
+
+def test_kernel_refuses_other_chunk_counts():
+    """A chunk count the kernel has no code for is refused when it is built, not computed as if it were 1."""
+    T, H = 4, 128
+    h, res = torch.randn(T, H, device=DEVICE), torch.randn(T, H, device=DEVICE)
+    gamma, beta = torch.ones(H, device=DEVICE), torch.zeros(H, device=DEVICE)
+    out = poisoned((T, H), torch.float32)
+    for num_chunks in (2, 4):
+        with pytest.raises(Exception, match="NUM_CHUNKS must be 1 or 3"):
+            rln_mod.bias_residual_layernorm_kernel[(1,)](
+                h, h, res, gamma, beta, out, T, H, 1e-5, H, H, H,
+                HAS_BIAS=False, ROWS=4, CHUNK=H // num_chunks, NUM_CHUNKS=num_chunks, EVEN=True)
 
 
 def test_row_config_fallback_and_limits():
@@ -244,9 +265,15 @@ def test_row_config_fallback_and_limits():
 
 
 def test_aot_specs():
+    """Every dtype x {bias, no bias} x kernel config row_config gives over 1..MAX_HIDDEN (40 of them, the masked
+    ones included), each with the config of the width it is named after."""
     specs = rln_mod.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(set(names)) == len(names) == 3 * len(rln_mod.BERT_HIDDEN)  # fp32/fp16/bf16 x 384, 768, 1024
+    assert len(set(names)) == len(names) == 3 * 2 * 40
+    for must in ("residual_layernorm-fp16-H384-8x3x128-w4", "residual_layernorm-bf16-nobias-H768-4x3x256-w4",
+                 "residual_layernorm-fp32-H1024-4x1x1024-w4", "residual_layernorm-fp16-H5-512x1x8-w4-masked",
+                 "residual_layernorm-fp16-nobias-H8193-1x1x16384-w16-masked"):
+        assert must in names, must
     params = set(rln_mod.bias_residual_layernorm_kernel.arg_names)
     for s in specs:
         assert s["fn"] is rln_mod.bias_residual_layernorm_kernel
@@ -254,4 +281,7 @@ def test_aot_specs():
         c = s["constexprs"]
         hidden = int(s["name"].split("-H")[1].split("-")[0])
         assert (c["ROWS"], c["CHUNK"], c["NUM_CHUNKS"], s["num_warps"]) == rln_mod.row_config(hidden)
-        assert c["EVEN"] and s["hints"] == {"T": None}
+        assert c["EVEN"] == (c["CHUNK"] * c["NUM_CHUNKS"] == hidden) == ("-masked" not in s["name"])
+        assert c["HAS_BIAS"] == ("-nobias" not in s["name"])
+        unhinted = {"T"} if hidden % 16 == 0 else {"T", "N", "stride_hm", "stride_rm", "stride_om"}
+        assert s["hints"] == dict.fromkeys(unhinted)

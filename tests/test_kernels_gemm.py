@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
-from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls
+from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls, tuning_in_fresh_processes
 from fastbert import ops
+from fastbert.numerics import max_error
 from fastbert.kernels import utils as kernel_utils
 from fastbert.kernels import gemm as gemm_core
 from fastbert.kernels import attention as attention_mod
@@ -247,17 +249,21 @@ def test_prune_configs_skips_tiles_taller_than_the_tokens():
     assert rows(gemm_core.prune_configs(configs, {"M_BUCKET": 4096})) == [64, 128, 256]
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="a CUDA test: Triton's interpreter switches the autotuner's disk cache off "
+                                            "(Autotuner: cache_results ... and not knobs.runtime.interpret), and "
+                                            "without it no compiled kernel runs")
 def test_autotuner_keeps_its_choice_across_processes(tmp_path):
-    """Every GEMM autotuner is built with cache_results=True (Triton writes the winner per key to its cache dir).
-    Checked in a fresh process without the interpreter, where Triton honours the flag."""
-    import subprocess
-    import sys
-    code = ("from fastbert.kernels import gemm; "
-            "print(sorted((k, t.cache_results) for k, t in gemm._AUTOTUNED.items()))")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[(('ptr', 2), True), (('ptr', 4), True), (('tma', 2), True)]", result.stdout
+    """A GEMM tuned in one process is not benchmarked again in the next one sharing the Triton cache dir: the
+    second process loads the first one's choice from disk."""
+    call = ("from fastbert.kernels import gemm\n"
+            "from fastbert.kernels.bias_gelu import bias_gelu\n"
+            "x = torch.randn(64, 256, device='cuda', dtype=torch.float16)\n"
+            "w = torch.randn(512, 256, device='cuda', dtype=torch.float16) * 0.06\n"
+            "out = bias_gelu(x, w, torch.zeros(512, device='cuda', dtype=torch.float16), 'gelu')\n"
+            "TUNER = gemm._AUTOTUNED[('tma' if gemm.use_tma(x, w, out) else 'ptr', 2)]")
+    first, second = tuning_in_fresh_processes(call, tmp_path)
+    assert first["benchmarks"] > 0, first
+    assert second == {"benchmarks": 0, "choice": first["choice"]}, (first, second)
 
 
 def test_warp_specialization_is_opt_in():
@@ -309,19 +315,37 @@ def test_gemm_weight_strides(w_layout):
                    F.gelu(F.linear(a.double(), w.double(), b.double()), approximate="tanh"), dtype)
 
 
+# 1 + 2^-12 is exact in fp32 but not in tf32 (10 mantissa bits), which rounds it to 1: a dot over K such values
+# tells the two precisions apart by K * 2^-12.
+TF32_BLIND = 1 + 2 ** -12
+
+
 @pytest.mark.parametrize("allow_tf32", [False, True])
-def test_tf32_switch(allow_tf32):
-    """fp32 follows torch.backends.cuda.matmul.allow_tf32 ("ieee" when off); 16-bit types always compile one way."""
-    T, H, I = 7, 384, 100
-    x, w, b = make((T, H), torch.float32), make((I, H), torch.float32, H ** -0.5, 1), make((I,), torch.float32)
+def test_tf32_switch_reaches_the_kernel(allow_tf32, monkeypatch):
+    """fp32 launches with input_precision "tf32" exactly when torch's switch is on; fp16 always "ieee" (one
+    compile). What the precision does to the numbers: test_tf32_switch_changes_the_numbers (CUDA)."""
+    launched = []
+    real_run = gemm_core.gemm_kernel.run
+    monkeypatch.setattr(gemm_core.gemm_kernel, "run", lambda *args, **kwargs: (
+        launched.append(kwargs["INPUT_PRECISION"]), real_run(*args, **kwargs))[1])
     with tf32_matmuls(allow_tf32):
-        assert gemm_core.input_precision(torch.float32) == ("tf32" if allow_tf32 else "ieee")
-        assert gemm_core.input_precision(torch.float16) == "ieee"
-        y = bias_gelu(x, w, b, "gelu", out=poisoned((T, I), torch.float32))
-    ref64 = F.gelu(F.linear(x.double(), w.double(), b.double()))
-    # TF32 keeps 10 mantissa bits: ~1e-3 relative per product on a GPU; the interpreter computes in full fp32.
-    tol = 2e-2 if (allow_tf32 and DEVICE == "cuda") else FP32_TOL
-    assert torch.isfinite(y).all() and (y.double() - ref64).abs().max().item() <= tol
+        for dtype in (torch.float32, torch.float16):
+            x, w = make((7, 64), dtype), make((32, 64), dtype, 0.125, 1)
+            gemm_core.gemm(x, w, None, poisoned((7, 32), dtype), config=(64, 32, 32, 4, 1), kernel="ptr")
+    assert launched == [("tf32" if allow_tf32 else "ieee"), "ieee"]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter runs every fp32 dot in full fp32 whatever "
+                                            "input_precision says: only a GPU can tell ieee from tf32")
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_tf32_switch_changes_the_numbers(allow_tf32):
+    """x = 1 + 2^-12 everywhere, W = 1: "ieee" gives K (1 + 2^-12) exactly, "tf32" rounds x to 1 and gives K."""
+    M, N, K = 7, 48, 64
+    x = torch.full((M, K), TF32_BLIND, device=DEVICE)
+    w = torch.ones(N, K, device=DEVICE)
+    with tf32_matmuls(allow_tf32):
+        y = qkv_projection(x, w, None, 2).reshape(M, N)
+    assert torch.equal(y, torch.full_like(y, K if allow_tf32 else K * TF32_BLIND)), y[0, :4].tolist()
 
 
 def test_zero_tokens():
@@ -426,35 +450,58 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         bias_gelu(x, w, b)
 
 
-def test_aot_specs_cover_every_config():
-    from fastbert.kernels import bias_gelu as bias_gelu_mod, qkv_projection as qkv_mod
+# The tiles gemm_configs / gemm_tma_configs document, written out by hand (BLOCK_M x BLOCK_N x BLOCK_K, warps,
+# stages; "-ws": warp-specialized, an opt-in the AOT list always compiles).
+PTR_TILES_16BIT = ["128x128x64-w8-s3", "128x64x64-w8-s4", "64x128x64-w4-s4", "64x64x64-w4-s4", "64x32x128-w4-s4",
+                   "128x32x64-w4-s4"]
+PTR_TILES_FP32 = ["128x128x32-w8-s3", "128x64x32-w8-s4", "64x128x32-w4-s4", "64x64x32-w4-s4", "64x32x16-w4-s4"]
+TMA_TILES = ["128x256x64-w8-s3", "256x128x64-w8-s3", "128x128x64-w8-s4", "128x64x64-w4-s4", "64x128x64-w4-s4",
+             "128x32x64-w4-s4", "64x32x64-w4-s4", "128x128x64-w4-s4-ws", "128x64x64-w4-s4-ws"]
 
-    for mod, activations in ((qkv_mod, [None]), (bias_gelu_mod, ["gelu", "gelu_tanh"])):
-        specs = mod.aot_specs()
-        names = [s["name"] for s in specs]
-        assert len(names) == len(set(names))
-        n_ptr16, n_ptr32, n_tma = (len(gemm_core.gemm_configs(2)), len(gemm_core.gemm_configs(4)),
-                                   len(gemm_core.gemm_tma_configs(warp_specialize=True)))
-        # pointer kernel: fp32 twice (ieee, tf32), fp16 and bf16 once; TMA kernel: fp16 and bf16
-        assert len(specs) == (2 * n_ptr32 + 2 * n_ptr16 + 2 * n_tma) * len(activations)
-        for s in specs:
-            tma = s["fn"] is gemm_core.gemm_tma_kernel
-            assert tma or s["fn"] is gemm_core.gemm_kernel
-            assert s["tma"] == tma and ("-tma-" in s["name"]) == tma
-            assert set(s["signature"]) | set(s["constexprs"]) == set(s["fn"].arg_names)
-            assert not set(s["signature"]) & set(s["constexprs"])
-            assert s["hints"]["M"] is None  # the token count is arbitrary; N, K, strides are multiples of 16
-            assert s["constexprs"]["ACTIVATION"] in activations
-            # sm_90 compiles what runs there: TMA for 16-bit types, the pointer kernel for fp32 and one fallback tile
-            if tma:
-                assert s["archs"] == (90,)
-            elif "fp32" in s["name"] or s["name"].endswith(gemm_core.config_name(gemm_core._PTR_SM90_16BIT)):
-                assert s["archs"] == (90, 80)
-            else:
-                assert s["archs"] == (80,)
-            assert s["warp_specialize"] == s["name"].endswith("-ws")
-        # the opt-in warp-specialized tiles are compiled too, for fp16 and bf16
-        assert sum(s["warp_specialize"] for s in specs) == 2 * 2 * len(activations)
+
+def _expected_gemm_specs(prefix, activations):
+    """{name: archs}: sm_90 compiles what runs there (TMA for 16-bit types, the pointer kernel for fp32 and its
+    one 16-bit fallback tile, 128x128x64-w8-s3); sm_80 runs the pointer kernel for everything."""
+    expected = {}
+    for act in activations:
+        for bias in ("", "-nobias"):
+            head = f"{prefix}-{{}}{'-' + act if act else ''}{bias}"
+            for precision in ("ieee", "tf32"):
+                for tile in PTR_TILES_FP32:
+                    expected[f"{head.format('fp32')}-{precision}-ptr-{tile}"] = (90, 80)
+            for dtype in ("fp16", "bf16"):
+                for tile in PTR_TILES_16BIT:
+                    expected[f"{head.format(dtype)}-ptr-{tile}"] = (90, 80) if tile == "128x128x64-w8-s3" else (80,)
+                for tile in TMA_TILES:
+                    expected[f"{head.format(dtype)}-tma-{tile}"] = (90,)
+    return expected
+
+
+@pytest.mark.parametrize("mod,activations", [(qkv_mod, [None]), (bias_gelu_mod, ["gelu", "gelu_tanh", "relu"])],
+                         ids=["qkv_projection", "bias_gelu"])
+def test_aot_specs_cover_every_config(mod, activations):
+    """Every dtype x tile x activation x {bias, no bias} the launchers can run, on the archs it runs on: 40 kernels
+    per (activation, bias) pair; the spec's constexprs are the ones its name says."""
+    specs = mod.aot_specs()
+    names = [s["name"] for s in specs]
+    assert len(names) == len(set(names))
+    expected = _expected_gemm_specs(mod.OP, activations)
+    assert len(expected) == 40 * 2 * len(activations)
+    assert {s["name"]: tuple(s["archs"]) for s in specs} == expected
+    for s in specs:
+        tma = s["fn"] is gemm_core.gemm_tma_kernel
+        assert tma or s["fn"] is gemm_core.gemm_kernel
+        assert s["tma"] == tma and ("-tma-" in s["name"]) == tma
+        assert set(s["signature"]) | set(s["constexprs"]) == set(s["fn"].arg_names)
+        assert not set(s["signature"]) & set(s["constexprs"])
+        assert s["hints"]["M"] is None  # the token count is arbitrary; N, K, strides are multiples of 16
+        c = s["constexprs"]
+        assert c["HAS_BIAS"] == ("-nobias" not in s["name"])
+        assert (c["ACTIVATION"] or "") == next((a for a in activations if a and f"-{a}-" in s["name"]), "")
+        assert c["INPUT_PRECISION"] == ("tf32" if "-tf32-" in s["name"] else "ieee")
+        bm, bn, bk = (int(v) for v in s["name"].split("-ptr-" if not tma else "-tma-")[1].split("-")[0].split("x"))
+        assert (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) == (bm, bn, bk)
+        assert s["warp_specialize"] == s["name"].endswith("-ws")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -546,30 +593,38 @@ def test_epilogue_nan_and_inf(activation):
     assert abs(got[3] - (act64(torch.tensor(1.5, dtype=torch.float64), activation).item())) <= 1e-6
 
 
-def _gelu_erf_cuda_model(x: torch.Tensor, rcp) -> torch.Tensor:
-    """The CUDA path of kernels/gemm.py's _gelu_erf, step by step in fp32, with the reciprocal as a function:
-    the interpreter divides, the GPU runs rcp.approx.ftz.f32 (max error 1 ulp)."""
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    u = x.abs() * f32(0.8493218002880191)
-    e = torch.exp2(-(u * u))
-    t = rcp(1.0 + f32(0.27273748087922245) * u)
-    p = f32(0.127414796) + t * (f32(-0.142248368) + t * (f32(0.7107068705) + t * (f32(-0.7265760135)
-                                                                                  + t * f32(0.5307027145))))
-    tail = (f32(4.317008497401471) - f32(4.317008497401471) * t) * p * e
-    return torch.clamp_min(x, 0.0) - tail
+@triton.jit
+def _gelu_erf_probe(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    # The kernel's own erf-GELU epilogue function, alone, on a block of fp32 values.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, gemm_core._gelu_erf(tl.load(x_ptr + offs)))
 
 
-def test_gelu_erf_bound_holds_with_a_one_ulp_reciprocal():
-    """The GPU's rcp.approx may be 1 ulp off the exact reciprocal the interpreter computes: with the reciprocal
-    pushed 1 ulp either way the fp32 error over 2M points of [-12, 12] stays <= 1e-6 (measured: ~3.3e-7)."""
-    x = torch.linspace(-12, 12, 2_000_001, dtype=torch.float32)
-    want = GELU64["gelu"](x.double())
-    for direction in (-1, 0, 1):
-        def rcp(d, direction=direction):
-            r = 1.0 / d
-            return r if direction == 0 else torch.nextafter(r, torch.full_like(r, direction * float("inf")))
-        err = (_gelu_erf_cuda_model(x, rcp).double() - want).abs().max().item()
-        assert err <= 1e-6, (direction, err)
+@triton.jit
+def _rcp_one_ulp_up(x):
+    r = 1.0 / x  # > 0 here (1 + a|x|): one more in the bit pattern is the next float up
+    return (r.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rcp_one_ulp_down(x):
+    r = 1.0 / x
+    return (r.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+
+
+@pytest.mark.parametrize("rcp", [None, _rcp_one_ulp_down, _rcp_one_ulp_up], ids=["exact", "down", "up"])
+def test_gelu_erf_bound_holds_with_a_one_ulp_reciprocal(rcp, monkeypatch):
+    """kernels/gemm.py's _gelu_erf itself (its constants, its code), with its reciprocal exact (the interpreter's
+    division) or pushed 1 ulp either way (the GPU's rcp.approx may be 1 ulp off): the fp32 error over 2^21 points
+    of [-12, 12] stays <= 1e-6 (measured: ~3.3e-7)."""
+    if rcp is not None:
+        monkeypatch.setattr(gemm_core, "_rcp", rcp)
+    n, block = 2 ** 21, (2 ** 20 if DEVICE == "cpu" else 1024)  # the interpreter: few programs, numpy-wide
+    x = torch.linspace(-12, 12, n, dtype=torch.float32, device=DEVICE)
+    out = poisoned((n,), torch.float32)
+    _gelu_erf_probe[(n // block,)](x, out, BLOCK=block)
+    err = max_error(out, GELU64["gelu"](x.double()))
+    assert err <= 1e-6, err
 
 
 # --------------------------------------------------------------------------------------------------------------------
