@@ -5,7 +5,7 @@ Every op works on token-major 2-D matrices [T, features] (T = real tokens, packe
 
     op                  twin (the contract)                                   Triton kernel fuses
     qkv_projection      x @ W_qkv^T + b_qkv viewed [T, 3, nh, hd]            one GEMM, bias in the epilogue
-    attention           softmax(q k^T * scale + mask) v  -> [T, nh*hd]       flash attention, online softmax
+    attention           softmax(q k^T * scale + bias + mask) v -> [T, nh*hd] flash attention, online softmax
     bias_gelu           act(x @ W^T + b)                                      GEMM with bias+activation epilogue
     residual_layernorm  LN(y @ W^T + b + residual)                            bias+residual+LN in one pass per row
 """
@@ -27,24 +27,39 @@ def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return F.linear(x, weight, bias).view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
 
 
-def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0,
-                    return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def relative_bias(table: torch.Tensor, num_queries: int, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """The scores bias of one sequence, [nh, num_queries, num_keys] in `dtype`, from a per-distance table:
+    B[h, i, j] = table[h, (j - i) + L - 1] for a table [nh, 2L - 1]. Distances beyond +-(L - 1) read the table's end
+    columns (T5/MPNet buckets are constant from some distance on: a table reaching it is exact at every distance)."""
+    reach = (table.shape[1] - 1) // 2
+    keys, queries = torch.arange(num_keys, device=table.device), torch.arange(num_queries, device=table.device)
+    distance = keys[None, :] - queries[:, None]  # [num_queries, num_keys]: j - i
+    return table[:, (distance + reach).clamp_(0, 2 * reach)].to(dtype)
+
+
+def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """qkv [T, 3, nh, hd] -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn` is a TokenLayout (packed
-    sequences, padding-free) or an AttentionMask (padded rows, T = B*S)."""
+    sequences, padding-free) or an AttentionMask (padded rows, T = B*S). `bias`: None, or a float32 table
+    [nh, 2L - 1] of an additive score bias that depends on (head, j - i) only (see `relative_bias`), added after the
+    scale and before the softmax."""
     if isinstance(attn, TokenLayout):
-        return attention_varlen_torch(qkv, attn, scale, dropout_p), None
-    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs)
+        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias), None
+    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias)
 
 
-def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
     on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
-    3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code")."""
+    3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
+    sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch."""
     T, _, nh, hd = qkv.shape
     if layout.uniform:
         B, S = layout.num_seqs, layout.max_seqlen
         q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
-        ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+        attn_mask = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
         return ctx.transpose(1, 2).reshape(T, nh * hd)
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
@@ -53,27 +68,41 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     for length in layout.lengths:
         if length:
             q, k, v = qkv[start:start + length].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
-            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+            attn_mask = None if bias is None else relative_bias(bias, length, length, qkv.dtype)[None]
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
             out[start:start + length].view(length, nh, hd).copy_(ctx[0].transpose(0, 1))  # one copy, no cat
         start += length
     return out
 
 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
-                           return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Padded rows, qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None)."""
+                           return_probs: bool = False,
+                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padded rows, qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None). A `bias` table is
+    read at the padded positions (as HF does: distances count padding); a fully padded row still attends
+    uniformly."""
     B, S = mask.batch_size, mask.seq_len
     T, _, nh, hd = qkv.shape
     q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
+    rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
     if return_probs:  # HF's eager math, because the caller wants the probabilities themselves
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if rel is not None:
+            scores = scores + rel
         if mask.additive is not None:
             scores = scores + mask.additive
         probs = torch.softmax(scores, dim=-1)
         ctx = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
     else:
         probs = None
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive, dropout_p=dropout_p, scale=scale)
+        if rel is not None and mask.additive is not None and mask.additive.shape[-2] == 1:
+            # key mask [B, 1, 1, S] + bias [1, nh, S, S]: one row at a time, so no [B, nh, S, S] sum is formed
+            ctx = torch.cat([F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                                                            attn_mask=rel + mask.additive[b:b + 1],
+                                                            dropout_p=dropout_p, scale=scale) for b in range(B)])
+        else:
+            attn_mask = mask.additive if rel is None else rel if mask.additive is None else rel + mask.additive
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
     if mask.empty_rows is not None:
         # Fully padded rows: HF eager's uniform attention over all S keys, stated outright. Adding finfo.min only
         # equalises the scores when it swamps them; sdpa adds fp16's -65504 in fp32, where it does not.

@@ -1,6 +1,6 @@
 """Flash attention (forward) over BERT's packed qkv, one launch for a whole batch of sequences of any lengths.
 
-    out[t] = softmax(q[t] k[seq]^T * scale) v[seq]    for every token t of sequence seq     -> [T, nh*hd]
+    out[t] = softmax(q[t] k[seq]^T * scale + B) v[seq]    for every token t of sequence seq     -> [T, nh*hd]
 
 Why it pays. HF's eager BERT attention, per layer, for B sequences padded to S tokens, nh heads of hd (H = nh*hd),
 2-byte dtype: the matmul on transposed q/k views writes the scores [B, nh, S, S]; the scaling, the mask add and the
@@ -23,6 +23,11 @@ equal numbers is uniform, so each query attends uniformly to all S keys. The ker
 keys valid and a zero query, so every score is exactly 0. Padded *query* positions are computed like any other query
 (HF computes them too).
 
+Relative bias (optional). B[h, i, j] = table[h, clamp(j - i + L - 1, 0, 2L - 2)] from a float32 table [nh, 2L - 1]
+(MPNet's T5-style buckets; ALiBi's slopes * distance), i, j positions within the sequence: a distance does not change
+when sequences are packed, so one small table serves the whole batch. The kernel gathers a [BLOCK_M, BLOCK_N] tile of
+it (one head's row is 4 KB at L = 512) and adds it to the scores in registers; nothing S x S is ever formed.
+
 Layout. qkv is [T, 3, nh, hd]: the natural view of the QKV GEMM's [T, 3H] output, read through its strides (only hd
 must be unit-stride), so no transpose or .contiguous() copy is made. The output is [T, nh*hd], exactly what the
 attention output dense reads.
@@ -39,6 +44,7 @@ from . import utils
 from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision, loop_bound
 
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
+LOG2E = tl.constexpr(_LOG2E)  # the same factor on the bias table's values, inside the kernel
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -52,17 +58,21 @@ def _attention_fwd_kernel(
     key_valid_ptr,  # [n, S] int8 (a bool tensor viewed as int8), 1 = real key; read only when HAS_MASK
     kv_end_ptr,  # [n] int32, 1 + index of the row's last real key, 0 = fully padded row; read only when HAS_MASK
     out_ptr,  # [T, nh*hd], hd unit-stride
+    bias_ptr,  # [nh, 2L - 1] fp32, unit-stride columns: B[h, i, j] = bias[h, clamp(j - i + L - 1)]; when HAS_BIAS
     # sizes
     max_seqlen,  # the longest sequence: the grid gives every sequence cdiv(max_seqlen, BLOCK_M) query blocks
     qk_scale,  # softmax scale * log2(e)
+    bias_reach,  # L - 1: the table's largest distance (its column of distance 0)
     # strides (in elements)
     stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, q/k/v selector, head
     stride_mask_b, stride_mask_s,
     stride_out_t,
+    stride_bias_h,
     seq_bucket,  # next_power_of_2(max_seqlen): only an autotune key (a new length reuses the tuned config), not read
     # meta-parameters
     HEAD_DIM: tl.constexpr,
     HAS_MASK: tl.constexpr,  # padded rows with a key mask; False: varlen, every key of a sequence is real
+    HAS_BIAS: tl.constexpr,  # add the per-distance bias table to the scores
     INPUT_PRECISION: tl.constexpr,  # "tf32" or "ieee" for fp32 inputs (torch's allow_tf32); fp16/bf16 ignore it
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per loop iteration
@@ -94,9 +104,11 @@ def _attention_fwd_kernel(
         # which Triton 3.9's interpreter turns into an int32 mask it then refuses.)
         n_end = tl.where(kv_end == 0, seq_len, kv_end)
         q_end = tl.where(kv_end == 0, 0, seq_len)
+        bias_gain = tl.where(kv_end == 0, 0.0, LOG2E)  # HF's finfo.min swamps the bias there too: scores stay equal
     else:
         n_end = seq_len
         q_end = seq_len
+        bias_gain = LOG2E
     n_end = tl.where(live, n_end, 0)
     q_mask = offs_m < q_end
 
@@ -104,6 +116,9 @@ def _attention_fwd_kernel(
     q = tl.load(seq_base + offs_m[:, None] * stride_qkv_t + offs_d[None, :], mask=q_mask[:, None], other=0.0)
     k_base = seq_base + stride_qkv_which  # K^T tile [HEAD_DIM, BLOCK_N] is read straight from the [T, ...] layout
     v_base = seq_base + 2 * stride_qkv_which
+    if HAS_BIAS:
+        bias_row = bias_ptr + head * stride_bias_h
+        bias_col = bias_reach - offs_m  # + key position = the table column of distance j - i
 
     # Online softmax state, fp32, in the log2 domain. m starts finite (not -inf) so that a block whose keys are all
     # masked (scores -inf) gives alpha = exp2(m - m_new) = 1 and p = exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
@@ -117,6 +132,9 @@ def _attention_fwd_kernel(
         in_range = offs_n < n_end
         k = tl.load(k_base + offs_n[None, :] * stride_qkv_t + offs_d[:, None], mask=in_range[None, :], other=0.0)
         scores = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], fp32
+        if HAS_BIAS:  # distances past the table read its end columns; every index is in bounds, no load mask
+            col = tl.minimum(tl.maximum(bias_col[:, None] + offs_n[None, :], 0), 2 * bias_reach)
+            scores += tl.load(bias_row + col) * bias_gain
         if HAS_MASK:
             # Only keys before kv_end are read; the rest (all keys of a fully padded row) default to valid.
             key_valid = tl.load(key_valid_ptr + seq * stride_mask_b + offs_n * stride_mask_s,
@@ -250,7 +268,7 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
            key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: triton.Config | None = None) -> torch.Tensor:
+           config: triton.Config | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
     forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
     first config of attention_configs() for its dtype and head dim (benchmarking would sync). Runs on qkv's device."""
@@ -267,13 +285,19 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     else:
         mask_i8, kv_end = _placeholder(qkv.device, torch.int8), _placeholder(qkv.device, torch.int32)
         stride_mask_b = stride_mask_s = 1  # never read; 1s so the unmasked kernel matches its AOT spec
-    args = (qkv, cu_seqlens, mask_i8, kv_end, out,
-            max_seqlen, float(scale) * _LOG2E,
+    has_bias = bias is not None
+    if has_bias:
+        bias_reach, stride_bias_h = (bias.shape[1] - 1) // 2, bias.stride(0)
+    else:  # never read; a typed placeholder and 1s, so the unbiased kernel matches its AOT spec
+        bias, bias_reach, stride_bias_h = _placeholder(qkv.device, torch.float32), 1, 1
+    args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias,
+            max_seqlen, float(scale) * _LOG2E, bias_reach,
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             stride_mask_b, stride_mask_s,
-            out.stride(0),
+            out.stride(0), stride_bias_h,
             triton.next_power_of_2(max_seqlen))
-    meta = dict(HEAD_DIM=head_dim, HAS_MASK=key_valid is not None, INPUT_PRECISION=input_precision(qkv.dtype))
+    meta = dict(HEAD_DIM=head_dim, HAS_MASK=key_valid is not None, HAS_BIAS=has_bias,
+                INPUT_PRECISION=input_precision(qkv.dtype))
     if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
@@ -291,8 +315,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
-              config: triton.Config | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale) v per sequence, for packed qkv [T, 3, nh, hd] -> out [T, nh*hd].
+              config: triton.Config | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + B) v per sequence, for packed qkv [T, 3, nh, hd] -> out [T, nh*hd].
 
     cu_seqlens: [n + 1] int32 (on qkv's device): 0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = T; sequence i is tokens
                 cu_seqlens[i] : cu_seqlens[i + 1]. Checked here with one host read (`launch` does not read it).
@@ -301,6 +325,9 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
                 sequence has length S = max_seqlen and key j of row i is a real token where True.
     out:        optional [T, nh*hd] output (last dim unit-stride), same dtype and device as qkv.
     config:     force one triton.Config (BLOCK_M, BLOCK_N, warps, stages) instead of autotuning; for tests.
+    bias:       None (B = 0), or a float32 table [nh, 2L - 1] (unit-stride columns, on qkv's device) of a bias that
+                depends on (head, j - i) only: B[h, i, j] = bias[h, j - i + L - 1], i and j positions in the sequence
+                (in the row, with key_valid), distances beyond +-(L - 1) clamped to the end columns.
     """
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
@@ -358,6 +385,19 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
             raise ValueError(f"with key_valid (the padded layout) every sequence must have max_seqlen={max_seqlen} "
                              f"tokens; got lengths {shortest}..{longest}")
 
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dtype != torch.float32:
+            raise TypeError(f"bias.dtype={bias.dtype}; the bias table must be torch.float32")
+        if bias.dim() != 2 or bias.shape[0] != num_heads or bias.shape[1] % 2 != 1:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected (num_heads, 2L - 1)=({num_heads}, an odd "
+                             f"width) for distances -(L - 1)..(L - 1)")
+        if bias.device != device:
+            raise ValueError(f"bias is on {bias.device} but qkv is on {device}")
+        if bias.stride(-1) != 1:
+            raise ValueError(f"bias's last dim must be unit-stride, got strides {tuple(bias.stride())}")
+
     hidden = num_heads * head_dim
     if out is not None:
         if not isinstance(out, torch.Tensor):
@@ -370,47 +410,69 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
             raise ValueError(f"out is on {out.device} but qkv is on {device}")
         if out.stride(-1) != 1:
             raise ValueError(f"out's last dim must be unit-stride, got strides {tuple(out.stride())}")
-    return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config)
+    return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config, bias)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Ahead-of-time compile specs (tests/test_aot.py compiles each for sm_90 and sm_80 and rejects spills)
 # --------------------------------------------------------------------------------------------------------------------
 def aot_specs() -> list[dict]:
-    """One spec per dtype (x input precision for fp32) x head dim x mask variant x config of attention_configs():
-    48 kernels, each the specialisation the JIT builds at run time for BERT's tensors:
+    """One spec per dtype (x input precision for fp32) x head dim x mask variant x config of attention_configs(),
+    and the bias variants (both mask variants) at the head dims of BIAS_AOT_HEAD_DIMS: 60 kernels, each the
+    specialisation the JIT builds at run time for BERT's tensors:
     - the unit stride of key_valid [n, S] is the constant 1 (Triton specialises an int argument equal to 1; the
-      launcher passes 1 in the unmasked variant too, where it is not read);
+      launcher passes 1 in the unmasked variant too, where it is not read); so are the bias table's row stride and
+      reach in the unbiased variant;
     - qkv/out/cu_seqlens pointers and the qkv/out strides get the default divisibility-16 hint (torch allocations;
       3H, H, hd and nh*hd are multiples of 16 for every supported head dim), which is what lets loads vectorise and
       go through cp.async;
-    - max_seqlen and the key_valid row stride (= S) are arbitrary at run time: no hint.
+    - max_seqlen, the key_valid row stride (= S) and the bias table's reach and row stride (L - 1, 2L - 1) are
+      arbitrary at run time: no hint.
     """
+    return [spec for spec in _aot_specs() if not spec["constexprs"].get("HAS_BIAS")
+            or spec["constexprs"]["HEAD_DIM"] in BIAS_AOT_HEAD_DIMS]
+
+
+# The families with a relative bias (MPNet, DeBERTa-v3; ALiBi models) run hd 64; the others are compiled by hand
+# with `python tests/aot_compile.py fastbert.kernels.attention --specs-fn all_aot_specs` (the suite keeps to 60).
+BIAS_AOT_HEAD_DIMS = (64,)
+
+
+def all_aot_specs() -> list[dict]:
+    """Every variant the launcher can run, the bias variants at every head dim included (96 kernels)."""
+    return _aot_specs()
+
+
+def _aot_specs() -> list[dict]:
     specs = []
     for dtype, tag in _DTYPES.items():
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
         for precision in precisions:
             for head_dim in TRITON_HEAD_DIMS:
-                for has_mask in (True, False):
+                for has_mask, has_bias in ((True, False), (False, False), (True, True), (False, True)):
                     for config in attention_configs(dtype, head_dim, precision):
                         bm, bn, warps, stages, maxnreg = _key(config)
                         name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
-                                        [f"hd{head_dim}", "mask" if has_mask else "nomask",
-                                         f"{bm}x{bn}-w{warps}-s{stages}" + (f"-r{maxnreg}" if maxnreg else "")])
+                                        [f"hd{head_dim}", "mask" if has_mask else "nomask"] +
+                                        (["bias"] if has_bias else []) +
+                                        [f"{bm}x{bn}-w{warps}-s{stages}" + (f"-r{maxnreg}" if maxnreg else "")])
+                        bias_args = {"bias_reach": "i32", "stride_bias_h": "i32"} if has_bias else {}
                         specs.append({
                             "name": name,
                             "fn": _attention_fwd_kernel,
                             "signature": {
                                 "qkv_ptr": f"*{tag}", "cu_seqlens_ptr": "*i32", "key_valid_ptr": "*i8",
-                                "kv_end_ptr": "*i32", "out_ptr": f"*{tag}", "max_seqlen": "i32",
+                                "kv_end_ptr": "*i32", "out_ptr": f"*{tag}", "bias_ptr": "*fp32", "max_seqlen": "i32",
                                 "qk_scale": "fp32", "stride_qkv_t": "i32", "stride_qkv_which": "i32",
                                 "stride_qkv_h": "i32", "stride_mask_b": "i32", "stride_out_t": "i32",
-                                "seq_bucket": "i32",
+                                "seq_bucket": "i32", **bias_args,
                             },
                             "constexprs": {"stride_mask_s": 1, "HEAD_DIM": head_dim,
-                                           "HAS_MASK": has_mask, "INPUT_PRECISION": precision,
-                                           "BLOCK_M": bm, "BLOCK_N": bn},
-                            "hints": {"max_seqlen": None, "stride_mask_b": None, "seq_bucket": None},
+                                           "HAS_MASK": has_mask, "HAS_BIAS": has_bias, "INPUT_PRECISION": precision,
+                                           "BLOCK_M": bm, "BLOCK_N": bn,
+                                           **({} if has_bias else {"bias_reach": 1, "stride_bias_h": 1})},
+                            "hints": {"max_seqlen": None, "stride_mask_b": None, "seq_bucket": None,
+                                      **{arg: None for arg in bias_args}},
                             "num_warps": warps,
                             "num_stages": stages,
                             **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
