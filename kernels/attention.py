@@ -175,7 +175,7 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg
 
 def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee") -> list[triton.Config]:
     """The tiles worth trying for one dtype / head dim / fp32 input precision. Each compiles for sm_90 and sm_80,
-    masked and unmasked, without register spills on Triton 3.6 and 3.9 (cuobjdump STACK 0; tests/test_aot.py
+    masked and unmasked, without register spills on Triton 3.6 and 3.9 (cuobjdump STACK 0; tests/tooling/test_aot.py
     checks it via aot_specs()).
 
     fp16/bf16: 128x64 with 8 warps is the throughput tile for long sequences and big batches (the Triton tutorial's
@@ -231,7 +231,7 @@ _attention_fwd = utils.autotune(_attention_fwd_kernel, _all_configs(), ["HEAD_DI
 # Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
 # per shape, measuring nothing real), so the launcher uses this one fixed tile instead. 64x32 is the smallest
 # 64-row tile of the menu: it runs the most key-loop iterations and hits the query and key tails at the short
-# lengths tests afford (tests/test_kernel_attention.py runs every other tile once through `config=`).
+# lengths tests afford (tests/kernels/test_attention.py runs every other tile once through `config=`).
 _INTERPRETER_CONFIG = _config(64, 32, 4, 2)
 
 
@@ -414,7 +414,7 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Ahead-of-time compile specs (tests/test_aot.py compiles each for sm_90 and sm_80 and rejects spills)
+# Ahead-of-time compile specs (tests/tooling/test_aot.py compiles each for sm_90 and sm_80 and rejects spills)
 # --------------------------------------------------------------------------------------------------------------------
 def aot_specs() -> list[dict]:
     """One spec per dtype (x input precision for fp32) x head dim x mask variant x config of attention_configs(),
@@ -434,7 +434,7 @@ def aot_specs() -> list[dict]:
 
 
 # The families with a relative bias (MPNet, DeBERTa-v3; ALiBi models) run hd 64; the others are compiled by hand
-# with `python tests/aot_compile.py fastbert.kernels.attention --specs-fn all_aot_specs` (the suite keeps to 60).
+# with `python tests/tooling/aot_compile.py fastbert.kernels.attention --specs-fn all_aot_specs` (the suite keeps to 60).
 BIAS_AOT_HEAD_DIMS = (64,)
 
 

@@ -14,7 +14,7 @@ Two kernels, one epilogue:
 - `gemm_kernel` (sm_80, fp32, and any layout TMA cannot describe): pointer loads that Triton pipelines through
   cp.async; W is read through any strides.
 Both run in Triton's interpreter (the tests run every config of both on CPU); what only the GPU shows (TMA, wgmma,
-the pipelining) is proven ahead of time by tests/test_aot.py (UTMALDG, HGMMA, no spills).
+the pipelining) is proven ahead of time by tests/tooling/test_aot.py (UTMALDG, HGMMA, no spills).
 
 Small T (BERT at 1x128): the GEMM streams W (BERT-base QKV: 3.5 MB), so the configs that matter read W once: a
 128-row tile holds all of T <= 128, and 32-column panels give N/32 programs (72 for QKV, 96 for FFN-in: one wave on
@@ -463,7 +463,7 @@ def gemm_aot_specs(prefix: str, activations) -> list:
     """The kernels x dtypes x configs x activations x {bias, no bias} that run, named like
     "bias_gelu-fp16-gelu-tma-128x256x64-w8-s3" ("-nobias" after the activation without one), each with the archs it
     runs on ("archs"). Pointers and the integers the JIT sees as multiples of 16 at BERT's sizes are compiled with
-    that divisibility (tests/aot_compile.py's default); "hints" {"M": None} takes it back for the token count, which
+    that divisibility (tests/tooling/aot_compile.py's default); "hints" {"M": None} takes it back for the token count, which
     is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
     Without the divisibility loads turn scalar and the pointer kernel spills (REG 255 STACK 32 at 128x128 GELU)."""
     specs = []

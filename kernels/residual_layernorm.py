@@ -28,7 +28,7 @@ Without a GPU to measure this here, that is the estimate; bench/ measures it.
 
 The row kernel: ROWS rows per program, each row held in registers as NUM_CHUNKS chunks of CHUNK lanes, where
 CHUNK * NUM_CHUNKS == H exactly for BERT's sizes (384 = 3 x 128, 768 = 3 x 256, 1024 = 1 x 1024): no idle lanes,
-every thread moves whole 16-byte vectors (tests/test_aot.py checks the PTX: only v4 loads and stores of rows).
+every thread moves whole 16-byte vectors (tests/tooling/test_aot.py checks the PTX: only v4 loads and stores of rows).
 Other widths take one masked chunk of next_pow2(H). ~4K elements per program (ROWS = 8 at H = 384, 4 at 768 and
 1024: 24-32 fp32 values per thread per chunk set) keeps enough bytes in flight with T/ROWS programs (1024 at
 T = 4096, ~8 per SM); the bias, gamma and beta chunks are loaded once per program, not once per row. That is the
@@ -225,7 +225,7 @@ def row_configs() -> dict:
 def aot_specs() -> list:
     """The row kernel for every dtype x {bias, no bias} x config of `row_configs()` (the masked EVEN=False ones
     included), each named by the smallest width that gets it. Pointers are compiled as multiples of 16
-    (tests/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row strides too when
+    (tests/tooling/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row strides too when
     that width is a multiple of 16; "hints" takes it back for T (any token count) and for the other widths."""
     specs = []
     for dtype, short in DTYPES.items():

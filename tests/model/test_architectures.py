@@ -11,49 +11,11 @@ import torch
 import transformers
 
 import fastbert
-from conftest import DEVICE, perturb_
-from test_parity import assert_close_on, make_inputs
+from helpers import ARCH_VOCAB as VOCAB, DEVICE, assert_close_on, pad_id
+from helpers import arch_inputs as inputs, random_arch_model as random_hf
 
-VOCAB, PAD_ROBERTA = 99, 1
 ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler")
 BACKENDS = ("torch", "triton")
-
-
-def random_hf(arch, hidden=64, heads=2, layers=2, intermediate=100, max_len=24, seed=0):
-    """A transformers encoder of `arch` with random, non-trivial weights (LayerNorms and biases perturbed too).
-    max_len: the longest sequence it takes (RoBERTa's table is padding_idx + 1 rows longer)."""
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                  intermediate_size=intermediate, hidden_act="gelu", attn_implementation="eager")
-    if arch in ("bert", "bert-no-pooler"):
-        model = transformers.BertModel(transformers.BertConfig(**common, max_position_embeddings=max_len,
-                                                               type_vocab_size=3),
-                                       add_pooling_layer=arch == "bert")
-    elif arch == "electra":
-        model = transformers.ElectraModel(transformers.ElectraConfig(**common, embedding_size=hidden // 2,
-                                                                     max_position_embeddings=max_len,
-                                                                     type_vocab_size=3))
-    else:
-        cls = {"roberta": (transformers.RobertaConfig, transformers.RobertaModel),
-               "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel),
-               "camembert": (transformers.CamembertConfig, transformers.CamembertModel)}[arch]
-        model = cls[1](cls[0](**common, max_position_embeddings=max_len + PAD_ROBERTA + 1, pad_token_id=PAD_ROBERTA,
-                              type_vocab_size=1 if arch == "xlm-roberta" else 2))
-    torch.manual_seed(seed)
-    return perturb_(model, weight_std=0.05).eval().to(DEVICE)  # padding rows too: HF reads them, so must fastbert
-
-
-def pad_id(hf):
-    return hf.config.pad_token_id if hf.config.model_type in ("roberta", "xlm-roberta", "camembert") else 0
-
-
-def inputs(hf, padding, B=3, S=11, seed=1):
-    """ids / token types / mask. Padded positions hold the pad id (as a tokenizer writes them); for RoBERTa one real
-    token of row 0 is the pad id too (HF gives it position padding_idx: so must fastbert, packed or not)."""
-    ids, tt, mask = make_inputs(padding, B, S, vocab=VOCAB, types=hf.config.type_vocab_size, seed=seed, low=2)
-    ids = ids.masked_fill(mask == 0, pad_id(hf))
-    if pad_id(hf):
-        ids[0, 3] = pad_id(hf)
-    return ids.to(DEVICE), tt.to(DEVICE), mask.to(DEVICE)
 
 
 def pooler_of(hf):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
+from helpers import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
 from fastbert import ops
 from fastbert.kernels import utils as kernel_utils
 from fastbert.kernels import residual_layernorm as rln_mod

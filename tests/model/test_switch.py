@@ -7,7 +7,7 @@ import torch
 import fastbert
 from fastbert import dispatch, ops
 from fastbert.kernels import utils as kernel_utils
-from conftest import random_hf_bert
+from helpers import random_hf_bert
 
 IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
 MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
@@ -121,7 +121,7 @@ def test_bf16_dots_under_the_interpreter(hf, monkeypatch):
     ids, mask = IDS, MASK
     with torch.no_grad():
         want = fastbert.BertModel.from_hf(bf16, kernels="torch")(ids, attention_mask=mask).last_hidden_state
-        # (residual_layernorm has no tl.dot and runs bf16 in the interpreter: test_kernel_residual_layernorm.py. It stays
+        # (residual_layernorm has no tl.dot and runs bf16 in the interpreter: tests/kernels/test_residual_layernorm.py. It stays
         # on its twin here so that this test means the same on a CUDA machine, where these are CPU tensors.)
         auto = fastbert.BertModel.from_hf(bf16, kernels="auto").set_kernels(residual_layernorm="torch")
         with pytest.warns(UserWarning) as record:

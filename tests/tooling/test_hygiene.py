@@ -5,7 +5,9 @@ import pathlib
 
 import pytest
 
-CONFTEST = (pathlib.Path(__file__).parent / "conftest.py").read_text()
+TESTS = pathlib.Path(__file__).parent.parent
+CONFTEST = (TESTS / "conftest.py").read_text()
+HELPERS = (TESTS / "helpers.py").read_text()  # the conftest imports it
 
 
 @pytest.mark.parametrize("leak, words", [
@@ -16,6 +18,7 @@ CONFTEST = (pathlib.Path(__file__).parent / "conftest.py").read_text()
 ])
 def test_a_test_that_leaks_global_state_fails(pytester, leak, words):
     pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(helpers=HELPERS)
     pytester.makepyfile(test_leaky=f"def test_leaks():\n    {leak}\n\n\ndef test_clean():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
     result.assert_outcomes(passed=2, errors=1)
@@ -24,9 +27,10 @@ def test_a_test_that_leaks_global_state_fails(pytester, leak, words):
 
 def test_a_test_that_restores_what_it_changes_passes(pytester):
     pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(helpers=HELPERS)
     pytester.makepyfile(test_tidy="""
 import torch
-from conftest import tf32_matmuls
+from helpers import tf32_matmuls
 
 
 def test_tidy(monkeypatch):

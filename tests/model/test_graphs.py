@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import fastbert
-from conftest import main_in_process, random_hf_bert
+from helpers import main_in_process, random_hf_bert
 from fastbert import dispatch, graphs
 from fastbert.graphs import EagerGraph, Graphed, GraphRunner, stats_of
 

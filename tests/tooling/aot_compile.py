@@ -16,7 +16,7 @@ Why a subprocess. tests/conftest.py sets TRITON_INTERPRET=1 on a machine without
 InterpretedFunctions, which the compiler cannot take. So the compile runs in a child process with TRITON_INTERPRET
 unset (`compile_module`), which imports the op module afresh, compiles its specs and streams one JSON line per
 (spec, arch); the same path runs unchanged on a CUDA machine. Run it by hand for a table:
-    python tests/aot_compile.py fastbert.kernels.bias_gelu [more modules] [--arch 90]
+    python tests/tooling/aot_compile.py fastbert.kernels.bias_gelu [more modules] [--arch 90]
 """
 from __future__ import annotations
 

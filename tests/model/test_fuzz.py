@@ -9,13 +9,16 @@ pooler reads a real token; fp16 error against HF in fp32 at most twice HF's own 
 online softmax is fuzzed across blocks. Deterministic (derandomize) and bounded, so CI runs the same examples every
 time.
 """
+import pytest
 import torch
 import transformers
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fastbert
-from conftest import DEVICE
+from helpers import DEVICE
 from fastbert.numerics import error_bound, max_error
+
+pytestmark = pytest.mark.slow  # hundreds of random models
 
 ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ROW_KINDS = ("full", "right", "left", "holes", "empty", "one")

@@ -2,7 +2,7 @@
 import torch
 
 import fastbert
-from conftest import random_hf_bert
+from helpers import random_hf_bert
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 3], [10, 11, 12, 13, 0, 0]])
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastbert
-from conftest import hf_dtype, random_hf_bert
+from helpers import assert_close_on, assert_pooler_matches, hf_dtype, make_inputs, random_hf_bert
 from fastbert.numerics import FP32_TOL
 
 CONFIGS = {  # hidden, heads, layers, intermediate, act  (head dims 16, 32, 64; intermediates not multiples of 64)
@@ -21,57 +21,6 @@ CONFIGS = {  # hidden, heads, layers, intermediate, act  (head dims 16, 32, 64; 
     "h384-nh12-L2-gelu": (384, 12, 2, 1000, "gelu"),
     "h768-nh12-L1-gelu": (768, 12, 1, 3000, "gelu"),
 }
-
-
-def make_inputs(kind, B=3, S=11, vocab=99, types=3, seed=1, low=1):
-    """ids in [low, vocab), token types, and a 0/1 mask: no padding, right, left, or a fully padded row."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(low, vocab, (B, S), generator=g)
-    tt = torch.randint(0, types, (B, S), generator=g)
-    mask = torch.ones(B, S, dtype=torch.long)
-    if kind == "right":
-        for b, n in enumerate([S, 5, 1][:B]):
-            mask[b, n:] = 0
-    elif kind == "left":
-        for b, n in enumerate([S, 4, 2][:B]):
-            mask[b, : S - n] = 0
-    elif kind == "fully_padded_row":
-        mask[1, 6:] = 0
-        mask[2] = 0
-    return ids, tt, mask
-
-
-def assert_close_on(actual, expected, mask, padding_free=True, real_tol=1e-5, pad_tol=1e-4):
-    """Real tokens within real_tol. Padded positions: exactly 0 when padding-free; else, on rows that have a real
-    token, within pad_tol of HF's values."""
-    assert torch.isfinite(actual).all()
-    real = mask.bool()
-    d = (actual.float() - expected.float()).abs().amax(-1)  # [B, S]
-    if real.any():
-        assert d[real].max() <= real_tol, f"real tokens: max |delta| {d[real].max():.3g} > {real_tol}"
-    if padding_free:
-        assert (actual[~real] == 0).all(), "padding-free execution leaves padded positions at 0"
-        return
-    pad = ~real & real.any(1)[:, None]
-    if pad.any():
-        assert d[pad].max() <= pad_tol, f"padded positions: max |delta| {d[pad].max():.3g} > {pad_tol}"
-
-
-def assert_pooler_matches(fb_pooled, hf, ids, mask, tt, tol=1e-5):
-    """Rows whose position 0 is real: HF's pooler_output. Other rows with a real token: HF's pooler applied to HF's
-    own hidden state of the row's first real token (its [CLS]), where HF's pooler reads position 0, a padding slot.
-    Rows with none: the pooler of a zero vector, tanh(b_p)."""
-    with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, token_type_ids=tt)
-        for b in range(ids.shape[0]):
-            real = mask[b].bool()
-            if real[0]:
-                want = ref.pooler_output[b]
-            elif real.any():
-                want = torch.tanh(hf.pooler.dense(ref.last_hidden_state[b, real.nonzero()[0, 0]]))
-            else:
-                want = torch.tanh(hf.pooler.dense.bias)
-            assert (fb_pooled[b] - want).abs().max() <= tol, f"pooler row {b}"
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))

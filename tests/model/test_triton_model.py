@@ -6,8 +6,8 @@ import transformers
 import fastbert
 from fastbert import dispatch, ops
 from fastbert.numerics import FP32_TOL
-from conftest import DEVICE, hf_dtype, random_hf_bert
-from test_parity import assert_close_on, assert_pooler_matches, make_inputs
+from helpers import DEVICE, hf_dtype, random_hf_bert
+from helpers import assert_close_on, assert_pooler_matches, make_inputs
 
 pytestmark = pytest.mark.filterwarnings("error::UserWarning")  # "auto" must not fall back silently or noisily here
 

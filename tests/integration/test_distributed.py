@@ -20,19 +20,15 @@ import numpy as np
 import pytest
 
 import fastbert
-from conftest import main_in_process
+from helpers import main_in_process, optional
 from fastbert.cli.encode import split_lines
 from fastbert.distributed import corpus, job, shards
 from fastbert.distributed.corpus import CorpusError
 
-if os.environ.get("CI"):  # the test extras install ray[data]: required there
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import ray
-else:
-    ray = pytest.importorskip("ray", reason="Ray Data is an optional extra: pip install -e '.[test]'")
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+ray = optional("ray", reason="Ray Data is an optional extra: pip install -e '.[test]'")
+pa = optional("pyarrow", reason="pyarrow comes with ray[data]")
+pq = optional("pyarrow.parquet", reason="pyarrow comes with ray[data]")
+pytestmark = pytest.mark.slow  # a local Ray cluster
 
 COSINE = 0.99999
 CPU = {"kernels": "torch"}  # the PyTorch path: tests/conftest.py turns on Triton's interpreter, far too slow here

@@ -10,7 +10,7 @@ import torch
 
 import fastbert
 from fastbert import dispatch, ops
-from conftest import DEVICE, random_hf_bert
+from helpers import DEVICE, random_hf_bert
 from fastbert.graphs import EagerGraph, GraphRunner
 
 BACKENDS = ["torch", "triton"]  # triton: the interpreter on CPU, compiled on CUDA

@@ -10,8 +10,8 @@ import transformers
 
 import fastbert
 from fastbert import twins
-from conftest import perturb_
-from test_contract import fused_rows_alias_parts
+from helpers import perturb_
+from helpers import fused_rows_alias_parts
 
 peft = pytest.importorskip("peft")
 

@@ -10,7 +10,7 @@ Outputs are poisoned with NaN first. The MPNet table is checked against transfor
 import pytest
 import torch
 
-from conftest import DEVICE, poisoned
+from helpers import DEVICE, poisoned
 
 from fastbert import custom_ops, ops, twins
 from fastbert.kernels.attention import attention, uniform_cu_seqlens

@@ -11,7 +11,8 @@ import torch
 import transformers
 
 import fastbert
-from conftest import hf_dtype, random_hf_bert
+from fastbert.numerics import FP32_TOL, max_error
+from helpers import hf_dtype, random_hf_bert
 
 B, S, VOCAB = 3, 9, 99
 IDS = torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
@@ -385,7 +386,7 @@ def test_feature_extraction_pipeline(minilm_path):
 def test_heads_of_the_other_architectures(name):
     """The RoBERTa-family and ELECTRA heads: their encoder (roberta / electra) is swapped and put back; real-token
     outputs equal before, during and after."""
-    from test_architectures import inputs, random_hf
+    from helpers import arch_inputs as inputs, random_arch_model as random_hf
     arch = {"Roberta": "roberta", "XLMRoberta": "xlm-roberta", "Camembert": "camembert", "Electra": "electra"}[
         name.split("For")[0]]
     config = random_hf(arch).config
@@ -405,3 +406,26 @@ def test_heads_of_the_other_architectures(name):
     pick = (lambda t: t[real]) if per_token else (lambda t: t)
     assert (pick(during) - pick(before)).abs().max() <= 1e-5
     assert torch.equal(pick(after), pick(before))
+
+
+# ---- the headline usage: optimize(model) with the default kernels ("auto"), then a forward ----------------------
+# On CPU the tests run Triton's interpreter, so "auto" takes each kernel there and the optimized head runs all four
+# Triton kernels; on a GPU it runs what "auto" measured. Either way the outputs equal stock HF's on real tokens.
+@pytest.mark.parametrize("name", ["BertForSequenceClassification", "BertForTokenClassification"])
+def test_optimize_with_default_kernels_then_forward(name):
+    config = bert_config(hidden_size=32, num_attention_heads=2, intermediate_size=48, num_hidden_layers=1)
+    stock = perturbed(getattr(transformers, name)(config))
+    inputs = head_inputs(name)
+    with torch.no_grad():
+        want = stock(**inputs)
+    model = fastbert.optimize(copy.deepcopy(stock))
+    encoder = model.bert
+    assert isinstance(encoder, fastbert.BertModel) and set(encoder.kernels.values()) == {"auto"}
+    on_triton = {op for op, b in encoder.resolved_kernels(tokens=20, max_seqlen=9).items() if b == "triton"}
+    from fastbert.kernels import utils
+    assert on_triton == (set(fastbert.OPS) if utils.INTERPRET or torch.cuda.is_available() else set())
+    with torch.no_grad():
+        got = model(**inputs)
+    for field, _ in HEADS[name][1]:
+        err = max_error(real_part(name, field, got[field]), real_part(name, field, want[field]))
+        assert err <= FP32_TOL, f"{field}: max |delta| {err:.3g}"

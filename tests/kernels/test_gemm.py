@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from conftest import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls, tuning_in_fresh_processes
+from helpers import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls, tuning_in_fresh_processes
 from fastbert import ops
 from fastbert.numerics import max_error
 from fastbert.kernels import utils as kernel_utils
@@ -249,6 +249,7 @@ def test_prune_configs_skips_tiles_taller_than_the_tokens():
     assert rows(gemm_core.prune_configs(configs, {"M_BUCKET": 4096})) == [64, 128, 256]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(DEVICE == "cpu", reason="a CUDA test: Triton's interpreter switches the autotuner's disk cache off "
                                             "(Autotuner: cache_results ... and not knobs.runtime.interpret), and "
                                             "without it no compiled kernel runs")
@@ -335,6 +336,7 @@ def test_tf32_switch_reaches_the_kernel(allow_tf32, monkeypatch):
     assert launched == [("tf32" if allow_tf32 else "ieee"), "ieee"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter runs every fp32 dot in full fp32 whatever "
                                             "input_precision says: only a GPU can tell ieee from tf32")
 @pytest.mark.parametrize("allow_tf32", [False, True])
@@ -686,6 +688,7 @@ def test_launcher_launches_under_a_device_guard_for_its_tensors(name, monkeypatc
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs two CUDA devices (runs every launcher on cuda:1 with cuda:0 current)")
 @pytest.mark.parametrize("name", LAUNCHERS)

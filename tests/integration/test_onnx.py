@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastbert
-from conftest import random_hf_bert
+from helpers import random_hf_bert
 
 import onnxruntime  # noqa: E402  (a test dependency: setup.py's test extras)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastbert
-from conftest import random_hf_bert
+from helpers import random_hf_bert
 from fastbert import auto, dispatch, fallback, ops, twins
 from fastbert.graphs import EagerGraph, GraphRunner
 from fastbert.kernels import utils as kernel_utils

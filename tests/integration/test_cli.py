@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_line_error, main_in_process
+from helpers import assert_one_line_error, main_in_process
 
 
 def run_cli(*args, interpret="0", timeout=600):

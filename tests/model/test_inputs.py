@@ -4,7 +4,7 @@ import torch
 import transformers
 
 import fastbert
-from conftest import random_hf_bert
+from helpers import random_hf_bert
 
 
 @pytest.fixture(scope="module")

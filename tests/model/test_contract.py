@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import fastbert
-from conftest import perturb_
+from helpers import fused_rows_alias_parts, perturb_
 
 S = 7
 IDS = torch.tensor([[5, 8, 13, 21, 34, 2, 3], [9, 10, 11, 12, 0, 0, 0]])
@@ -42,18 +42,6 @@ def hf_head(family, head=None, seed=0, **config):
 def with_fastbert(model, padding_free=True):
     """The same model, its encoder swapped for fastbert (the PyTorch twins: these are CPU checks)."""
     return fastbert.optimize(copy.deepcopy(model), kernels="torch", padding_free=padding_free)
-
-
-def fused_rows_alias_parts(encoder) -> bool:
-    """query/key/value's parameters are rows of the layer's fused QKV weight (one copy, one GEMM)."""
-    for layer in encoder.encoder.layer:
-        sa = layer.attention.self
-        rows = sa.qkv_weight.chunk(3), sa.qkv_bias.chunk(3)
-        for i, name in enumerate(("query", "key", "value")):
-            part = getattr(sa, name)
-            if part.weight.data_ptr() != rows[0][i].data_ptr() or part.bias.data_ptr() != rows[1][i].data_ptr():
-                return False
-    return True
 
 
 # ---- construction on the meta device (transformers' test_all_tensors_are_parameter_or_buffer,

@@ -1,0 +1,266 @@
+"""What the tests share: the device, model and input builders, the kernel-output checks, the CLI runner.
+
+Tests import from here (`from helpers import ...`), never from each other; tests/conftest.py holds only fixtures and
+the guard on global state. The accuracy rule itself is fastbert.numerics.
+"""
+import contextlib
+import os
+
+import pytest
+import torch
+
+from fastbert.numerics import FP32_TOL, error_bound, max_error  # noqa: F401  (FP32_TOL: the tests' fp32 bar)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def optional(module: str, reason: str):
+    """An optional dependency the test extras install: required in CI (CI=1: its absence fails the tests that need
+    it), skipped with `reason` elsewhere."""
+    if os.environ.get("CI"):
+        import importlib
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason)
+
+
+def cuda_test(reason: str = "a CUDA test: no GPU here"):
+    """Marks a test that needs a CUDA GPU (`-m cuda` selects them); without one it skips, saying why."""
+    def mark(test):
+        return pytest.mark.cuda(pytest.mark.skipif(DEVICE != "cuda", reason=reason)(test))
+    return mark
+
+
+# ---- torch switches ------------------------------------------------------------------------------------------------
+def tf32_on() -> bool:
+    """The effective TF32 switch ("none" = neither API used yet, so the legacy flag holds the default)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    return precision == "tf32" or (precision == "none" and matmul.allow_tf32)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """torch's fp32-matmul TF32 switch set for the block and put back after it. Through the legacy `allow_tf32`
+    setter: it keeps `fp32_precision` consistent, while setting `fp32_precision` would make later reads of
+    `allow_tf32` (by any library) raise in torch >= 2.9."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = saved
+
+
+# ---- models and inputs ---------------------------------------------------------------------------------------------
+def perturb_(model, weight_std: float | None = None):
+    """Non-trivial weights, in place, from the current torch seed: LayerNorm scales and shifts moved by N(0, 0.1),
+    biases drawn N(0, 0.05), and with weight_std every other weight drawn N(0, weight_std) (padding rows too)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.05)
+            elif weight_std is not None:
+                p.copy_(torch.randn_like(p) * weight_std)
+    return model
+
+
+def random_hf_bert(hidden=64, heads=4, layers=2, intermediate=100, act="gelu", vocab=99, max_pos=64, types=3,
+                   attn="sdpa", seed=0):
+    """A transformers BertModel with random, non-trivial weights (LayerNorm scales and biases perturbed too)."""
+    import transformers
+    cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=heads, intermediate_size=intermediate, hidden_act=act,
+                                  max_position_embeddings=max_pos, type_vocab_size=types,
+                                  attn_implementation=attn)
+    torch.manual_seed(seed)
+    return perturb_(transformers.BertModel(cfg).eval())
+
+
+def hf_dtype(dtype) -> dict:
+    """from_pretrained's dtype keyword for the installed transformers: `dtype` since 4.56, `torch_dtype` before."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
+def make_inputs(kind, B=3, S=11, vocab=99, types=3, seed=1, low=1):
+    """ids in [low, vocab), token types, and a 0/1 mask: no padding, right, left, or a fully padded row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab, (B, S), generator=g)
+    tt = torch.randint(0, types, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    if kind == "right":
+        for b, n in enumerate([S, 5, 1][:B]):
+            mask[b, n:] = 0
+    elif kind == "left":
+        for b, n in enumerate([S, 4, 2][:B]):
+            mask[b, : S - n] = 0
+    elif kind == "fully_padded_row":
+        mask[1, 6:] = 0
+        mask[2] = 0
+    return ids, tt, mask
+
+
+# The architectures fastbert runs, built from random configs: BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, no pooler.
+ARCH_VOCAB, PAD_ROBERTA = 99, 1
+
+
+def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_len=24, seed=0):
+    """A transformers encoder of `arch` with random, non-trivial weights (LayerNorms and biases perturbed too).
+    max_len: the longest sequence it takes (RoBERTa's table is padding_idx + 1 rows longer)."""
+    import transformers
+    common = dict(vocab_size=ARCH_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  intermediate_size=intermediate, hidden_act="gelu", attn_implementation="eager")
+    if arch in ("bert", "bert-no-pooler"):
+        model = transformers.BertModel(transformers.BertConfig(**common, max_position_embeddings=max_len,
+                                                               type_vocab_size=3),
+                                       add_pooling_layer=arch == "bert")
+    elif arch == "electra":
+        model = transformers.ElectraModel(transformers.ElectraConfig(**common, embedding_size=hidden // 2,
+                                                                     max_position_embeddings=max_len,
+                                                                     type_vocab_size=3))
+    else:
+        cls = {"roberta": (transformers.RobertaConfig, transformers.RobertaModel),
+               "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel),
+               "camembert": (transformers.CamembertConfig, transformers.CamembertModel)}[arch]
+        model = cls[1](cls[0](**common, max_position_embeddings=max_len + PAD_ROBERTA + 1, pad_token_id=PAD_ROBERTA,
+                              type_vocab_size=1 if arch == "xlm-roberta" else 2))
+    torch.manual_seed(seed)
+    return perturb_(model, weight_std=0.05).eval().to(DEVICE)  # padding rows too: HF reads them, so must fastbert
+
+
+def pad_id(hf):
+    return hf.config.pad_token_id if hf.config.model_type in ("roberta", "xlm-roberta", "camembert") else 0
+
+
+def arch_inputs(hf, padding, B=3, S=11, seed=1):
+    """ids / token types / mask. Padded positions hold the pad id (as a tokenizer writes them); for RoBERTa one real
+    token of row 0 is the pad id too (HF gives it position padding_idx: so must fastbert, packed or not)."""
+    ids, tt, mask = make_inputs(padding, B, S, vocab=ARCH_VOCAB, types=hf.config.type_vocab_size, seed=seed, low=2)
+    ids = ids.masked_fill(mask == 0, pad_id(hf))
+    if pad_id(hf):
+        ids[0, 3] = pad_id(hf)
+    return ids.to(DEVICE), tt.to(DEVICE), mask.to(DEVICE)
+
+
+def fused_rows_alias_parts(encoder) -> bool:
+    """query/key/value's parameters are rows of the layer's fused QKV weight (one copy, one GEMM)."""
+    for layer in encoder.encoder.layer:
+        sa = layer.attention.self
+        rows = sa.qkv_weight.chunk(3), sa.qkv_bias.chunk(3)
+        for i, name in enumerate(("query", "key", "value")):
+            part = getattr(sa, name)
+            if part.weight.data_ptr() != rows[0][i].data_ptr() or part.bias.data_ptr() != rows[1][i].data_ptr():
+                return False
+    return True
+
+
+# ---- comparisons with HF -------------------------------------------------------------------------------------------
+def assert_close_on(actual, expected, mask, padding_free=True, real_tol=1e-5, pad_tol=1e-4):
+    """Real tokens within real_tol. Padded positions: exactly 0 when padding-free; else, on rows that have a real
+    token, within pad_tol of HF's values."""
+    assert torch.isfinite(actual).all()
+    real = mask.bool()
+    d = (actual.float() - expected.float()).abs().amax(-1)  # [B, S]
+    if real.any():
+        assert d[real].max() <= real_tol, f"real tokens: max |delta| {d[real].max():.3g} > {real_tol}"
+    if padding_free:
+        assert (actual[~real] == 0).all(), "padding-free execution leaves padded positions at 0"
+        return
+    pad = ~real & real.any(1)[:, None]
+    if pad.any():
+        assert d[pad].max() <= pad_tol, f"padded positions: max |delta| {d[pad].max():.3g} > {pad_tol}"
+
+
+def assert_pooler_matches(fb_pooled, hf, ids, mask, tt, tol=1e-5):
+    """Rows whose position 0 is real: HF's pooler_output. Other rows with a real token: HF's pooler applied to HF's
+    own hidden state of the row's first real token (its [CLS]), where HF's pooler reads position 0, a padding slot.
+    Rows with none: the pooler of a zero vector, tanh(b_p)."""
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, token_type_ids=tt)
+        for b in range(ids.shape[0]):
+            real = mask[b].bool()
+            if real[0]:
+                want = ref.pooler_output[b]
+            elif real.any():
+                want = torch.tanh(hf.pooler.dense(ref.last_hidden_state[b, real.nonzero()[0, 0]]))
+            else:
+                want = torch.tanh(hf.pooler.dense.bias)
+            assert (fb_pooled[b] - want).abs().max() <= tol, f"pooler row {b}"
+
+
+# ---- kernel outputs ------------------------------------------------------------------------------------------------
+def poisoned(shape, dtype):
+    """An output buffer full of NaN: an element the kernel fails to write keeps it, and NaN never passes."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def assert_kernel_matches(out, twin, ref64, dtype, fp32_tol=FP32_TOL, baseline_where=None):
+    """fastbert.numerics' rule. fp32: within fp32_tol of the torch twin and of the fp64 reference. fp16/bf16: error
+    against fp64 within error_bound of the twin's own error. `baseline_where` (a mask over rows) limits where the
+    twin's error is measured, for rows where the twin is no yardstick; the kernel's error counts everywhere."""
+    assert out.shape == twin.shape == ref64.shape
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in the kernel output (an unwritten element keeps its NaN poison)"
+    err = max_error(out, ref64)
+    if dtype == torch.float32:
+        twin_diff = max_error(out, twin)
+        assert twin_diff <= fp32_tol, f"kernel vs torch twin: {twin_diff:.3g} > {fp32_tol:.3g}"
+    twin_err = max_error(twin, ref64, where=baseline_where)
+    bound = error_bound(dtype, twin_err, fp32_tol)
+    assert err <= bound, f"kernel error {err:.3g} against fp64 > bound {bound:.3g} (twin's error {twin_err:.3g})"
+
+
+# Runs in a fresh process: counts the autotuner's benchmark calls (utils.Benchmark is every fastbert autotuner's
+# do_bench), runs CALL once and prints {"benchmarks": n, "choice": str(the autotuner's pick)}.
+_TUNING_PROBE = """
+import json, torch
+from fastbert.kernels import utils
+calls = []
+_bench = utils.Benchmark.__call__
+utils.Benchmark.__call__ = lambda self, *args, **kwargs: (calls.append(1), _bench(self, *args, **kwargs))[1]
+{call}
+torch.cuda.synchronize()
+print(json.dumps({{"benchmarks": len(calls), "choice": str(TUNER.best_config)}}))
+"""
+
+
+def tuning_in_fresh_processes(call: str, cache_dir) -> list:
+    """Runs `call` (code that launches a kernel through its autotuner and names that autotuner TUNER) in two fresh
+    processes sharing one TRITON_CACHE_DIR: [first process's {"benchmarks", "choice"}, second's]."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    results = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _TUNING_PROBE.format(call=call)], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+def main_in_process(capsys, *args):
+    """`python -m fastbert ARGS` in this process (its main(), as the console script calls it): (exit code, stdout,
+    stderr)."""
+    from fastbert import __main__ as cli
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, words):
+    """Exit 2 with one line on stderr, no traceback, saying `words`."""
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert words in lines[0], lines[0]
