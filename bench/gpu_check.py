@@ -459,6 +459,7 @@ class KernelChecks:
 
     def __init__(self, device: str, dry_run: bool):
         import torch
+
         from fastbert.kernels import utils
 
         self.torch, self.device, self.dry_run = torch, device, dry_run
@@ -492,6 +493,7 @@ class KernelChecks:
     # ---- one check of each kind ------------------------------------------------------------------------------------
     def gemm(self, dtype, kernel, activation, config, M, N, K):
         import torch.nn.functional as F
+
         from fastbert import twins
         from fastbert.kernels import gemm as gemm_core
 
@@ -528,6 +530,7 @@ class KernelChecks:
 
     def residual_layernorm(self, dtype, T, K, H):
         import torch.nn.functional as F
+
         from fastbert import ops
         from fastbert.kernels.residual_layernorm import residual_layernorm
 

@@ -41,8 +41,9 @@ def test_lora_fine_tuning_step_fastbert_vs_hf_sdpa_cpu(benchmark):
 
 
 def _lora_step_ab(benchmark):
-    import fastbert
     import transformers
+
+    import fastbert
     config = harness.hf_config("bert-base")
     config.num_labels, config._attn_implementation = 2, "sdpa"
     hf = lora_classifier(config)

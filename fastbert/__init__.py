@@ -1,13 +1,12 @@
 """fastbert: a drop-in Hugging Face BertModel whose four fused ops run as Triton kernels or as PyTorch twins."""
-from .version import __version__  # noqa: F401
-
 from .config import MODEL_TYPES  # noqa: E402
+from .dispatch import BACKENDS, OPS  # noqa: E402
 from .distributed import encode_dataset, load_embeddings  # noqa: E402  (imports ray only when called)
 from .encode import SentenceEncoder, encode  # noqa: E402
 from .export import export_onnx  # noqa: E402
 from .modeling import AutoModel, BertModel  # noqa: E402
-from .dispatch import BACKENDS, OPS  # noqa: E402
 from .patch import optimize, restore  # noqa: E402
+from .version import __version__  # noqa: F401
 
 __all__ = ["AutoModel", "BertModel", "MODEL_TYPES", "OPS", "BACKENDS", "optimize", "restore", "SentenceEncoder",
            "encode", "encode_dataset", "load_embeddings", "export_onnx"]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .version import __version__
 from .files import write_atomically
 from .layout import TokenLayout, token_bucket  # noqa: F401  (token_bucket: the buckets the table is keyed on)
+from .version import __version__
 
 
 @dataclass(frozen=True)

@@ -499,7 +499,8 @@ def _lowercase_first(tokenizer) -> None:
     """sentence-transformers' do_lower_case: a Lowercase normaliser in front of the tokenizer's own (unless one is
     there already); on a slow tokenizer, its do_lower_case flag."""
     if getattr(tokenizer, "is_fast", False):
-        from tokenizers.normalizers import Lowercase, Sequence as NormalizerSequence
+        from tokenizers.normalizers import Lowercase
+        from tokenizers.normalizers import Sequence as NormalizerSequence
         normalizer = tokenizer.backend_tokenizer.normalizer
         present = isinstance(normalizer, Lowercase) or (
             isinstance(normalizer, NormalizerSequence) and any(isinstance(n, Lowercase) for n in normalizer))

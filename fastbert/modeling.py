@@ -25,9 +25,8 @@ key/value's weights are rows of one fused W_qkv, so the projection is one GEMM (
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -36,10 +35,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAtte
 
 from . import adapters, auto, dispatch, fallback, twins
 from . import config as configs
+from .dispatch import OPS
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad, unpad
 from .mask import tracing
-from .dispatch import OPS
 
 # With output_attentions, transformers 5 reports an empty cross_attentions tuple alongside attentions (part of the
 # return_dict=False tuple); 4.x reports None, which the tuple leaves out.
@@ -521,6 +520,7 @@ class BertModel(nn.Module):
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """Recompute each layer in the backward pass instead of keeping its activations (train mode, torch path)."""
         import functools
+
         from torch.utils.checkpoint import checkpoint
         kwargs = {"use_reentrant": True} if gradient_checkpointing_kwargs is None else gradient_checkpointing_kwargs
         for layer in self.encoder.layer:

@@ -9,12 +9,31 @@ from typing import Callable
 
 import torch
 
-from .dispatch import (BACKENDS, OPS, Situation, _attention_triton, _bias_gelu_triton, _qkv_projection_triton,  # noqa: F401
-                       _residual_layernorm_triton, reasons, resolve, triton_import_error, triton_unavailable)
+from .dispatch import (  # noqa: F401
+    BACKENDS,
+    OPS,
+    Situation,
+    _attention_triton,
+    _bias_gelu_triton,
+    _qkv_projection_triton,
+    _residual_layernorm_triton,
+    reasons,
+    resolve,
+    triton_import_error,
+    triton_unavailable,
+)
 from .fallback import with_net
 from .mask import AttentionMask
-from .twins import (ACTIVATIONS, attention_padded_torch, attention_torch, attention_varlen_torch,  # noqa: F401
-                    bias_gelu_torch, default_scale, qkv_projection_torch, residual_layernorm_torch)
+from .twins import (  # noqa: F401
+    ACTIVATIONS,
+    attention_padded_torch,
+    attention_torch,
+    attention_varlen_torch,
+    bias_gelu_torch,
+    default_scale,
+    qkv_projection_torch,
+    residual_layernorm_torch,
+)
 
 
 def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_dim: int | None = None,

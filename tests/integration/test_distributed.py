@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 import pytest
+from helpers import main_in_process, optional
 
 import fastbert
-from helpers import main_in_process, optional
 from fastbert.cli.encode import split_lines
 from fastbert.distributed import corpus, job, shards
 from fastbert.distributed.corpus import CorpusError

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 import transformers
+from helpers import hf_dtype, random_hf_bert
 
 import fastbert
 from fastbert.numerics import FP32_TOL, max_error
-from helpers import hf_dtype, random_hf_bert
 
 B, S, VOCAB = 3, 9, 99
 IDS = torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
@@ -386,7 +386,8 @@ def test_feature_extraction_pipeline(minilm_path):
 def test_heads_of_the_other_architectures(name):
     """The RoBERTa-family and ELECTRA heads: their encoder (roberta / electra) is swapped and put back; real-token
     outputs equal before, during and after."""
-    from helpers import arch_inputs as inputs, random_arch_model as random_hf
+    from helpers import arch_inputs as inputs
+    from helpers import random_arch_model as random_hf
     arch = {"Roberta": "roberta", "XLMRoberta": "xlm-roberta", "Camembert": "camembert", "Electra": "electra"}[
         name.split("For")[0]]
     config = random_hf(arch).config

@@ -12,9 +12,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import assert_one_line_error, main_in_process, optional
 
 import fastbert
-from helpers import assert_one_line_error, main_in_process, optional
 from fastbert.encode import SentenceEncoder, plan_batches
 from fastbert.numerics import error_bound
 

@@ -1,12 +1,11 @@
 """ONNX export of the PyTorch path: dynamic batch and sequence axes, onnxruntime on CPU against fastbert (fp32 1e-5)."""
 import numpy as np
+import onnxruntime  # noqa: E402  (a test dependency: setup.py's test extras)
 import pytest
 import torch
-
-import fastbert
 from helpers import random_hf_bert
 
-import onnxruntime  # noqa: E402  (a test dependency: setup.py's test extras)
+import fastbert
 
 
 def run(path, feeds):

@@ -7,11 +7,10 @@ import copy
 import pytest
 import torch
 import transformers
+from helpers import fused_rows_alias_parts, perturb_
 
 import fastbert
 from fastbert import twins
-from helpers import perturb_
-from helpers import fused_rows_alias_parts
 
 peft = pytest.importorskip("peft")
 

@@ -16,15 +16,14 @@ import math
 
 import pytest
 import torch
-
 from helpers import assert_kernel_matches, tf32_matmuls, tuning_in_fresh_processes
 
 from fastbert import ops
+from fastbert.kernels import attention as attention_module
+from fastbert.kernels import utils as kernel_utils
+from fastbert.kernels.attention import attention, uniform_cu_seqlens
 from fastbert.numerics import FP32_TOL, max_error
 from fastbert.ops import AttentionMask, attention_torch, qkv_projection_torch
-from fastbert.kernels import attention as attention_module
-from fastbert.kernels.attention import attention, uniform_cu_seqlens
-from fastbert.kernels import utils as kernel_utils
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ON_CPU = pytest.mark.skipif(

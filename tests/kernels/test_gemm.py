@@ -16,19 +16,18 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
 from helpers import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls, tuning_in_fresh_processes
+
 from fastbert import ops
-from fastbert.numerics import max_error
-from fastbert.kernels import utils as kernel_utils
-from fastbert.kernels import gemm as gemm_core
 from fastbert.kernels import attention as attention_mod
 from fastbert.kernels import bias_gelu as bias_gelu_mod
+from fastbert.kernels import gemm as gemm_core
 from fastbert.kernels import qkv_projection as qkv_mod
 from fastbert.kernels import residual_layernorm as rln_mod
+from fastbert.kernels import utils as kernel_utils
 from fastbert.kernels.bias_gelu import bias_gelu
 from fastbert.kernels.qkv_projection import qkv_projection
-
+from fastbert.numerics import max_error
 
 BF16_GEMM_ON_CPU = pytest.mark.skipif(
     DEVICE == "cpu", reason="Triton's interpreter cannot run bf16 tl.dot (triton-lang/triton#11584); runs on CUDA")
@@ -509,7 +508,8 @@ def test_aot_specs_cover_every_config(mod, activations):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_launch_without_checks_matches(dtype):
     """`launch` (what the model calls once its inputs are validated) computes what the checked functions do."""
-    from fastbert.kernels import bias_gelu as bias_gelu_mod, qkv_projection as qkv_mod
+    from fastbert.kernels import bias_gelu as bias_gelu_mod
+    from fastbert.kernels import qkv_projection as qkv_mod
 
     T, H, nh = 13, 384, 6
     x, w, b = make((T, H), dtype), make((3 * H, H), dtype, H ** -0.5, 1), make((3 * H,), dtype, 0.5, 2)

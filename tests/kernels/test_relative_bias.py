@@ -9,7 +9,6 @@ Outputs are poisoned with NaN first. The MPNet table is checked against transfor
 """
 import pytest
 import torch
-
 from helpers import DEVICE, poisoned
 
 from fastbert import custom_ops, ops, twins

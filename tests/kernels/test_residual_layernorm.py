@@ -9,13 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton
-
 from helpers import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
-from fastbert import ops
-from fastbert.kernels import utils as kernel_utils
-from fastbert.kernels import residual_layernorm as rln_mod
-from fastbert.kernels.residual_layernorm import residual_layernorm
 
+from fastbert import ops
+from fastbert.kernels import residual_layernorm as rln_mod
+from fastbert.kernels import utils as kernel_utils
+from fastbert.kernels.residual_layernorm import residual_layernorm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -9,10 +9,12 @@ have no pooler. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden st
 import pytest
 import torch
 import transformers
+from helpers import ARCH_VOCAB as VOCAB
+from helpers import DEVICE, assert_close_on
+from helpers import arch_inputs as inputs
+from helpers import random_arch_model as random_hf
 
 import fastbert
-from helpers import ARCH_VOCAB as VOCAB, DEVICE, assert_close_on, pad_id
-from helpers import arch_inputs as inputs, random_arch_model as random_hf
 
 ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler")
 BACKENDS = ("torch", "triton")

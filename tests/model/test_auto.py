@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from helpers import random_hf_bert
 
 import fastbert
-from helpers import random_hf_bert
 from fastbert import auto, dispatch, fallback, ops, twins
 from fastbert.graphs import EagerGraph, GraphRunner
 from fastbert.kernels import utils as kernel_utils
@@ -118,6 +118,7 @@ def test_graph_runner_measures_before_capture(hf, measured_here):
 # ---- the safety net: a kernel that raises never breaks an "auto" forward --------------------------------------------
 def _compile_error():
     import ast
+
     from triton.compiler.errors import CompilationError
     return CompilationError("x = tl.load(p)", ast.parse("x = 1").body[0], "an MLIR pass failed")
 

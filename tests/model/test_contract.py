@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 import transformers
+from helpers import fused_rows_alias_parts, perturb_
 
 import fastbert
-from helpers import fused_rows_alias_parts, perturb_
 
 S = 7
 IDS = torch.tensor([[5, 8, 13, 21, 34, 2, 3], [9, 10, 11, 12, 0, 0, 0]])

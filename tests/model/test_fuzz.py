@@ -12,10 +12,11 @@ time.
 import pytest
 import torch
 import transformers
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import DEVICE
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fastbert
-from helpers import DEVICE
 from fastbert.numerics import error_bound, max_error
 
 pytestmark = pytest.mark.slow  # hundreds of random models

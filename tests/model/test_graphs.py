@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import main_in_process, random_hf_bert
 
 import fastbert
-from helpers import main_in_process, random_hf_bert
 from fastbert import dispatch, graphs
 from fastbert.graphs import EagerGraph, Graphed, GraphRunner, stats_of
 

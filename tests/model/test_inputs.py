@@ -2,9 +2,9 @@
 import pytest
 import torch
 import transformers
+from helpers import random_hf_bert
 
 import fastbert
-from helpers import random_hf_bert
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 import transformers
+from helpers import random_hf_bert
 from safetensors.torch import load_file, save_file
 
 import fastbert
-from helpers import random_hf_bert
 
 IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
 MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])

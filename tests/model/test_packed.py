@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import DEVICE, random_hf_bert
 
 import fastbert
 from fastbert import dispatch, ops
-from helpers import DEVICE, random_hf_bert
 from fastbert.graphs import EagerGraph, GraphRunner
 
 BACKENDS = ["torch", "triton"]  # triton: the interpreter on CPU, compiled on CUDA
@@ -165,7 +165,6 @@ def test_torch_export(hf, kernels):
 
 def test_export_as_plain_aten_ops(hf):
     """dispatch.traced_as_aten(): the twins recorded as aten ops (what an ONNX export needs), same numbers."""
-    from fastbert import ops
     fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
     ids, types, ones, _ = _traced_cases()
     with torch.no_grad(), dispatch.traced_as_aten():
@@ -270,7 +269,6 @@ def test_graph_runner_refuses_what_it_cannot_capture(hf):
 def test_eager_forwards_do_not_go_through_the_custom_ops(hf):
     """The custom ops are for traced graphs; an eager forward calls the twins and kernels directly (the dispatcher
     would add ~10-20 us per op call)."""
-    from fastbert import ops
     fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
     run = fb.resolve_ops(needs_grad=False)
     assert (run.qkv_projection, run.attention, run.bias_gelu, run.residual_layernorm) == (

@@ -8,9 +8,9 @@ whenever that is real (right padding), the [CLS] of the row run alone otherwise 
 """
 import pytest
 import torch
+from helpers import assert_close_on, assert_pooler_matches, hf_dtype, make_inputs, random_hf_bert
 
 import fastbert
-from helpers import assert_close_on, assert_pooler_matches, hf_dtype, make_inputs, random_hf_bert
 from fastbert.numerics import FP32_TOL
 
 CONFIGS = {  # hidden, heads, layers, intermediate, act  (head dims 16, 32, 64; intermediates not multiples of 64)

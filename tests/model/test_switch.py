@@ -3,11 +3,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import random_hf_bert
 
 import fastbert
 from fastbert import dispatch, ops
 from fastbert.kernels import utils as kernel_utils
-from helpers import random_hf_bert
 
 IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
 MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
@@ -142,7 +142,8 @@ def test_bf16_dots_under_the_interpreter(hf, monkeypatch):
 
 def test_bf16_dot_launchers_refuse_under_the_interpreter(monkeypatch):
     """Called directly, the kernels' own launchers refuse rather than return garbage."""
-    from fastbert.kernels import attention as attention_kernel, bias_gelu as bias_gelu_kernel
+    from fastbert.kernels import attention as attention_kernel
+    from fastbert.kernels import bias_gelu as bias_gelu_kernel
     monkeypatch.setattr(kernel_utils, "INTERPRET", True)
     x, w = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="cannot run a bf16 tl.dot"):

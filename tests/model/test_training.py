@@ -1,8 +1,8 @@
 """Train mode: autograd through the PyTorch path, gradients equal to HF's, dropout where HF has it."""
 import torch
+from helpers import random_hf_bert
 
 import fastbert
-from helpers import random_hf_bert
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 3], [10, 11, 12, 13, 0, 0]])
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])

@@ -2,12 +2,11 @@
 import pytest
 import torch
 import transformers
+from helpers import DEVICE, assert_close_on, assert_pooler_matches, hf_dtype, make_inputs, random_hf_bert
 
 import fastbert
 from fastbert import dispatch, ops
 from fastbert.numerics import FP32_TOL
-from helpers import DEVICE, hf_dtype, random_hf_bert
-from helpers import assert_close_on, assert_pooler_matches, make_inputs
 
 pytestmark = pytest.mark.filterwarnings("error::UserWarning")  # "auto" must not fall back silently or noisily here
 

@@ -26,9 +26,8 @@ import pytest
 
 pytestmark = pytest.mark.slow  # every kernel x dtype x config through ptxas, twice
 triton = pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux only): nothing to compile")
-import triton.language as tl  # noqa: E402
-
 import aot_compile  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 REQUIRED_OPS = ("qkv_projection", "attention", "bias_gelu", "residual_layernorm")
 TOY = "toy"  # this file's own specs, compiled from the module named below

@@ -49,6 +49,7 @@ def test_distribution_metadata(wheel):
 
 def test_transformers_does_not_mistake_our_kernels_for_hfs():
     from transformers.utils import import_utils
+
     import fastbert.kernels  # noqa: F401  (imported, as a model forward on CUDA would)
     assert fastbert.kernels.__name__ == "fastbert.kernels"
     assert not import_utils.is_kernels_available()
