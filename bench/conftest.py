@@ -107,7 +107,8 @@ def skip_reason_for_device(config, case_device: str) -> str | None:
     if choice == "auto":
         choice = "cuda" if cuda else "cpu"
     if case_device != choice:
-        return f"{case_device.upper()} case: this run benchmarks the {choice.upper()} grid (--bench-device=all runs both)"
+        return (f"{case_device.upper()} case: this run benchmarks the {choice.upper()} grid "
+                "(--bench-device=all runs both)")
     return None
 
 

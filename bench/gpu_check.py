@@ -50,8 +50,8 @@ if REPO not in sys.path:
 
 SCRIPT = os.path.abspath(__file__)
 PROBE = "import fastbert, fastbert.kernels; print(fastbert.__file__)"
-KERNEL_TESTS = ("tests/kernels/test_attention.py", "tests/kernels/test_gemm.py", "tests/kernels/test_residual_layernorm.py",
-                "tests/kernels/test_relative_bias.py")
+KERNEL_TESTS = ("tests/kernels/test_attention.py", "tests/kernels/test_gemm.py",
+                "tests/kernels/test_residual_layernorm.py", "tests/kernels/test_relative_bias.py")
 MODEL_TESTS = ("tests/model/test_triton_model.py", "tests/model/test_packed.py", "tests/model/test_auto.py",
                "tests/model/test_fuzz.py")
 FAULT_ENV = "FASTBERT_GPU_CHECK_FAULT"

@@ -103,7 +103,8 @@ def model_cases(tiny: bool, cuda_available: bool) -> list[ModelCase]:
         device = "cuda" if cuda_available else "cpu"
         dtype = "fp16" if cuda_available else "fp32"
         return [ModelCase("tiny", c, dtype, v, device) for c in TINY_CELLS for v in VARIANTS]
-    cases = [ModelCase(m, c, d, v, "cuda") for m in CUDA_MODELS for c in CUDA_CELLS for d in CUDA_DTYPES for v in VARIANTS]
+    cases = [ModelCase(m, c, d, v, "cuda")
+             for m in CUDA_MODELS for c in CUDA_CELLS for d in CUDA_DTYPES for v in VARIANTS]
     cases += [ModelCase(m, c, d, v, "cpu") for m in CPU_MODELS for c in CPU_CELLS for d in CPU_DTYPES for v in VARIANTS
               if v not in ("fastbert-triton", "fastbert-graphs")]  # CUDA kernels (the interpreter is a test tool)
     return cases
@@ -374,20 +375,27 @@ def _median_time(fn, device: str, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+# Each measurement allocates its buffers in its own function, so they are freed before the next one starts.
+def _copy_seconds(n_bytes: int, device: str, reps: int, warmup: int) -> float:
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return _median_time(lambda: dst.copy_(src), device, reps=reps, warmup=warmup)
+
+
+def _gemm_seconds(n: int, dtype: torch.dtype, device: str, reps: int, warmup: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return _median_time(lambda: a @ b, device, reps=reps, warmup=warmup)
+
+
 def measure_ceilings(device: str) -> dict:
     """What this device can do at best, measured: a large device-to-device copy (GB/s, bytes read + written) and a
     large GEMM (TFLOP/s; bf16 on CUDA, fp32 on CPU). On CPU the sizes are small: there it only proves the code."""
     cuda = str(device).startswith("cuda")
     n_bytes = (1 << 30) if cuda else (64 << 20)
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    t_copy = _median_time(lambda: dst.copy_(src), device, reps=20 if cuda else 5, warmup=5 if cuda else 1)
-    del src, dst
+    t_copy = _copy_seconds(n_bytes, device, reps=20 if cuda else 5, warmup=5 if cuda else 1)
     n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    t_gemm = _median_time(lambda: a @ b, device, reps=20 if cuda else 3, warmup=10 if cuda else 1)
-    del a, b
+    t_gemm = _gemm_seconds(n, dtype, device, reps=20 if cuda else 3, warmup=10 if cuda else 1)
     if cuda:
         torch.cuda.empty_cache()
     return {

@@ -20,7 +20,8 @@ def main(out_dir: str) -> None:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), out_dir)
-    state = {k: v.half() if v.is_floating_point() else v for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    state = {k: v.half() if v.is_floating_point() else v
+             for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
     print(f"wrote {out_dir}: {size / 2**20:.1f} MiB; on the GPU machine set FASTBERT_MINILM_PATH to it")

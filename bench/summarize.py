@@ -117,7 +117,8 @@ def model_tables(cells: dict) -> str:
     if ratio_rows:
         bases = [b for b in BASELINES if any(b in r for r in ratio_rows)]
         out += ["", "### Ratios (fastbert tokens/s ÷ baseline tokens/s; > 1 = fastbert faster)", ""]
-        rows = [[*map(str, r["key"]), r["variant"], _fmt_rate(r["tokens_per_s"])] + [_fmt_ratio(r.get(b)) for b in bases]
+        rows = [[*map(str, r["key"]), r["variant"], _fmt_rate(r["tokens_per_s"])]
+                + [_fmt_ratio(r.get(b)) for b in bases]
                 for r in ratio_rows]
         out.append(_table(["model", "batch×seq", "dtype", "device", "variant", "tok/s"] + [f"÷ {b}" for b in bases],
                           rows))
@@ -168,8 +169,8 @@ def conditions(meta: list[dict]) -> str:
         if not env:
             continue
         hw = env.get("gpu") or f"CPU {env.get('cpu')} ({env.get('torch_threads')} threads)"
-        line = (f"- {os.path.basename(m['path'])}: {m.get('datetime') or env.get('date')}, {hw}, torch {env.get('torch')}, "
-                f"triton {env.get('triton')}, transformers {env.get('transformers')}")
+        line = (f"- {os.path.basename(m['path'])}: {m.get('datetime') or env.get('date')}, {hw}, "
+                f"torch {env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')}")
         ceil = env.get("ceilings")
         if ceil:
             line += (f"; measured ceilings: copy {ceil['copy_GBps']:.0f} GB/s, {ceil['gemm']} GEMM "

@@ -145,4 +145,5 @@ def test_encode_corpus(device, dtype, size, benchmark, request):
         **{f"{name}_tokens_per_s": sum(lengths) / m for name, m in medians.items()},
         ratio_fastbert_over_sentence_transformers=medians["sentence-transformers"] / medians["fastbert"],
         round_cpu_s={name: t[-kept:] for name, t in cpu_times.items()},
-        cpu_time_ratio_fastbert_over_sentence_transformers=cpu_medians["sentence-transformers"] / cpu_medians["fastbert"])
+        cpu_time_ratio_fastbert_over_sentence_transformers=(cpu_medians["sentence-transformers"]
+                                                            / cpu_medians["fastbert"]))

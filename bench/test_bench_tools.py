@@ -183,7 +183,8 @@ def test_gpu_check_child_keeps_the_checks_before_a_crash(tmp_path, monkeypatch):
     assert records[-1]["step"] == "smoke-kernels" and records[-1]["status"] == "crashed"
 
 
-REFUSAL = "========= COMPUTE-SANITIZER\n========= Error: Target application terminated before first instrumented API call\n"
+REFUSAL = ("========= COMPUTE-SANITIZER\n"
+           "========= Error: Target application terminated before first instrumented API call\n")
 
 
 def test_memcheck_refusal_is_skipped_not_failed():

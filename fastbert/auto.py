@@ -114,7 +114,8 @@ def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
         return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|{shapes.activation}"
     if op == "residual_layernorm":
         return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
-    layout = "ragged" if shapes.ragged else "dense"  # the twin is one sdpa on a dense batch, a host loop on a ragged one
+    # the twin is one sdpa on a dense batch, a host loop on a ragged one
+    layout = "ragged" if shapes.ragged else "dense"
     return f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
 
 
@@ -132,7 +133,8 @@ def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin
     elif op == "bias_gelu":
         args = (rand(T, H), rand(I, H, scale=H ** -0.5), rand(I), shapes.activation)
     elif op == "residual_layernorm":  # a layer calls it twice: after attention (K = H) and after the FFN (K = I)
-        x, ones, zeros = rand(T, H), torch.ones(H, device=device, dtype=dtype), torch.zeros(H, device=device, dtype=dtype)
+        x = rand(T, H)
+        ones, zeros = torch.ones(H, device=device, dtype=dtype), torch.zeros(H, device=device, dtype=dtype)
         first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, zeros, 1e-12)
         second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, zeros, 1e-12)
         return (lambda: (kernel(*first), kernel(*second))), (lambda: (twin(*first), twin(*second)))

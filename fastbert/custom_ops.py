@@ -42,7 +42,8 @@ def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    backend: str) -> torch.Tensor:
     """x [T, H] @ W_qkv^T + b -> [T, 3H] (the caller views it as [T, 3, nh, hd])."""
     return _run("qkv_projection", backend, x,
-                lambda: _kernel("qkv_projection").launch(x, weight, bias, num_heads).reshape(x.shape[0], weight.shape[0]),
+                lambda: (_kernel("qkv_projection").launch(x, weight, bias, num_heads)
+                         .reshape(x.shape[0], weight.shape[0])),
                 lambda: torch.nn.functional.linear(x, weight, bias))
 
 

@@ -126,7 +126,8 @@ def reasons(situation: Situation) -> dict:
         return situation.padded or common("attention", situation.attention_dropout, situation.head_dim)()
 
     return {"qkv_projection": common("qkv_projection"), "attention": attention_why,
-            "bias_gelu": common("bias_gelu"), "residual_layernorm": common("residual_layernorm", situation.hidden_dropout)}
+            "bias_gelu": common("bias_gelu"),
+            "residual_layernorm": common("residual_layernorm", situation.hidden_dropout)}
 
 
 class Ops(NamedTuple):

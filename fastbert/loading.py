@@ -31,7 +31,8 @@ def resolve_folder(name_or_path, weights: bool = True) -> str:
         raise FileNotFoundError(f"no such folder: {path!r}")
     else:
         from huggingface_hub import snapshot_download
-        patterns = ["config.json"] + (list(WEIGHT_FILES) + ["model-*.safetensors", "pytorch_model-*.bin"] if weights else [])
+        shards = ["model-*.safetensors", "pytorch_model-*.bin"]
+        patterns = ["config.json"] + (list(WEIGHT_FILES) + shards if weights else [])
         try:
             folder = snapshot_download(path, allow_patterns=patterns)
         except Exception as e:

@@ -562,8 +562,9 @@ class BertModel(nn.Module):
         wanted = dict.fromkeys(OPS, backend) if backend is not None else {}
         wanted.update(per_op)
         if not wanted:
+            got = "an empty dict" if isinstance(backend, dict) else repr(backend)
             raise ValueError(f"set_kernels needs a backend for every op ({', '.join(dispatch.BACKENDS)}) or op=backend "
-                             f"pairs (ops: {', '.join(OPS)}); got {'an empty dict' if isinstance(backend, dict) else backend!r}")
+                             f"pairs (ops: {', '.join(OPS)}); got {got}")
         for op, b in wanted.items():
             dispatch.check_backend(op, b)
             if b == "triton" and dispatch.triton_import_error():

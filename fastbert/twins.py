@@ -22,7 +22,8 @@ from .mask import AttentionMask
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
-def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> torch.Tensor:
+def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         num_heads: int) -> torch.Tensor:
     """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
     return F.linear(x, weight, bias).view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
 
@@ -122,7 +123,8 @@ def _activation_torch(h: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"activation={activation!r} is not one of {sorted(set(ACTIVATIONS.values()))}")
 
 
-def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu") -> torch.Tensor:
+def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    activation: str = "gelu") -> torch.Tensor:
     """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}."""
     return _activation_torch(F.linear(x, weight, bias), activation)
 

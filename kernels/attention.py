@@ -436,7 +436,8 @@ def aot_specs() -> list[dict]:
 
 
 # The families with a relative bias (MPNet, DeBERTa-v3; ALiBi models) run hd 64; the others are compiled by hand
-# with `python tests/tooling/aot_compile.py fastbert.kernels.attention --specs-fn all_aot_specs` (the suite keeps to 60).
+# with `python tests/tooling/aot_compile.py fastbert.kernels.attention --specs-fn all_aot_specs`
+# (the suite keeps to 60).
 BIAS_AOT_HEAD_DIMS = (64,)
 
 

@@ -463,8 +463,8 @@ def gemm_aot_specs(prefix: str, activations) -> list:
     """The kernels x dtypes x configs x activations x {bias, no bias} that run, named like
     "bias_gelu-fp16-gelu-tma-128x256x64-w8-s3" ("-nobias" after the activation without one), each with the archs it
     runs on ("archs"). Pointers and the integers the JIT sees as multiples of 16 at BERT's sizes are compiled with
-    that divisibility (tests/tooling/aot_compile.py's default); "hints" {"M": None} takes it back for the token count, which
-    is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
+    that divisibility (tests/tooling/aot_compile.py's default); "hints" {"M": None} takes it back for the token count,
+    which is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
     Without the divisibility loads turn scalar and the pointer kernel spills (REG 255 STACK 32 at 128x128 GELU)."""
     specs = []
     for dtype, short in DTYPES.items():

@@ -225,8 +225,8 @@ def row_configs() -> dict:
 def aot_specs() -> list:
     """The row kernel for every dtype x {bias, no bias} x config of `row_configs()` (the masked EVEN=False ones
     included), each named by the smallest width that gets it. Pointers are compiled as multiples of 16
-    (tests/tooling/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row strides too when
-    that width is a multiple of 16; "hints" takes it back for T (any token count) and for the other widths."""
+    (tests/tooling/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row strides too
+    when that width is a multiple of 16; "hints" takes it back for T (any token count) and for the other widths."""
     specs = []
     for dtype, short in DTYPES.items():
         ptr = "*" + short

@@ -19,7 +19,8 @@ _INTERPRET = tl.constexpr(INTERPRET)
 
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs a power of two >= 16
-DOT_OPS = ("qkv_projection", "attention", "bias_gelu")  # the ops whose kernels run tl.dot (residual_layernorm's does not)
+# the ops whose kernels run tl.dot (residual_layernorm's does not)
+DOT_OPS = ("qkv_projection", "attention", "bias_gelu")
 
 # Opt-in: warp-specialized tiles join the sm_90 GEMM's autotune list. Off by default: Triton 3.6 documents warp
 # specialization as Blackwell-only, and triton-lang/triton#8311 reports wrong results with it on an inner K loop inside

@@ -130,7 +130,8 @@ def check(args) -> int:
              f"{'HF tok/s':>10} {'fastbert tok/s':>15}  verdict"
     print(header + "\n" + "-" * len(header))
     failed = False
-    rate = (lambda r: "-" if r != r else f"{r:.0f}")  # NaN when --repeats 0: nothing was timed
+    def rate(r):  # NaN when --repeats 0: nothing was timed
+        return "-" if r != r else f"{r:.0f}"
     for name, kernels in backends:
         if isinstance(kernels, str) and kernels not in dispatch.BACKENDS:  # an unavailable backend: say why
             print(f"{name:<8} skipped: {kernels}")

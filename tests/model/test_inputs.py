@@ -23,7 +23,8 @@ IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     ({"input_ids": IDS[0]}, ValueError, "input_ids must be [batch, seq], got shape (4,)"),
     ({"input_ids": IDS - 2}, ValueError, "input_ids contains -1, outside [0, 50)"),
     ({"input_ids": IDS + 42}, ValueError, "input_ids contains 50, outside [0, 50)"),
-    ({"input_ids": IDS, "token_type_ids": torch.full((2, 4), 2)}, ValueError, "token_type_ids contains 2, outside [0, 2)"),
+    ({"input_ids": IDS, "token_type_ids": torch.full((2, 4), 2)}, ValueError,
+     "token_type_ids contains 2, outside [0, 2)"),
     ({"input_ids": torch.ones(1, 17, dtype=torch.long)}, ValueError,
      "sequence length 17 exceeds max_position_embeddings=16"),
     ({"input_ids": IDS, "position_ids": torch.tensor([[0, 1, 2, 16]] * 2)}, ValueError,
@@ -164,7 +165,8 @@ def _masks_equivalent_to(mask2):
     return {
         "2d-long": mask2, "2d-int32": mask2.int(), "2d-bool": mask2.bool(), "2d-float": mask2.float(),
         "3d-long": keep3, "3d-bool": keep3.bool(), "3d-float": keep3.float(), "3d-half": keep3.half(),
-        "4d-long": keep3[:, None], "4d-bool": keep3[:, None].bool(), "4d-bool-per-head": keep3[:, None].bool().expand(B, 2, S, S),
+        "4d-long": keep3[:, None], "4d-bool": keep3[:, None].bool(),
+        "4d-bool-per-head": keep3[:, None].bool().expand(B, 2, S, S),
         "4d-float-additive": additive,
     }
 

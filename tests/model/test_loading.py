@@ -222,7 +222,8 @@ def test_config_json_that_is_not_a_json_object(tmp_path, text, words):
 
 
 @pytest.mark.parametrize("dtype, want", [
-    ("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.float32), ("torch.float16", torch.float16),
+    ("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.float32),
+    ("torch.float16", torch.float16),
     ("auto", torch.bfloat16), (None, torch.float32), (torch.float16, torch.float16),
 ])
 def test_dtype_as_hf_accepts_it(hf, tmp_path, dtype, want):

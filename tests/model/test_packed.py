@@ -82,7 +82,8 @@ def test_hf_packed_keywords_as_transformers_takes_them(hf):
     (dict(cu_seqlens=torch.tensor([0, 6, 4, 10])), ValueError, "smallest step -2"),
     (dict(cu_seqlens=torch.tensor([0.0, 10.0])), TypeError, "cu_seqlens must be a 1-D integer tensor"),
     (dict(cu_seqlens=torch.tensor([0])), TypeError, "n >= 1 sequences"),
-    (dict(cu_seqlens=torch.tensor([0, 4, 10]), max_seqlen=5), ValueError, r"max_seqlen=5 must be an int >= the longest"),
+    (dict(cu_seqlens=torch.tensor([0, 4, 10]), max_seqlen=5), ValueError,
+     r"max_seqlen=5 must be an int >= the longest"),
     (dict(cu_seqlens=torch.tensor([0, 10]), attention_mask=torch.ones(10)), ValueError, "takes no attention_mask"),
     (dict(cu_seqlens=torch.tensor([0, 10]), output_attentions=True), NotImplementedError, "output_attentions"),
     (dict(cu_seqlens=torch.tensor([0, 10]), position_ids=torch.zeros(9, dtype=torch.long)), ValueError,
@@ -115,7 +116,7 @@ def test_one_host_read_per_forward(hf, monkeypatch):
     assert reads == ["tolist"]
 
 
-# ---- traced forwards: built on one batch, right for every other -------------------------------------------------------
+# ---- traced forwards: built on one batch, right for every other ------------------------------------------------------
 def _traced_cases():
     ids, types, mask, *_ = ragged([9, 9, 9], seed=3)
     padded = mask.clone()
@@ -183,7 +184,7 @@ def test_torch_jit_trace(hf):
         _check_traced(traced, hf, fb)
 
 
-# ---- the CUDA-graph runner: bucketing, buffers and fallbacks (EagerGraph on CPU, real graphs on CUDA) ------------------
+# ---- the CUDA-graph runner: bucketing, buffers and fallbacks (EagerGraph on CPU, real graphs on CUDA) ----------------
 def _runner(hf, **kwargs):
     fb = fastbert.BertModel.from_hf(hf, kernels="torch").set_kernels(attention="triton").eval()
     graph_class = None if DEVICE == "cuda" else EagerGraph

@@ -149,7 +149,7 @@ def test_empty_batch_returns_empty_outputs(pair):
     assert all(h.shape == (0, 7, H) for h in out.hidden_states)
 
 
-# ---- the real model: all-MiniLM-L6-v2, its tokenizer, real sentences --------------------------------------------------
+# ---- the real model: all-MiniLM-L6-v2, its tokenizer, real sentences -------------------------------------------------
 SENTENCES = ["A man is eating food.", "The new movie is awesome, I would watch it again tomorrow night.",
              "Hi", "Two dogs are playing in the snow while children build a snowman in the garden next door."]
 

@@ -38,8 +38,10 @@ def test_set_kernels_all_and_per_op(hf):
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda m: m.set_kernels("cuda"), "unknown backend 'cuda' for op 'qkv_projection'; the backends are auto, torch, triton"),
-    (lambda m: m.set_kernels(softmax="torch"), "unknown op 'softmax'; the ops are qkv_projection, attention, bias_gelu, residual_layernorm"),
+    (lambda m: m.set_kernels("cuda"),
+     "unknown backend 'cuda' for op 'qkv_projection'; the backends are auto, torch, triton"),
+    (lambda m: m.set_kernels(softmax="torch"),
+     "unknown op 'softmax'; the ops are qkv_projection, attention, bias_gelu, residual_layernorm"),
     (lambda m: m.set_kernels(attention="fast"), "unknown backend 'fast' for op 'attention'"),
 ])
 def test_unknown_names_raise_listing_valid_ones(hf, call, words):
@@ -56,7 +58,8 @@ def test_auto_is_torch_on_cpu_without_the_interpreter(hf, monkeypatch):
     ref = fastbert.BertModel.from_hf(hf, kernels="torch")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # CPU is the expected place for the twin: nothing to warn about
-        assert torch.equal(fb(IDS, attention_mask=MASK).last_hidden_state, ref(IDS, attention_mask=MASK).last_hidden_state)
+        assert torch.equal(fb(IDS, attention_mask=MASK).last_hidden_state,
+                           ref(IDS, attention_mask=MASK).last_hidden_state)
 
 
 def test_explicit_triton_on_cpu_without_the_interpreter_raises(hf, monkeypatch):
@@ -121,8 +124,8 @@ def test_bf16_dots_under_the_interpreter(hf, monkeypatch):
     ids, mask = IDS, MASK
     with torch.no_grad():
         want = fastbert.BertModel.from_hf(bf16, kernels="torch")(ids, attention_mask=mask).last_hidden_state
-        # (residual_layernorm has no tl.dot and runs bf16 in the interpreter: tests/kernels/test_residual_layernorm.py. It stays
-        # on its twin here so that this test means the same on a CUDA machine, where these are CPU tensors.)
+        # (residual_layernorm has no tl.dot and runs bf16 in the interpreter: tests/kernels/test_residual_layernorm.py.
+        # It stays on its twin here so that this test means the same on a CUDA machine, where these are CPU tensors.)
         auto = fastbert.BertModel.from_hf(bf16, kernels="auto").set_kernels(residual_layernorm="torch")
         with pytest.warns(UserWarning) as record:
             got = auto(ids, attention_mask=mask).last_hidden_state
@@ -149,5 +152,5 @@ def test_bf16_dot_launchers_refuse_under_the_interpreter(monkeypatch):
     with pytest.raises(NotImplementedError, match="cannot run a bf16 tl.dot"):
         bias_gelu_kernel.bias_gelu(x, w, None)
     with pytest.raises(NotImplementedError, match="cannot run a bf16 tl.dot"):
-        attention_kernel.attention(torch.randn(8, 3, 2, 16, dtype=torch.bfloat16), torch.tensor([0, 4, 8], dtype=torch.int32),
-                                   4, 0.25)
+        attention_kernel.attention(torch.randn(8, 3, 2, 16, dtype=torch.bfloat16),
+                                   torch.tensor([0, 4, 8], dtype=torch.int32), 4, 0.25)

@@ -48,4 +48,5 @@ def test_dropout_is_active_in_train_mode_only():
     assert not torch.equal(a, b)
     fb.eval()
     with torch.no_grad():
-        assert torch.equal(fb(IDS, attention_mask=MASK).last_hidden_state, fb(IDS, attention_mask=MASK).last_hidden_state)
+        assert torch.equal(fb(IDS, attention_mask=MASK).last_hidden_state,
+                           fb(IDS, attention_mask=MASK).last_hidden_state)

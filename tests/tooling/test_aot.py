@@ -1,8 +1,8 @@
 """Ahead-of-time compile proof of every fastbert Triton kernel for real GPUs (sm_90 H100/H200, sm_80 A100).
 
 No GPU needed: `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` runs Triton's whole pipeline and
-the ptxas shipped in the Triton wheel (tests/tooling/aot_compile.py does the work, in child processes). For every spec of
-every op module's `aot_specs()` and each arch we assert:
+the ptxas shipped in the Triton wheel (tests/tooling/aot_compile.py does the work, in child processes). For every spec
+of every op module's `aot_specs()` and each arch we assert:
   - it compiles (Triton frontend, LLVM, ptxas) and the cubin is for that sm;
   - its shared memory fits one block's opt-in maximum (227 KB on sm_90, 163 KB on sm_80);
   - no register spills: `cuobjdump -res-usage` reports STACK == 0;
