@@ -476,11 +476,12 @@ class KernelChecks:
         return self.torch.full(shape, float("nan"), dtype=dtype, device=self.device)
 
     def compare(self, out, twin, ref64) -> dict:
+        from fastbert.numerics import FP32_TOL, error_bound
         if self.device == "cuda":
             self.torch.cuda.synchronize()  # an asynchronous fault surfaces in this check, not the next one
         err = (out.double() - ref64).abs().max().item()
         twin_err = (twin.double() - ref64).abs().max().item()
-        bound = twin_err + 1e-5 if out.dtype == self.torch.float32 else 2 * twin_err + 1e-6
+        bound = error_bound(out.dtype, twin_err, fp32_tol=twin_err + FP32_TOL)  # fp32: the twin's rounding too
         finite = bool(self.torch.isfinite(out).all())
         return {"ok": finite and err <= bound, "err": err, "twin_err": twin_err, "bound": bound, "finite": finite}
 
