@@ -35,6 +35,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAtte
 
 from . import adapters, auto, dispatch, fallback, twins
 from . import config as configs
+from .compat import TransformersModelMixin
 from .dispatch import OPS
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad, unpad
@@ -402,7 +403,7 @@ class HiddenStates:
         return self.unshaped(h)
 
 
-class BertModel(nn.Module):
+class BertModel(TransformersModelMixin, nn.Module):
     """The BERT-family encoder. `config`: a transformers config (kept as the very object: the model's `config`), a
     dict, or a config.json path; its model_type picks the embeddings (EMBEDDINGS). add_pooling_layer: None = the
     architecture's own (a pooler for BERT and RoBERTa, none for ELECTRA)."""
@@ -450,96 +451,6 @@ class BertModel(nn.Module):
         if isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-
-    # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,
-                        torch_dtype=None, padding_free=True) -> "BertModel":
-        """A local folder (config.json + model.safetensors / pytorch_model.bin) or a Hub id from the local cache, of
-        any model_type in fastbert.MODEL_TYPES. add_pooling_layer=None: a pooler when the checkpoint has one."""
-        from .loading import from_pretrained
-        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
-            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; give one of them")
-        return from_pretrained(cls, name_or_path, dtype=dtype if dtype is not None else torch_dtype,
-                               device=device, kernels=kernels, add_pooling_layer=add_pooling_layer,
-                               padding_free=padding_free)
-
-    @classmethod
-    def from_hf(cls, hf_model, kernels="auto", padding_free=True) -> "BertModel":
-        """From an in-memory transformers encoder (BertModel, RobertaModel, ..., or a head holding one). One copy of
-        the weights: every module but the fused QKV is HF's own object, and HF's query/key/value become views of the
-        fused weight, so training either model trains both."""
-        from .loading import from_hf
-        return from_hf(cls, hf_model, kernels=kernels, padding_free=padding_free)
-
-    def save_pretrained(self, save_directory, **kwargs) -> None:
-        """config.json + model.safetensors (safe_serialization=False: pytorch_model.bin) that transformers loads."""
-        from .loading import save_pretrained
-        save_pretrained(self, save_directory, **kwargs)
-
-    # ---- where callers of a transformers model touch it ---------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.embeddings.word_embeddings.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embeddings.word_embeddings.weight.dtype
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embeddings.word_embeddings
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embeddings.word_embeddings = value
-
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                                mean_resizing: bool = True) -> nn.Embedding:
-        """transformers' resize: the first rows kept, new rows the mean of the old ones (mean_resizing, the centre of
-        the distribution transformers samples them from) or drawn like a fresh model's; config.vocab_size follows."""
-        old = self.get_input_embeddings()
-        n = old.num_embeddings if new_num_tokens is None else new_num_tokens
-        if pad_to_multiple_of is not None:
-            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
-        if n == old.num_embeddings:
-            return old
-        new = nn.Embedding(n, old.embedding_dim, padding_idx=old.padding_idx if (old.padding_idx or 0) < n else None,
-                           device=old.weight.device, dtype=old.weight.dtype)
-        with torch.no_grad():
-            keep = min(n, old.num_embeddings)
-            new.weight[:keep] = old.weight[:keep]
-            if n > keep:
-                if mean_resizing:
-                    new.weight[keep:] = old.weight.mean(dim=0)
-                else:
-                    new.weight[keep:].normal_(std=self.config.initializer_range)
-        new.weight.requires_grad_(old.weight.requires_grad)
-        self.set_input_embeddings(new)
-        self.config.vocab_size = n
-        return new
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Recompute each layer in the backward pass instead of keeping its activations (train mode, torch path)."""
-        import functools
-
-        from torch.utils.checkpoint import checkpoint
-        kwargs = {"use_reentrant": True} if gradient_checkpointing_kwargs is None else gradient_checkpointing_kwargs
-        for layer in self.encoder.layer:
-            layer.gradient_checkpointing = True
-            layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
-
-    def gradient_checkpointing_disable(self) -> None:
-        for layer in self.encoder.layer:
-            layer.gradient_checkpointing = False
-
-    activation_checkpointing_enable = gradient_checkpointing_enable  # transformers 5's newer names
-    activation_checkpointing_disable = gradient_checkpointing_disable
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        return any(layer.gradient_checkpointing for layer in self.encoder.layer)
-
-    def can_generate(self) -> bool:  # transformers' pipelines ask
-        return False
 
     # ---- the per-op switch -------------------------------------------------------------------------------------
     @property
