@@ -2,10 +2,11 @@
 the hardware's units, next to the device's ceilings.
 
 Shapes: T = 4096 tokens (32 x 128 = 8 x 512), H = 768, 12 heads of 64, I = 3072, attention at S = 128 and 512;
-fp16 and bf16 on CUDA. Without CUDA (and with --bench-tiny) the tiny shapes run in fp32, the Triton kernels through
-the interpreter: their correctness gates run (what CI checks), and nothing is timed on CPU. Units: TFLOP/s for the GEMMs and attention (share of the measured bf16 GEMM ceiling), GB/s for the
-row-wise part of residual_layernorm (share of the measured copy ceiling); both in extra_info, the flops and the
-minimal bytes (each input read once, the output written once) too.
+fp16 and bf16 on CUDA. With --bench-tiny, or without CUDA, tiny shapes instead; on CPU in fp32, the Triton kernels
+through the interpreter: there the correctness gates run (what CI checks) and nothing is timed. Units: TFLOP/s for
+the GEMMs and attention (share of the measured bf16 GEMM ceiling), GB/s for the row-wise part of residual_layernorm
+(share of the measured copy ceiling); both in extra_info, the flops and the minimal bytes (each input read once, the
+output written once) too.
 
 How an op is timed, and why not one call per round: a single call is 5-100 us of GPU work while the Python
 launcher (validation + launch) costs 10-40 us of CPU, so one call per round would time the CPU, and repeated calls
@@ -198,7 +199,8 @@ def test_op(op_case, dtype_name, backend, benchmark, request, policy):
         bound = 4 * torch.finfo(dtype).eps * max(1.0, float(reference.abs().max()))
     benchmark.extra_info.update(kind="op", op=op_case.op, shape=op_case.shape, dtype=dtype_name, backend=backend,
                                 device=device, flops=spec.flops, bytes=spec.bytes, bound=spec.bound,
-                                ceilings=ceilings, max_abs_err=_finite(error), err_bound=bound, twin_err=_finite(twin_error),
+                                ceilings=ceilings, max_abs_err=_finite(error), err_bound=bound,
+                                twin_err=_finite(twin_error),
                                 first_call_s=first_call_s, interpreter=device == "cpu" and backend == "triton")
     del out, reference
     assert error <= bound, (f"{op_case.op} {op_case.shape} {dtype_name} {backend}: max |out - fp64 twin| = "
