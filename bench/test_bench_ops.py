@@ -2,9 +2,9 @@
 the hardware's units, next to the device's ceilings.
 
 Shapes: T = 4096 tokens (32 x 128 = 8 x 512), H = 768, 12 heads of 64, I = 3072, attention at S = 128 and 512;
-fp16 and bf16 on CUDA. Without CUDA (and with --bench-tiny) the tiny shapes run in fp32, the Triton kernels through
-the interpreter: their correctness gates run (what CI checks), and nothing is timed on CPU. Units: TFLOP/s for the
-GEMMs and attention (share of the measured bf16 GEMM ceiling), GB/s for the row-wise part of residual_layernorm
+fp16 and bf16 on CUDA. With --bench-tiny, or without CUDA, tiny shapes instead; on CPU in fp32, the Triton kernels
+through the interpreter: there the correctness gates run (what CI checks) and nothing is timed. Units: TFLOP/s for
+the GEMMs and attention (share of the measured bf16 GEMM ceiling), GB/s for the row-wise part of residual_layernorm
 (share of the measured copy ceiling); both in extra_info, the flops and the minimal bytes (each input read once, the
 output written once) too.
 
