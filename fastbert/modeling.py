@@ -310,9 +310,9 @@ class BertLayer(GradientCheckpointingLayer):
         return ln(h + residual)
 
     def weights(self) -> LayerWeights | None:
-        """The layer's current parameters, read through the module dicts: nn.Module.__getattr__ costs ~0.3 us a
-        step in Python, and reading HF's nested names that way was a quarter of a small batch's forward. None when
-        an adapter wraps one of the linears (BertLayer._forward_adapted)."""
+        """The layer's current parameters, read through the module dicts: each nn.Module.__getattr__ step is Python
+        work on the host, and HF's nested names take many (bench/RESULTS.md, "Measurements cited by the code").
+        None when an adapter wraps one of the linears (BertLayer._forward_adapted)."""
         attention, ffn_in, ffn_out = self._modules["attention"], self._modules["intermediate"], self._modules["output"]
         sa, attn_out = attention._modules["self"], attention._modules["output"]._modules
         ffn_in, ffn_out = ffn_in._modules["dense"], ffn_out._modules
