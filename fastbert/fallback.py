@@ -34,18 +34,29 @@ def with_net(op: str, x: torch.Tensor, device, kernel: Callable, twin: Callable,
     try:
         return kernel()
     except Exception as error:
-        try:
-            out = twin()
-        except Exception:
-            raise error from None
-        kernel_failed(failure_key(op, x), error, device, table_key)
-        return out
+        return _recover(op, x, device, error, twin, table_key)
+
+
+def _recover(op, x, device, error, twin, table_key):
+    try:
+        out = twin()
+    except Exception:
+        raise error from None
+    kernel_failed(failure_key(op, x), error, device, table_key)
+    return out
 
 
 def net_callable(op, kernel, twin, device, table_key):
-    """An op callable with the twin's signature that runs `kernel` under the safety net."""
+    """An op callable with the twin's signature that runs `kernel` under the safety net. The hot path (no failure
+    yet) is one truthiness test and a call; closures are built only when an error is met."""
     def run(*args, **kwargs):
-        return with_net(op, args[0], device, lambda: kernel(*args, **kwargs), lambda: twin(*args, **kwargs), table_key)
+        x = args[0]
+        if _FAILED and failure_key(op, x) in _FAILED:
+            return twin(*args, **kwargs)
+        try:
+            return kernel(*args, **kwargs)
+        except Exception as error:
+            return _recover(op, x, device, error, lambda: twin(*args, **kwargs), table_key)
     return run
 
 
