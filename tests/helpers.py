@@ -192,6 +192,15 @@ def assert_pooler_matches(fb_pooled, hf, ids, mask, tt, tol=1e-5):
             assert (fb_pooled[b] - want).abs().max() <= tol, f"pooler row {b}"
 
 
+def launched_precisions(monkeypatch, kernel) -> list:
+    """A list that fills with the INPUT_PRECISION of every launch of `kernel` (a JITFunction or the interpreter's
+    stand-in) while the test runs: what the tf32 switch reaches, on any device."""
+    launched, real_run = [], kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: (
+        launched.append(kwargs["INPUT_PRECISION"]), real_run(*args, **kwargs))[1])
+    return launched
+
+
 # ---- kernel outputs ------------------------------------------------------------------------------------------------
 def poisoned(shape, dtype):
     """An output buffer full of NaN: an element the kernel fails to write keeps it, and NaN never passes."""

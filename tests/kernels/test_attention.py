@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_kernel_matches, tf32_matmuls, tuning_in_fresh_processes
+from helpers import assert_kernel_matches, launched_precisions, tf32_matmuls, tuning_in_fresh_processes
 
 from fastbert import ops
 from fastbert.kernels import attention as attention_module
@@ -197,10 +197,7 @@ def test_peaked_scores(dtype):
 def test_tf32_switch_reaches_the_kernel(allow_tf32, monkeypatch):
     """fp32 launches with input_precision "tf32" exactly when torch's switch is on, fp16 always with "ieee". What
     the precision does to the numbers: test_tf32_switch_changes_the_numbers (CUDA)."""
-    launched = []
-    real_run = attention_module._attention_fwd_kernel.run
-    monkeypatch.setattr(attention_module._attention_fwd_kernel, "run", lambda *args, **kwargs: (
-        launched.append(kwargs["INPUT_PRECISION"]), real_run(*args, **kwargs))[1])
+    launched = launched_precisions(monkeypatch, attention_module._attention_fwd_kernel)
     with tf32_matmuls(allow_tf32):
         for dtype in (torch.float32, torch.float16):
             padded_attention(make_qkv(2, 5, 2, 32, dtype), 5, 0.125, config=_INTERPRETER_TILE)

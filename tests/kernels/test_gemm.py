@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from helpers import DEVICE, FP32_TOL, assert_kernel_matches, poisoned, tf32_matmuls, tuning_in_fresh_processes
+from helpers import (
+    DEVICE,
+    FP32_TOL,
+    assert_kernel_matches,
+    launched_precisions,
+    poisoned,
+    tf32_matmuls,
+    tuning_in_fresh_processes,
+)
 
 from fastbert import ops
 from fastbert.kernels import attention as attention_mod
@@ -326,10 +334,7 @@ TF32_BLIND = 1 + 2 ** -12
 def test_tf32_switch_reaches_the_kernel(allow_tf32, monkeypatch):
     """fp32 launches with input_precision "tf32" exactly when torch's switch is on; fp16 always "ieee" (one
     compile). What the precision does to the numbers: test_tf32_switch_changes_the_numbers (CUDA)."""
-    launched = []
-    real_run = gemm_core.gemm_kernel.run
-    monkeypatch.setattr(gemm_core.gemm_kernel, "run", lambda *args, **kwargs: (
-        launched.append(kwargs["INPUT_PRECISION"]), real_run(*args, **kwargs))[1])
+    launched = launched_precisions(monkeypatch, gemm_core.gemm_kernel)
     with tf32_matmuls(allow_tf32):
         for dtype in (torch.float32, torch.float16):
             x, w = make((7, 64), dtype), make((32, 64), dtype, 0.125, 1)
