@@ -65,15 +65,14 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
                            "(a captured CUDA graph runs the Triton kernel)")
-    out, start = qkv.new_empty(T, nh * hd), 0
-    for length in layout.lengths:
-        if length:
-            q, k, v = qkv[start:start + length].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
-            attn_mask = None if bias is None else relative_bias(bias, length, length, qkv.dtype)[None]
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
-            out[start:start + length].view(length, nh, hd).copy_(ctx[0].transpose(0, 1))  # one copy, no cat
-        start += length
-    return out
+    contexts = []
+    for piece in qkv.split(layout.lengths):  # views; under autograd one SplitBackward, not a zeroed [T, ...] each
+        length = piece.shape[0]
+        q, k, v = piece.unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
+        attn_mask = None if bias is None else relative_bias(bias, length, length, qkv.dtype)[None]
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+        contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
+    return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
 
 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
