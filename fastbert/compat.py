@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class TransformersModelMixin:
-    """transformers' PreTrainedModel surface for a fastbert encoder (which has `config`, `embeddings`, `encoder`)."""
+    """transformers' PreTrainedModel surface for a fastbert encoder (which has `config`, `embeddings`, `layers`)."""
 
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
@@ -88,12 +88,12 @@ class TransformersModelMixin:
 
         from torch.utils.checkpoint import checkpoint
         kwargs = {"use_reentrant": True} if gradient_checkpointing_kwargs is None else gradient_checkpointing_kwargs
-        for layer in self.encoder.layer:
+        for layer in self.layers:
             layer.gradient_checkpointing = True
             layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
 
     def gradient_checkpointing_disable(self) -> None:
-        for layer in self.encoder.layer:
+        for layer in self.layers:
             layer.gradient_checkpointing = False
 
     activation_checkpointing_enable = gradient_checkpointing_enable  # transformers 5's newer names
@@ -101,7 +101,7 @@ class TransformersModelMixin:
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return any(layer.gradient_checkpointing for layer in self.encoder.layer)
+        return any(layer.gradient_checkpointing for layer in self.layers)
 
     def can_generate(self) -> bool:  # transformers' pipelines ask
         return False

@@ -8,22 +8,20 @@ pipeline, `save_pretrained`) sees one object, and what transformers writes to co
 
 What fastbert adds is the check: every field the model reads is validated when a config reaches it (a config.json's
 raw contents before transformers sees them, so that the error names the file and the field), and a `model_type`
-outside the BERT family, or a feature of it fastbert does not run (decoders, cross-attention, relative positions),
-is refused by name rather than run as something else.
+outside the families fastbert runs (fastbert/families.py), or a feature of one it does not run (decoders,
+cross-attention, BERT's relative positions), is refused by name rather than run as something else.
 """
 from __future__ import annotations
 
 import json
 import os
 
+from . import families
 from .twins import ACTIVATIONS
 
-# model_type -> how its embeddings differ from BERT's (fastbert/modeling.py reads this): "bert" (positions 0..S-1),
-# "roberta" (positions counted from padding_idx + 1, padding at padding_idx), "electra" (embeddings of width
-# embedding_size, projected to hidden_size when the two differ). The layers are the same for all of them.
-ARCHITECTURES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta",
-                 "electra": "electra"}
-MODEL_TYPES = tuple(ARCHITECTURES)
+# model_type -> its family (fastbert/families.py: where its tensors live, what its config calls each field, and the
+# value of each axis: embeddings, attention bias, pooler). The layers are the same four ops for all of them.
+MODEL_TYPES = tuple(families.MODEL_TYPES)
 
 # Field -> (what it must be, the bound). Checked when a config reaches the model, so a bad config.json fails at
 # load time naming the file and the field, not later inside torch.
@@ -36,18 +34,23 @@ _FIELD_RULES = {
     "layer_norm_eps": (_FLOAT, (0.0, None)), "initializer_range": (_FLOAT, (0.0, None)),
     "hidden_act": (_STR, None), "position_embedding_type": (_STR, None),
     "is_decoder": (_BOOL, None), "add_cross_attention": (_BOOL, None),
+    "relative_attention_num_buckets": (_INT, 32),  # MPNet: HF's forward always reads 32 buckets
 }
 # May be null or absent: pad_token_id (BERT only), position_embedding_type (transformers 5 dropped it: absolute),
-# embedding_size (ELECTRA only), the decoder flags (absent = False).
-_OPTIONAL = {"pad_token_id", "position_embedding_type", "embedding_size", "is_decoder", "add_cross_attention"}
+# embedding_size (ELECTRA only), the decoder flags (absent = False); type_vocab_size and the bucket count where the
+# family has no such table.
+_OPTIONAL = {"pad_token_id", "position_embedding_type", "embedding_size", "is_decoder", "add_cross_attention",
+             "type_vocab_size", "relative_attention_num_buckets"}
 
 
-def check_fields(values: dict, where: str = "config") -> None:
-    """Each field the model reads has the right type and range; raises ValueError naming `where` and the field."""
+def check_fields(values: dict, where: str = "config", family: families.Family = families.BERT) -> None:
+    """Each field the model reads has the right type and range; raises ValueError naming `where` and the field as
+    the family's config spells it. `values`: a config.json's contents (or a config's attributes), by those names."""
     for name, (kind, bound) in _FIELD_RULES.items():
-        value = values.get(name)
+        value = family.fixed.get(name, values.get(family.raw_name(name)))
         if value is None and name in _OPTIONAL:
             continue
+        name = family.raw_name(name)
         if kind == _INT:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
             wanted = f"an integer >= {bound}"
@@ -65,7 +68,7 @@ def check_fields(values: dict, where: str = "config") -> None:
 
 
 def check_model_type(model_type, where: str = "config") -> str:
-    if model_type not in ARCHITECTURES:
+    if model_type not in families.MODEL_TYPES:
         raise NotImplementedError(f"{where}: model_type={model_type!r} is not implemented by fastbert (it implements "
                                   f"{', '.join(MODEL_TYPES)}); loading it as BERT would give wrong numbers")
     return model_type
@@ -75,8 +78,10 @@ def check_supported(config, where: str = "config") -> None:
     """Raise for any config the model cannot run faithfully (rather than silently running something else). `config`
     is a transformers config; `where` names it in the error (a file, or the module that holds it)."""
     model_type = check_model_type(getattr(config, "model_type", None), where)
-    values = {name: getattr(config, name, None) for name in _FIELD_RULES}
-    check_fields(values, where)
+    family = families.of(config)
+    values = {family.raw_name(name): family.get(config, name) for name in _FIELD_RULES}
+    check_fields(values, where, family)
+    values = {name: family.get(config, name) for name in _FIELD_RULES}
     position = values["position_embedding_type"] or "absolute"
     if position != "absolute":
         raise NotImplementedError(f"{where}: position_embedding_type={position!r} is not supported (only 'absolute')")
@@ -87,19 +92,21 @@ def check_supported(config, where: str = "config") -> None:
         raise NotImplementedError(f"{where}: add_cross_attention=True is not supported: fastbert has no "
                                   f"cross-attention")
     if values["hidden_act"] not in ACTIVATIONS:
-        raise NotImplementedError(f"{where}: hidden_act={values['hidden_act']!r} is not supported; "
-                                  f"supported: {', '.join(ACTIVATIONS)}")
+        raise NotImplementedError(f"{where}: {family.raw_name('hidden_act')}={values['hidden_act']!r} is not "
+                                  f"supported; supported: {', '.join(ACTIVATIONS)}")
     if values["hidden_size"] % values["num_attention_heads"]:
-        raise ValueError(f"{where}: hidden_size={values['hidden_size']} is not a multiple of "
-                         f"num_attention_heads={values['num_attention_heads']}")
-    if ARCHITECTURES[model_type] == "roberta":
-        if values["pad_token_id"] is None:
+        raise ValueError(f"{where}: {family.raw_name('hidden_size')}={values['hidden_size']} is not a multiple of "
+                         f"{family.raw_name('num_attention_heads')}={values['num_attention_heads']}")
+    if family.relative_bias and values["relative_attention_num_buckets"] is None:
+        raise ValueError(f"{where}: field 'relative_attention_num_buckets' must be set for model_type={model_type!r}")
+    if family.positions == "padding_idx":
+        pad = family.padding_idx if family.padding_idx is not None else values["pad_token_id"]
+        if pad is None:
             raise ValueError(f"{where}: field 'pad_token_id' must be set for model_type={model_type!r} (its "
                              f"position ids count from pad_token_id + 1)")
-        if values["max_position_embeddings"] <= values["pad_token_id"] + 1:
+        if values["max_position_embeddings"] <= pad + 1:
             raise ValueError(f"{where}: max_position_embeddings={values['max_position_embeddings']} leaves no "
-                             f"position after pad_token_id={values['pad_token_id']} (positions start at "
-                             f"pad_token_id + 1)")
+                             f"position after padding_idx={pad} (positions start at padding_idx + 1)")
 
 
 def from_dict(values: dict, where: str = "config"):
@@ -109,7 +116,7 @@ def from_dict(values: dict, where: str = "config"):
     if not isinstance(values, dict):
         raise ValueError(f"{where} must hold a JSON object, got {type(values).__name__}")
     model_type = check_model_type(values.get("model_type", "bert"), where)  # hand-written configs often omit it
-    check_fields(values, where)
+    check_fields(values, where, families.MODEL_TYPES[model_type][0])
     values = {k: v for k, v in values.items() if k != "model_type"}
     config = AutoConfig.for_model(model_type, **values)
     check_supported(config, where)

@@ -48,7 +48,7 @@ IGNORED_ARGS = tuple(dict.fromkeys(
 class Batch:
     """A validated call, ready for the device. Token tensors are [T] in packed order ([B*S] for padded rows)."""
     input_ids: torch.Tensor | None
-    token_type_ids: torch.Tensor
+    token_type_ids: torch.Tensor | None  # None where the family has no token types
     position_ids: torch.Tensor
     inputs_embeds: torch.Tensor | None  # [T, H] when the caller gave embeddings
     attn: TokenLayout | AttentionMask  # what attention needs
@@ -111,7 +111,11 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but the model is on {device}; move it with .to({str(device)!r})")
         if t is not None and name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
-            raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+            hint = "" if name != "token_type_ids" or model.embeddings.token_type_embeddings is not None else (
+                f" ({model.config.model_type} has no token types: pass its other arguments by keyword)")
+            raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}{hint}")
+    if model.embeddings.token_type_embeddings is None:
+        token_type_ids = None  # DistilBERT, MPNet: no token types; transformers' forward takes and ignores them too
 
     if hf_packed or cu_seqlens is not None:
         return _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -169,6 +173,9 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         lengths = keep.sum(dim=1)
         reads.add("real_tokens", lengths.sum())
         reads.add("lengths", lengths)
+        if model.family.relative_bias:  # a row whose real tokens are not one run: packing would change j - i
+            runs = (keep[:, 1:] & ~keep[:, :-1]).sum(dim=1) + keep[:, 0]
+            reads.add("holes", (runs > 1).any())
     values = reads.read()
     if values is not None and zero_one and values["mask_not_zero_one"]:
         raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
@@ -179,7 +186,9 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     token_type_ids, position_ids = _fill_defaults(model, shape, input_ids, token_type_ids, position_ids,
                                                   lambda: torch.arange(S, device=device).expand(B, S))
 
-    padded_rows = output_attentions or custom or not model.padding_free or tracing()
+    # (a relative position bias counts padding inside a row as distance, as HF does: such rows run padded)
+    padded_rows = output_attentions or custom or not model.padding_free or tracing() or bool(
+        values is not None and values.get("holes", False))
     if not padded_rows and (keep is None or values["real_tokens"] == B * S):
         layout = TokenLayout.dense(B, S, device)  # nothing padded: packed order is batch order
     elif not padded_rows:
@@ -189,10 +198,11 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
             values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
         mask = AttentionMask.build(attention_mask, B, S, model.embeddings.word_embeddings.weight.dtype, flags)
         real_tokens = mask.key_valid if model.padding_free else None
-        return Batch(None if input_ids is None else input_ids.reshape(B * S), token_type_ids.reshape(B * S),
+        return Batch(None if input_ids is None else input_ids.reshape(B * S), _flat(token_type_ids, B * S),
                      position_ids.reshape(B * S), None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1),
                      mask, "padded", shape, real_tokens)
-    return Batch(None if input_ids is None else unpad(input_ids, layout), unpad(token_type_ids, layout),
+    return Batch(None if input_ids is None else unpad(input_ids, layout),
+                 None if token_type_ids is None else unpad(token_type_ids, layout),
                  unpad(position_ids, layout), None if inputs_embeds is None else unpad(inputs_embeds, layout), layout,
                  "padded", shape)
 
@@ -283,6 +293,10 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
 # --------------------------------------------------------------------------------------------------------------------
 # What both layouts share
 # --------------------------------------------------------------------------------------------------------------------
+def _flat(t, n: int):
+    return None if t is None else t.reshape(n)
+
+
 def _check_like(shape: tuple, described: str, **tensors) -> None:
     """Each given tensor has the input's token shape (`described` says what the input is, for the message)."""
     for name, t in tensors.items():
@@ -294,7 +308,7 @@ def _fill_defaults(model, shape: tuple, input_ids, token_type_ids, position_ids,
     """HF's defaults: token type 0, and positions from each token's index in its sequence (`index_in_sequence()`,
     asked only when needed); the embeddings turn indices into positions (RoBERTa counts from padding_idx)."""
     device = model.embeddings.word_embeddings.weight.device
-    if token_type_ids is None:
+    if token_type_ids is None and model.embeddings.token_type_embeddings is not None:
         token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
     if position_ids is None:
         position_ids = model.embeddings.position_ids(input_ids, index_in_sequence())
@@ -323,8 +337,9 @@ class _Reads:
 
     def ranges(self, embeddings, **tensors):
         """Index ranges by the tables' sizes (a resized vocabulary included)."""
+        types = embeddings.token_type_embeddings
         limits = {"input_ids": embeddings.word_embeddings.num_embeddings,
-                  "token_type_ids": embeddings.token_type_embeddings.num_embeddings,
+                  "token_type_ids": None if types is None else types.num_embeddings,
                   "position_ids": embeddings.position_embeddings.num_embeddings}
         for name, t in tensors.items():
             if t is not None and t.numel():

@@ -6,17 +6,11 @@ import os
 
 import torch
 
-from . import adapters
+from . import adapters, families
 from . import config as configs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-# Where a head checkpoint (BertFor*, RobertaFor*, ElectraFor*, ...) keeps its encoder: transformers' base_model_prefix.
-BASE_PREFIXES = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta.", "camembert": "roberta.",
-                 "electra": "electra."}
-# Top-level prefixes of heads: ignored when loading a base model out of a head checkpoint.
-_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "lm_head.", "dropout.", "discriminator_predictions.",
-                  "generator_predictions.", "generator_lm_head.")
 _IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")  # buffers, not weights
 
 
@@ -75,7 +69,7 @@ def read_checkpoint(folder: str) -> dict:
 
 def encoder_part(raw: dict, model_type: str) -> dict:
     """A head checkpoint's encoder (keys under its base_model_prefix, the prefix dropped); a base one as is."""
-    prefix = BASE_PREFIXES[model_type]
+    prefix = families.MODEL_TYPES[model_type][0].prefix  # transformers' base_model_prefix
     if any(k.startswith(prefix) for k in raw):
         return {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
     return raw
@@ -84,10 +78,11 @@ def encoder_part(raw: dict, model_type: str) -> dict:
 def hf_state_dict(raw: dict, model) -> dict:
     """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch."""
     raw = encoder_part(raw, model.config.model_type)
+    heads = model.family.heads  # a head checkpoint's own top-level modules: not the encoder's
     state = {}
     for key, value in raw.items():
         key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        if key in _IGNORED or key.startswith(_HEAD_PREFIXES):
+        if key in _IGNORED or key.startswith(heads):
             continue
         if key.startswith("pooler.") and model.pooler is None:
             continue
@@ -157,7 +152,7 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
     if add_pooling_layer is None:
         # BERT-architecture embedding models (BGE, E5, GTE) ship no pooler: load them without one, never with a
         # random one (transformers' BertModel would initialise it randomly, with a warning)
-        add_pooling_layer = configs.ARCHITECTURES[config.model_type] != "electra" and any(
+        add_pooling_layer = families.of(config).pooler and any(
             k.startswith("pooler.") for k in encoder_part(raw, config.model_type))
     model = _build(cls, config, add_pooling_layer, kernels, padding_free)
     state = hf_state_dict(raw, model)
@@ -261,8 +256,8 @@ def share_hf(model, base) -> None:
         if theirs is not None and list(ours._modules) != [k for k in theirs._modules if k in ours._modules]:
             order = {k: i for i, k in enumerate(theirs._modules)}
             ours._modules = dict(sorted(ours._modules.items(), key=lambda kv: order.get(kv[0], len(order))))
-    for layer in model.encoder.layer:
-        layer.attention.self.pack()
+    for layer in model.layers:
+        layer.self_attention.pack()
 
 
 def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dict: dict | None = None,
@@ -282,8 +277,7 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
     os.makedirs(folder, exist_ok=True)
     config = model.config
     if not getattr(config, "architectures", None):
-        config.architectures = [{"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel",
-                                 "camembert": "CamembertModel", "electra": "ElectraModel"}[config.model_type]]
+        config.architectures = [families.encoder_class(config.model_type)]
     config.save_pretrained(folder)
     # contiguous copies: a caller's state_dict may hold views, which safetensors refuses
     state = {k: v.detach().contiguous().clone() for k, v in (state_dict or model.state_dict()).items()}

@@ -31,9 +31,14 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import transformers
-from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    BaseModelOutputWithPooling,
+    BaseModelOutputWithPoolingAndCrossAttentions,
+)
 
-from . import adapters, auto, dispatch, fallback, twins
+from . import adapters, auto, dispatch, fallback, families, relative, twins
 from . import config as configs
 from .compat import TransformersModelMixin
 from .dispatch import OPS
@@ -41,22 +46,26 @@ from .inputs import Batch, prepare
 from .layout import first_tokens, pad, unpad
 from .mask import tracing
 
+# MPNet's buckets stop changing at 128 tokens apart (HF's max_distance): a table reaching 128 is exact at any length
+RELATIVE_REACH = 129
+
 # With output_attentions, transformers 5 reports an empty cross_attentions tuple alongside attentions (part of the
 # return_dict=False tuple); 4.x reports None, which the tuple leaves out.
 _EMPTY_CROSS_ATTENTIONS = () if int(transformers.__version__.split(".")[0]) >= 5 else None
 
 
 class BertEmbeddings(nn.Module):
-    """word + token type + position embeddings, LayerNorm, dropout, at `width` (hidden_size; ELECTRA: embedding_size).
-    BERT's position ids are each token's index in its sequence."""
+    """word (+ token type) + position embeddings, LayerNorm, dropout, at `width` (hidden_size; ELECTRA:
+    embedding_size). Position ids are each token's index in its sequence. DistilBERT and MPNet have no token types."""
 
-    def __init__(self, config, width: int):
+    def __init__(self, config, width: int, family: families.Family = families.BERT):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        pad = family.padding_idx if family.padding_idx is not None else config.pad_token_id
+        self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=pad)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, width)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
-        self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width) if family.token_types else None
+        self.LayerNorm = nn.LayerNorm(width, eps=family.get(config, "layer_norm_eps"))
+        self.dropout = nn.Dropout(family.get(config, "hidden_dropout_prob"))
         self.max_length = config.max_position_embeddings  # the longest sequence the position table covers
 
     def position_ids(self, input_ids, index):
@@ -68,20 +77,23 @@ class BertEmbeddings(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
         # HF's order of additions, so that fp32 sums round identically
-        x = inputs_embeds + self.token_type_embeddings(token_type_ids)
+        x = inputs_embeds
+        if self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings(token_type_ids)
         x = x + self.position_embeddings(position_ids)
         return self.dropout(self.LayerNorm(x))                                   # [T, width]
 
 
 class RobertaEmbeddings(BertEmbeddings):
-    """RoBERTa, XLM-RoBERTa, CamemBERT: fairseq's positions. A token that is not padding_idx sits at padding_idx + its
-    count among its sequence's non-padding tokens (1, 2, ...); a padding_idx token sits at padding_idx (HF's
-    create_position_ids_from_input_ids). From inputs_embeds, where padding cannot be seen, positions run
-    padding_idx + 1, padding_idx + 2, ... So the usable length is max_position_embeddings - padding_idx - 1."""
+    """RoBERTa, XLM-RoBERTa, CamemBERT, MPNet: fairseq's positions. A token that is not padding_idx sits at
+    padding_idx + its count among its sequence's non-padding tokens (1, 2, ...); a padding_idx token sits at
+    padding_idx (HF's create_position_ids_from_input_ids). From inputs_embeds, where padding cannot be seen, positions
+    run padding_idx + 1, padding_idx + 2, ... So the usable length is max_position_embeddings - padding_idx - 1.
+    padding_idx is pad_token_id (MPNet: 1, as HF's MPNetEmbeddings fixes it)."""
 
-    def __init__(self, config, width: int):
-        super().__init__(config, width)
-        self.padding_idx = config.pad_token_id
+    def __init__(self, config, width: int, family: families.Family = families.ROBERTA):
+        super().__init__(config, width, family)
+        self.padding_idx = self.word_embeddings.padding_idx
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, width, padding_idx=self.padding_idx)
         self.max_length = config.max_position_embeddings - self.padding_idx - 1
 
@@ -98,23 +110,23 @@ class RobertaEmbeddings(BertEmbeddings):
         return counts * real + self.padding_idx
 
 
-# model_type's embeddings (fastbert/config.py's ARCHITECTURES names the kind)
-EMBEDDINGS = {"bert": BertEmbeddings, "roberta": RobertaEmbeddings, "electra": BertEmbeddings}
+# a family's position ids -> its embeddings
+EMBEDDINGS = {"index": BertEmbeddings, "padding_idx": RobertaEmbeddings}
 
 
 class BertSelfAttention(nn.Module):
-    """HF's query/key/value, as HF's nn.Linear modules with HF's parameter names, whose weights and biases sit side by
-    side in one fused weight [3H, H] and bias [3H]: the projection is one GEMM over them. Each part's parameter has
-    a storage of its own that aliases its rows of the fused tensors (`_alias`), so state_dict(), safetensors and
-    transformers' tied-weights checks see three independent tensors, while an in-place update (an optimizer step,
-    load_state_dict, PEFT's merge) lands in the fused weight at once: one copy of the weights."""
+    """HF's query/key/value (DistilBERT: q_lin/k_lin/v_lin; MPNet: q/k/v), as HF's nn.Linear modules with HF's
+    parameter names, whose weights and biases sit side by side in one fused weight [3H, H] and bias [3H]: the
+    projection is one GEMM over them. Each part's parameter has a storage of its own that aliases its rows of the
+    fused tensors (`_alias`), so state_dict(), safetensors and transformers' tied-weights checks see three independent
+    tensors, while an in-place update (an optimizer step, load_state_dict, PEFT's merge) lands in the fused weight at
+    once: one copy of the weights. Where HF's module holds more (DistilBERT's out_lin, MPNet's o), the layer adds it."""
 
-    def __init__(self, config):
+    def __init__(self, hidden: int, names: tuple = ("query", "key", "value")):
         super().__init__()
-        H = config.hidden_size
-        self.query = nn.Linear(H, H)
-        self.key = nn.Linear(H, H)
-        self.value = nn.Linear(H, H)
+        self.names = names
+        for name in names:
+            self.add_module(name, nn.Linear(hidden, hidden))
         self._fused = None  # (weight [3H, H], bias [3H], the parts' data pointers when packed)
         self.register_load_state_dict_post_hook(lambda module, keys: module.pack())  # assign=True puts new tensors
         self.pack()
@@ -122,8 +134,8 @@ class BertSelfAttention(nn.Module):
     def parts(self) -> tuple:
         """(query.weight, key.weight, value.weight, query.bias, key.bias, value.bias) of the base layers (under a
         PEFT adapter, the layer it wraps)."""
-        mods = self._modules
-        q, k, v = mods["query"], mods["key"], mods["value"]
+        mods, names = self._modules, self.names
+        q, k, v = mods[names[0]], mods[names[1]], mods[names[2]]
         if not type(q) is type(k) is type(v) is nn.Linear:  # (a plain read first: this runs every forward)
             q, k, v = (adapters.base_layer(m) for m in (q, k, v))
         q, k, v = q._parameters, k._parameters, v._parameters
@@ -133,7 +145,7 @@ class BertSelfAttention(nn.Module):
         """Put the parts' current values into one fused weight and bias, and point the parts at their rows. A fused
         weight these very parts already alias (a second fastbert model over the same HF modules) is kept."""
         parts = self.parts()
-        holder = adapters.base_layer(self._modules["query"]).__dict__
+        holder = adapters.base_layer(self._modules[self.names[0]]).__dict__
         record = holder.get("_fastbert_fused")
         if record is not None and record[2] == _pointers(parts):
             self._fused = record
@@ -180,9 +192,6 @@ class BertSelfAttention(nn.Module):
         return self
 
 
-_QKV = ("query", "key", "value")
-
-
 def _pointers(parts) -> tuple:
     return tuple(p.data_ptr() for p in parts)
 
@@ -197,24 +206,9 @@ def _alias(rows: torch.Tensor) -> torch.Tensor:
         return rows
 
 
-class BertSelfOutput(nn.Module):  # also serves as HF's BertOutput: a dense back to H, then residual + LayerNorm
-    def __init__(self, config, in_features: int):
-        super().__init__()
-        self.dense = nn.Linear(in_features, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-
-class BertAttention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.self = BertSelfAttention(config)
-        self.output = BertSelfOutput(config, config.hidden_size)
-
-
-class BertIntermediate(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+class Block(nn.Module):
+    """A container at one of HF's module paths inside a layer (attention, attention.output, ffn, ...): it holds
+    modules, computes nothing (the layer's forward does, through the four ops)."""
 
 
 class LayerWeights(NamedTuple):
@@ -248,90 +242,135 @@ except ImportError:  # transformers before 4.52: the same behaviour, under the s
 
 
 class BertLayer(GradientCheckpointingLayer):
-    def __init__(self, config):
+    """One post-norm encoder layer: x = LN1(x + attention(x)), x = LN2(x + FFN(x)). Its modules sit at HF's paths for
+    the family (families.Family.layer: role -> path), so HF's checkpoints, names and adapters fit it as they are."""
+
+    def __init__(self, config, family: families.Family = families.BERT):
         super().__init__()
         self.config = config  # read for the dropout probabilities in train mode
-        self.attention = BertAttention(config)
-        self.intermediate = BertIntermediate(config)
-        self.output = BertSelfOutput(config, config.intermediate_size)
+        self.family = family
+        H, I = config.hidden_size, family.get(config, "intermediate_size")
+        eps = family.get(config, "layer_norm_eps")
+        self.paths = {role: tuple(family.layer[role].split(".")) for role in families.ROLES}
+        self.qkv_path = self.paths["query"][:-1]
+        qkv_names = tuple(self.paths[role][-1] for role in ("query", "key", "value"))
+        leaves = {"attn_out": nn.Linear(H, H), "ln1": nn.LayerNorm(H, eps=eps), "ffn_in": nn.Linear(H, I),
+                  "ffn_out": nn.Linear(I, H), "ln2": nn.LayerNorm(H, eps=eps)}
+        for role in families.ROLES:  # in HF's order, which is the roles' order
+            *parents, leaf = self.paths[role]
+            node = self
+            for depth, name in enumerate(parents):
+                if name not in node._modules:
+                    node.add_module(name, BertSelfAttention(H, qkv_names)
+                                    if tuple(parents[:depth + 1]) == self.qkv_path else Block())
+                node = node._modules[name]
+            if role in leaves:
+                node.add_module(leaf, leaves[role])
         # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
         self.num_heads = config.num_attention_heads
-        self.eps = config.layer_norm_eps
-        self.activation = twins.ACTIVATIONS[config.hidden_act]
-        self.scale = twins.default_scale(config.hidden_size // config.num_attention_heads)
+        self.eps = eps
+        self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
+        self.scale = twins.default_scale(H // config.num_attention_heads)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (also a head's, transformers')
 
-    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False):
-        """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
-        ops as resolved for this forward (dispatch.plan). Under gradient checkpointing, GradientCheckpointingLayer
-        recomputes this in the backward pass (x, attn, run, output_attentions come positionally for that)."""
-        w, eps = self.weights(), self.eps
-        p_attn = self.config.attention_probs_dropout_prob if self.training else 0.0
-        p_hidden = self.config.hidden_dropout_prob if self.training else 0.0
-        if w is None:  # an adapter (PEFT) wraps one of the layer's linears
-            return self._forward_adapted(x, attn, run, output_attentions, p_attn, p_hidden)
+    def module(self, role: str) -> nn.Module:
+        """The module at `role`'s HF path now (an adapter PEFT put there, if any), read through the module dicts:
+        each nn.Module.__getattr__ step is Python work on the host (bench/RESULTS.md, "Measurements cited by the
+        code")."""
+        node = self
+        for name in self.paths[role]:
+            node = node._modules[name]
+        return node
 
-        qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                         # [T, 3, nh, hd]
-        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions)           # [T, H]
-        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, eps, p_hidden)  # [T, H]
-        h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                          # [T, I]
-        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_hidden)      # [T, H]
+    @property
+    def self_attention(self) -> BertSelfAttention:
+        """The module that holds query/key/value and their fused weight."""
+        node = self
+        for name in self.qkv_path:
+            node = node._modules[name]
+        return node
+
+    def dropouts(self) -> tuple[float, float, float]:
+        """(attention probabilities, attention output, FFN output) dropout, by the config now (0 in eval mode)."""
+        if not self.training:
+            return 0.0, 0.0, 0.0
+        family, cfg = self.family, self.config
+        p_hidden = family.get(cfg, "hidden_dropout_prob")
+        return (family.get(cfg, "attention_probs_dropout_prob"),
+                p_hidden if family.attention_output_dropout else 0.0, p_hidden)
+
+    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, bias=None):
+        """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
+        ops as resolved for this forward (dispatch.plan); `bias`: the attention's per-distance table or None (MPNet).
+        Under gradient checkpointing, GradientCheckpointingLayer recomputes this in the backward pass (the arguments
+        come positionally for that)."""
+        w, eps = self.weights(), self.eps
+        p_attn, p_attn_out, p_ffn_out = self.dropouts()
+        if w is None:  # an adapter (PEFT) wraps one of the layer's linears
+            return self._forward_adapted(x, attn, run, output_attentions, bias, p_attn, p_attn_out, p_ffn_out)
+
+        qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias)  # [T, H]
+        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, eps, p_attn_out)  # [T, H]
+        h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                            # [T, I]
+        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_ffn_out)        # [T, H]
         return x, probs
 
-    def _forward_adapted(self, x, attn, run, output_attentions, p_attn, p_hidden):
+    def _forward_adapted(self, x, attn, run, output_attentions, bias, p_attn, p_attn_out, p_ffn_out):
         """The same layer with adapters on some linears. The QKV projection stays one GEMM over the base weights;
         each adapted part adds its low-rank x·A·B to its third of the output. Any other adapted linear is called as
         the module it is (its op runs as PyTorch: merge_and_unload() puts it back on the fused ops)."""
-        sa, attn_out = self.attention.self, self.attention.output
-        weight, bias = sa.fused()
-        qkv = run.qkv_projection(x, weight, bias, self.num_heads)                                # [T, 3, nh, hd]
-        for i, name in enumerate(_QKV):
+        sa = self.self_attention
+        weight, bias_qkv = sa.fused()
+        qkv = run.qkv_projection(x, weight, bias_qkv, self.num_heads)                            # [T, 3, nh, hd]
+        for i, name in enumerate(sa.names):
             delta = adapters.lora_delta(sa._modules[name], x)                                   # [T, H] or None
             if delta is not None:
                 qkv[:, i] += delta.view(qkv.shape[0], *qkv.shape[2:]).to(qkv.dtype)
-        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions)           # [T, H]
-        x = self._dense_residual_layernorm(attn_out, ctx, x, run, p_hidden)                     # [T, H]
-        dense = self.intermediate.dense
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias)  # [T, H]
+        x = self._dense_residual_layernorm("attn_out", "ln1", ctx, x, run, p_attn_out)          # [T, H]
+        dense = self.module("ffn_in")
         if adapters.is_plain_linear(dense):
             h = run.bias_gelu(x, dense.weight, dense.bias, self.activation)                      # [T, I]
         else:
             h = twins._activation_torch(dense(x), self.activation)
-        return self._dense_residual_layernorm(self.output, h, x, run, p_hidden), probs         # [T, H]
+        return self._dense_residual_layernorm("ffn_out", "ln2", h, x, run, p_ffn_out), probs    # [T, H]
 
-    def _dense_residual_layernorm(self, block, y, residual, run, p_hidden):
+    def _dense_residual_layernorm(self, dense_role, ln_role, y, residual, run, p):
         """LayerNorm(dropout(dense(y)) + residual), on the fused op when `dense` is a plain linear."""
-        dense, ln = block.dense, block.LayerNorm
+        dense, ln = self.module(dense_role), self.module(ln_role)
         if adapters.is_plain_linear(dense):
-            return run.residual_layernorm(y, dense.weight, dense.bias, residual, ln.weight, ln.bias, self.eps,
-                                          p_hidden)
+            return run.residual_layernorm(y, dense.weight, dense.bias, residual, ln.weight, ln.bias, self.eps, p)
         h = dense(y)
-        if p_hidden > 0:
-            h = nn.functional.dropout(h, p_hidden)
+        if p > 0:
+            h = nn.functional.dropout(h, p)
         return ln(h + residual)
 
     def weights(self) -> LayerWeights | None:
-        """The layer's current parameters, read through the module dicts: each nn.Module.__getattr__ step is Python
-        work on the host, and HF's nested names take many (bench/RESULTS.md, "Measurements cited by the code").
-        None when an adapter wraps one of the linears (BertLayer._forward_adapted)."""
-        attention, ffn_in, ffn_out = self._modules["attention"], self._modules["intermediate"], self._modules["output"]
-        sa, attn_out = attention._modules["self"], attention._modules["output"]._modules
-        ffn_in, ffn_out = ffn_in._modules["dense"], ffn_out._modules
-        linears = sa._modules
-        if not (type(linears["query"]) is type(linears["key"]) is type(linears["value"]) is type(attn_out["dense"])
-                is type(ffn_in) is type(ffn_out["dense"]) is nn.Linear):
+        """The layer's current parameters (read through the module dicts, see `module`). None when an adapter wraps
+        one of the linears (BertLayer._forward_adapted)."""
+        sa = self.self_attention
+        q, k, v = (sa._modules[name] for name in sa.names)
+        attn_out, ffn_in, ffn_out = self.module("attn_out"), self.module("ffn_in"), self.module("ffn_out")
+        if not (type(q) is type(k) is type(v) is type(attn_out) is type(ffn_in) is type(ffn_out) is nn.Linear):
             return None
         qkv, qkv_bias = sa.fused()
-        o, ln1 = attn_out["dense"]._parameters, attn_out["LayerNorm"]._parameters
-        f, ln2 = ffn_out["dense"]._parameters, ffn_out["LayerNorm"]._parameters
-        ffn_in = ffn_in._parameters
+        o, f, ffn_in = attn_out._parameters, ffn_out._parameters, ffn_in._parameters
+        ln1, ln2 = self.module("ln1")._parameters, self.module("ln2")._parameters
         return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"],
                             ffn_in["weight"], ffn_in["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config):
+    """The layers (HF's `encoder`; DistilBERT's `transformer`) and, for MPNet, the relative position bias embedding
+    [buckets, nh] its attention reads through one per-distance table per forward."""
+
+    def __init__(self, config, family: families.Family = families.BERT):
         super().__init__()
-        self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layer = nn.ModuleList([BertLayer(config, family) for _ in range(config.num_hidden_layers)])
+        if family.relative_bias:
+            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets,
+                                                        config.num_attention_heads)
 
 
 class BertPooler(nn.Module):
@@ -404,9 +443,10 @@ class HiddenStates:
 
 
 class BertModel(TransformersModelMixin, nn.Module):
-    """The BERT-family encoder. `config`: a transformers config (kept as the very object: the model's `config`), a
-    dict, or a config.json path; its model_type picks the embeddings (EMBEDDINGS). add_pooling_layer: None = the
-    architecture's own (a pooler for BERT and RoBERTa, none for ELECTRA)."""
+    """The encoder of every family fastbert runs. `config`: a transformers config (kept as the very object: the
+    model's `config`), a dict, or a config.json path; its model_type picks the family (fastbert/families.py: HF's
+    module paths, the embeddings, the attention bias). add_pooling_layer: None = the family's own (a pooler for BERT,
+    RoBERTa and MPNet, none for ELECTRA and DistilBERT)."""
 
     main_input_name = "input_ids"  # what transformers' pipelines and Trainer read off a model
 
@@ -414,26 +454,26 @@ class BertModel(TransformersModelMixin, nn.Module):
         super().__init__()
         config = configs.load(config)
         self.config = config
-        kind = configs.ARCHITECTURES[config.model_type]
+        self.family = family = families.of(config)
         if add_pooling_layer is None:
-            add_pooling_layer = kind != "electra"
-        elif add_pooling_layer and kind == "electra":
-            raise ValueError("add_pooling_layer=True: an ELECTRA model has no pooler (transformers' ElectraModel "
-                             "has none)")
+            add_pooling_layer = family.pooler
+        elif add_pooling_layer and not family.pooler:
+            raise ValueError(f"add_pooling_layer=True: {family.title} has no pooler (transformers' "
+                             f"{families.encoder_class(config.model_type)} has none)")
         # Padded input runs on its real tokens only; False keeps padded execution (HF's values at padded positions).
         self.padding_free = padding_free
         self._plans = {}  # dispatch.Situation -> the resolved ops (dispatch.plan)
         self._plans_failures = 0  # len(fallback._FAILED) when the plans were made
         self._warned_autograd = False  # said once per model (BertModel._warn_autograd_in_eval)
         H = config.hidden_size
-        width = config.embedding_size if kind == "electra" else H
+        width = config.embedding_size if family.projection else H
         self.head_dim = H // config.num_attention_heads
-        self.embeddings = EMBEDDINGS[kind](config, width)
+        self.embeddings = EMBEDDINGS[family.positions](config, width, family)
         # ELECTRA: embeddings narrower than the layers are widened by a projection (HF's module name and key)
         self.embeddings_project = nn.Linear(width, H) if width != H else None
-        self.encoder = BertEncoder(config)
+        self.add_module(family.layers, BertEncoder(config, family))  # HF's name: encoder (DistilBERT: transformer)
         self.pooler = BertPooler(config) if add_pooling_layer else None
-        self.activation = twins.ACTIVATIONS[config.hidden_act]
+        self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self._kernels = {op: "auto" for op in OPS}
         self.set_kernels(kernels)
         dispatch.triton_import_error()  # import the kernels now if they import at all: never inside a traced forward
@@ -451,6 +491,17 @@ class BertModel(TransformersModelMixin, nn.Module):
         if isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        if module is self.embeddings and getattr(self.config, "sinusoidal_pos_embds", False):  # DistilBERT's option
+            from transformers.models.distilbert.modeling_distilbert import create_sinusoidal_embeddings
+            weight = module.position_embeddings.weight
+            if weight.device.type != "meta":
+                with torch.no_grad():
+                    create_sinusoidal_embeddings(weight.shape[0], weight.shape[1], weight)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The encoder layers (HF's encoder.layer; DistilBERT's transformer.layer)."""
+        return self._modules[self.family.layers].layer
 
     # ---- the per-op switch -------------------------------------------------------------------------------------
     @property
@@ -504,7 +555,9 @@ class BertModel(TransformersModelMixin, nn.Module):
         if needs_grad and not self.training and not self._warned_autograd:
             self._warn_autograd_in_eval()
         run = self.resolve_ops(needs_grad, batch.why_padded(output_attentions), *batch.size)
-        keep = HiddenStates.of(output_hidden_states, len(self.encoder.layer), batch)
+        if not self.family.selects_hidden_states and output_hidden_states:
+            output_hidden_states = True  # MPNet's forward reads a selection as a flag: every layer, as HF gives it
+        keep = HiddenStates.of(output_hidden_states, len(self.layers), batch)
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
                                                    batch.attn, run, batch.inputs_embeds, keep, output_attentions)
         out = self.finish(batch, x, hidden_states, attentions, keep is not None, output_attentions)
@@ -542,15 +595,24 @@ class BertModel(TransformersModelMixin, nn.Module):
         if keep_hidden_states is True:
             keep_hidden_states = HiddenStates(None, _same, _same)
         hidden_states, attentions = [] if keep_hidden_states else None, [] if output_attentions else None
-        for layer in self.encoder.layer:  # (a checkpointing layer recomputes itself in backward: its own __call__)
+        bias = self.relative_bias()                                                      # [nh, 2R - 1] or None
+        for layer in self.layers:  # (a checkpointing layer recomputes itself in backward: its own __call__)
             if keep_hidden_states:
                 x = keep_hidden_states.record(hidden_states, x)
-            x, probs = layer(x, attn, run, output_attentions)
+            x, probs = layer(x, attn, run, output_attentions, bias)
             if output_attentions:
                 attentions.append(probs)
         if keep_hidden_states:
             x = keep_hidden_states.record(hidden_states, x)
         return x, hidden_states, attentions
+
+    def relative_bias(self) -> torch.Tensor | None:
+        """MPNet's attention bias for this forward as one per-distance table (fastbert/relative.py): distances past
+        +-RELATIVE_REACH all fall in the last bucket, so the table is exact at any length; None for other families."""
+        if not self.family.relative_bias:
+            return None
+        weight = self._modules[self.family.layers].relative_attention_bias.weight
+        return relative.relative_bias_table(weight, RELATIVE_REACH)
 
     def finish(self, batch: Batch, x, hidden_states, attentions, output_hidden_states, output_attentions):
         """Packed [T, H] -> the caller's shape (zeros at padded positions), the pooler, HF's output class.
@@ -559,13 +621,19 @@ class BertModel(TransformersModelMixin, nn.Module):
         shaped, _, first = _shapes(batch)
         last = hidden_states[-1] if output_hidden_states and hidden_states and hidden_states[-1] is not None \
             else shaped(x)
-        return BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=last,
-            pooler_output=self.pooler(first(x)) if self.pooler is not None else None,
-            hidden_states=tuple(hidden_states) if output_hidden_states else None,
-            attentions=tuple(attentions) if output_attentions else None,
-            cross_attentions=_EMPTY_CROSS_ATTENTIONS if output_attentions else None,  # as the installed transformers
-        )
+        out = dict(last_hidden_state=last,
+                   hidden_states=tuple(hidden_states) if output_hidden_states else None,
+                   attentions=tuple(attentions) if output_attentions else None)
+        kind = self.family.output  # HF's output class of the family: its fields and its tuple order
+        if kind == "BaseModelOutput":  # DistilBERT: no pooler output at all
+            return BaseModelOutput(**out)
+        cross = _EMPTY_CROSS_ATTENTIONS if output_attentions else None  # as the installed transformers reports it
+        if kind == "BaseModelOutputWithPastAndCrossAttentions":  # ELECTRA: no pooler either
+            return BaseModelOutputWithPastAndCrossAttentions(**out, cross_attentions=cross)
+        out["pooler_output"] = self.pooler(first(x)) if self.pooler is not None else None
+        if kind == "BaseModelOutputWithPooling":  # MPNet
+            return BaseModelOutputWithPooling(**out)
+        return BaseModelOutputWithPoolingAndCrossAttentions(**out, cross_attentions=cross)
 
     def resolve_ops(self, needs_grad: bool = False, padded: str | None = None, tokens: int = 0,
                     max_seqlen: int = 0, ragged: bool = True) -> dispatch.Ops:
@@ -579,13 +647,13 @@ class BertModel(TransformersModelMixin, nn.Module):
         shapes = None
         if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
                 and not self.training and tokens:
-            shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, cfg.intermediate_size,
+            shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                  cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
                                  ragged)
         situation = dispatch.Situation(
             kernels, weight.device, weight.dtype, self.head_dim, needs_grad,
-            cfg.attention_probs_dropout_prob if self.training else 0.0,
-            cfg.hidden_dropout_prob if self.training else 0.0, padded, shapes)
+            self.family.get(cfg, "attention_probs_dropout_prob") if self.training else 0.0,
+            self.family.get(cfg, "hidden_dropout_prob") if self.training else 0.0, padded, shapes)
         if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return dispatch.plan(situation)
         if self._plans_failures != len(fallback._FAILED):

@@ -5,11 +5,12 @@
     model = fastbert.restore(model)        # transformers' own modules again, holding what training changed
 
 optimize finds every transformers encoder fastbert runs (BertModel, RobertaModel, XLMRobertaModel, CamembertModel,
-ElectraModel) anywhere in the model's module tree (a pipeline: in its .model) and puts a fastbert.BertModel in its
-place, at every reference to it. The fastbert module is built with BertModel.from_hf: one copy of the weights (it
-holds HF's own modules, query/key/value included, whose weights become rows of its fused QKV weight) and HF's config
-object itself. restore puts each HF encoder back where it was: whatever sits at its module paths meanwhile (a
-resized vocabulary, PEFT's adapters) goes back into it, and query/key/value get plain storage of their own again.
+ElectraModel, DistilBertModel, MPNetModel) anywhere in the model's module tree (a pipeline: in its .model) and puts
+a fastbert.BertModel in its place, at every reference to it. The fastbert module is built with BertModel.from_hf: one
+copy of the weights (it holds HF's own modules, query/key/value included, whose weights become rows of its fused QKV
+weight) and HF's config object itself. restore puts each HF encoder back where it was: whatever sits at its module
+paths meanwhile (a resized vocabulary, PEFT's adapters) goes back into it, and query/key/value get plain storage of
+their own again.
 
 Use the return value: for a bare encoder (optimize(BertModel)), the fastbert module itself is what comes back.
 Nothing is changed when optimize refuses: every encoder is checked (the config's fields, the modules' layout) before
@@ -20,12 +21,13 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import config as configs
+from . import families
 from .graphs import Graphed
 from .loading import check_hf, share_hf, shared_leaves
 from .modeling import BertModel
 
-# transformers' encoder classes of the family (their heads hold one of these as base_model)
-SUPPORTED_CLASSES = ("BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel")
+# transformers' encoder classes fastbert runs (their heads hold one of these as base_model)
+SUPPORTED_CLASSES = tuple(dict.fromkeys(families.encoder_class(t) for t in families.MODEL_TYPES))
 
 
 class OptimizedBertModel(BertModel):
@@ -163,8 +165,8 @@ def write_back(fb: BertModel):
         holder = hf.get_submodule(parent)
         if holder._modules.get(leaf) is not module:
             holder._modules[leaf] = module
-    for layer in fb.encoder.layer:
-        layer.attention.self.untie()
+    for layer in fb.layers:
+        layer.self_attention.untie()
     device = fb.device  # buffers (HF's position_ids) to wherever the weights went meanwhile
     for module in hf.modules():
         for name, buffer in module._buffers.items():
@@ -174,6 +176,6 @@ def write_back(fb: BertModel):
     for module in hf.modules():
         if hasattr(module, "gradient_checkpointing") and module.gradient_checkpointing != checkpointing:
             if checkpointing:
-                module._gradient_checkpointing_func = fb.encoder.layer[0]._gradient_checkpointing_func
+                module._gradient_checkpointing_func = fb.layers[0]._gradient_checkpointing_func
             module.gradient_checkpointing = checkpointing
     return hf.train(fb.training)

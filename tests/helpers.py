@@ -104,17 +104,25 @@ def make_inputs(kind, B=3, S=11, vocab=99, types=3, seed=1, low=1):
     return ids, tt, mask
 
 
-# The architectures fastbert runs, built from random configs: BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, no pooler.
+# The architectures fastbert runs, built from random configs: BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, no pooler,
+# DistilBERT, MPNet (whose padding_idx is 1 whatever the config says, like RoBERTa's here).
 ARCH_VOCAB, PAD_ROBERTA = 99, 1
+PADDING_IDX_TYPES = ("roberta", "xlm-roberta", "camembert", "mpnet")
 
 
 def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_len=24, seed=0):
     """A transformers encoder of `arch` with random, non-trivial weights (LayerNorms and biases perturbed too).
-    max_len: the longest sequence it takes (RoBERTa's table is padding_idx + 1 rows longer)."""
+    max_len: the longest sequence it takes (RoBERTa's and MPNet's tables are padding_idx + 1 rows longer)."""
     import transformers
     common = dict(vocab_size=ARCH_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   intermediate_size=intermediate, hidden_act="gelu", attn_implementation="eager")
-    if arch in ("bert", "bert-no-pooler"):
+    if arch == "distilbert":
+        model = transformers.DistilBertModel(transformers.DistilBertConfig(
+            vocab_size=ARCH_VOCAB, dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=intermediate,
+            activation="gelu", max_position_embeddings=max_len, attn_implementation="eager"))
+    elif arch == "mpnet":
+        model = transformers.MPNetModel(transformers.MPNetConfig(**common, max_position_embeddings=max_len + 2))
+    elif arch in ("bert", "bert-no-pooler"):
         model = transformers.BertModel(transformers.BertConfig(**common, max_position_embeddings=max_len,
                                                                type_vocab_size=3),
                                        add_pooling_layer=arch == "bert")
@@ -133,25 +141,34 @@ def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_
 
 
 def pad_id(hf):
-    return hf.config.pad_token_id if hf.config.model_type in ("roberta", "xlm-roberta", "camembert") else 0
+    return hf.config.pad_token_id if hf.config.model_type in PADDING_IDX_TYPES else 0
+
+
+def type_kwargs(tt) -> dict:
+    """token_type_ids=tt for a forward call, or nothing where the family has none (tt None: DistilBERT, MPNet, whose
+    transformers 4.x forward has no such argument)."""
+    return {} if tt is None else {"token_type_ids": tt}
 
 
 def arch_inputs(hf, padding, B=3, S=11, seed=1):
-    """ids / token types / mask. Padded positions hold the pad id (as a tokenizer writes them); for RoBERTa one real
-    token of row 0 is the pad id too (HF gives it position padding_idx: so must fastbert, packed or not)."""
-    ids, tt, mask = make_inputs(padding, B, S, vocab=ARCH_VOCAB, types=hf.config.type_vocab_size, seed=seed, low=2)
+    """ids / token types (None for a family without them) / mask. Padded positions hold the pad id (as a tokenizer
+    writes them); for RoBERTa and MPNet one real token of row 0 is the pad id too (HF gives it position padding_idx:
+    so must fastbert, packed or not)."""
+    types = getattr(hf.config, "type_vocab_size", None)
+    ids, tt, mask = make_inputs(padding, B, S, vocab=ARCH_VOCAB, types=types or 1, seed=seed, low=2)
     ids = ids.masked_fill(mask == 0, pad_id(hf))
     if pad_id(hf):
         ids[0, 3] = pad_id(hf)
-    return ids.to(DEVICE), tt.to(DEVICE), mask.to(DEVICE)
+    return ids.to(DEVICE), None if types is None else tt.to(DEVICE), mask.to(DEVICE)
 
 
 def fused_rows_alias_parts(encoder) -> bool:
-    """query/key/value's parameters are rows of the layer's fused QKV weight (one copy, one GEMM)."""
-    for layer in encoder.encoder.layer:
-        sa = layer.attention.self
+    """query/key/value's parameters (DistilBERT's q_lin/k_lin/v_lin, MPNet's q/k/v) are rows of the layer's fused
+    QKV weight (one copy, one GEMM)."""
+    for layer in encoder.layers:
+        sa = layer.self_attention
         rows = sa.qkv_weight.chunk(3), sa.qkv_bias.chunk(3)
-        for i, name in enumerate(("query", "key", "value")):
+        for i, name in enumerate(sa.names):
             part = getattr(sa, name)
             if part.weight.data_ptr() != rows[0][i].data_ptr() or part.bias.data_ptr() != rows[1][i].data_ptr():
                 return False

@@ -107,11 +107,12 @@ def test_unsupported_configs_and_models_are_refused_and_nothing_changes():
         fastbert.optimize(decoder)
     assert type(decoder.bert) is transformers.BertModel and query.data_ptr() == ptr
 
-    distil = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
-        vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, hidden_dim=40, max_position_embeddings=32))
-    with pytest.raises(ValueError, match=r"no supported encoder in DistilBertForSequenceClassification.*module "
-                                         r"'distilbert' \(DistilBertModel, model_type='distilbert'\)"):
-        fastbert.optimize(distil)
+    albert = transformers.AlbertForSequenceClassification(transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=40, max_position_embeddings=32))
+    with pytest.raises(ValueError, match=r"no supported encoder in AlbertForSequenceClassification.*module "
+                                         r"'albert' \(AlbertModel, model_type='albert'\)"):
+        fastbert.optimize(albert)
     with pytest.raises(ValueError, match="no supported encoder in Linear"):
         fastbert.optimize(torch.nn.Linear(2, 2))
 

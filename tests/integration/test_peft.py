@@ -152,3 +152,52 @@ def test_sentence_transformer_with_lora(order, minilm_path):
     assert (got - want).abs().max() <= 1e-5
     plain = SentenceTransformer(minilm_path, device="cpu").encode(texts, convert_to_tensor=True)
     assert (want - plain).abs().max() > 1e-3
+
+
+# DistilBERT and MPNet (PEFT has no default targets for them): their own query and value names, the same checks
+NEW_FAMILIES = {
+    "distilbert": lambda: transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
+        vocab_size=50, dim=32, n_layers=2, n_heads=2, hidden_dim=40, max_position_embeddings=16, num_labels=3,
+        dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0)),
+    "mpnet": lambda: transformers.MPNetForSequenceClassification(transformers.MPNetConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40,
+        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+}
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_query_value_of_other_families_equal_stock_peft(family, order):
+    torch.manual_seed(0)
+    hf = perturb_(NEW_FAMILIES[family](), weight_std=0.05).eval()
+    targets = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"]}[family]
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="SEQ_CLS")
+    stock = randomize_adapters_(peft.get_peft_model(copy.deepcopy(hf), config))
+    if order == "peft-then-optimize":
+        ours = fastbert.optimize(peft.get_peft_model(copy.deepcopy(hf), config), kernels="torch")
+    else:
+        ours = peft.get_peft_model(fastbert.optimize(copy.deepcopy(hf), kernels="torch"), config)
+    randomize_adapters_(ours)
+    encoder = ours.base_model.model.base_model
+    assert isinstance(encoder, fastbert.BertModel)
+    adapted = [n for n, m in encoder.named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 4, adapted  # two targets in each of the two layers
+    with torch.no_grad():
+        want = stock(IDS, attention_mask=MASK).logits
+        assert (ours(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+    for m in (stock, ours):
+        m.train()(IDS, attention_mask=MASK, labels=LABELS).loss.backward()
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    theirs = {n: p for n, p in stock.named_parameters() if p.requires_grad}
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert mine[name].grad is not None and (mine[name].grad - theirs[name].grad).abs().max() <= 1e-5, name
+    ours.eval()
+    with torch.no_grad():
+        restored = fastbert.restore(copy.deepcopy(ours))
+        assert type(restored.base_model.model.base_model).__module__.startswith("transformers.")
+        assert (restored(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+        merged = ours.merge_and_unload()
+        assert isinstance(merged.base_model, fastbert.BertModel)
+        assert (merged(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+    assert fused_rows_alias_parts(merged.base_model)

@@ -1,22 +1,24 @@
-"""The BERT family against each architecture's own transformers class, random weights, fp32, on both backends
-("torch": the twins; "triton": the kernels, through Triton's interpreter on CPU).
+"""Every family fastbert runs against each architecture's own transformers class, random weights, fp32, on both
+backends ("torch": the twins; "triton": the kernels, through Triton's interpreter on CPU).
 
-The architectures differ only in their embeddings: RoBERTa / XLM-RoBERTa / CamemBERT count positions from
-padding_idx + 1 over the non-padding tokens (a padding_idx token inside a sentence stays at padding_idx); ELECTRA's
-embeddings are narrower than its layers, widened by a projection; BERT-architecture embedding models (BGE, E5, GTE)
-have no pooler. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and the pooler.
+RoBERTa / XLM-RoBERTa / CamemBERT count positions from padding_idx + 1 over the non-padding tokens (a padding_idx
+token inside a sentence stays at padding_idx); ELECTRA's embeddings are narrower than its layers, widened by a
+projection; BERT-architecture embedding models (BGE, E5, GTE) have no pooler; DistilBERT has no token types, no
+pooler and HF's module names of its own; MPNet counts positions like RoBERTa (padding_idx 1) and adds a relative
+position bias to every attention score. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and
+the pooler.
 """
 import pytest
 import torch
 import transformers
 from helpers import ARCH_VOCAB as VOCAB
-from helpers import DEVICE, assert_close_on
+from helpers import DEVICE, assert_close_on, type_kwargs
 from helpers import arch_inputs as inputs
 from helpers import random_arch_model as random_hf
 
 import fastbert
 
-ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler")
+ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet")
 BACKENDS = ("torch", "triton")
 
 
@@ -35,11 +37,12 @@ def fb(request, hf):
 
 
 def check_outputs(out, ref, hf, ids, mask):
+    assert type(out).__name__ == type(ref).__name__  # HF's output class of that architecture (fields and tuple order)
     for h_out, h_ref in zip(out.hidden_states, ref.hidden_states, strict=True):
         assert_close_on(h_out, h_ref, mask)
     assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
     if pooler_of(hf) is None:
-        assert out.pooler_output is None
+        assert getattr(out, "pooler_output", None) is None
         return
     # the pooler reads each row's first real token: HF's pooler_output where that is position 0, else HF's pooler
     # applied to HF's own hidden state of that token
@@ -53,8 +56,8 @@ def check_outputs(out, ref, hf, ids, mask):
 def test_matches_hf(hf, fb, padding):
     ids, tt, mask = inputs(hf, padding)
     with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
-        out = fb(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        ref = hf(ids, attention_mask=mask, **type_kwargs(tt), output_hidden_states=True)
+        out = fb(ids, attention_mask=mask, **type_kwargs(tt), output_hidden_states=True)
     check_outputs(out, ref, hf, ids, mask)
 
 
@@ -63,8 +66,8 @@ def test_padded_execution_matches_hf(hf):
     fb = fastbert.BertModel.from_hf(hf, kernels="torch", padding_free=False)
     ids, tt, mask = inputs(hf, "right")
     with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
-        out = fb(ids, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        ref = hf(ids, attention_mask=mask, **type_kwargs(tt), output_hidden_states=True)
+        out = fb(ids, attention_mask=mask, **type_kwargs(tt), output_hidden_states=True)
     for h_out, h_ref in zip(out.hidden_states, ref.hidden_states, strict=True):
         assert_close_on(h_out, h_ref, mask, padding_free=False)
 
@@ -75,12 +78,12 @@ def test_packed_input_matches_each_sequence_alone(hf, fb):
     ids, tt, mask = inputs(hf, "right")
     lengths = mask.sum(1).tolist()
     packed = torch.cat([ids[b, :n] for b, n in enumerate(lengths)])
-    packed_tt = torch.cat([tt[b, :n] for b, n in enumerate(lengths)])
+    packed_tt = None if tt is None else torch.cat([tt[b, :n] for b, n in enumerate(lengths)])
     cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
     with torch.no_grad():
-        out = fb(packed, token_type_ids=packed_tt, cu_seqlens=cu)
+        out = fb(packed, **type_kwargs(packed_tt), cu_seqlens=cu)
         for b, n in enumerate(lengths):
-            ref = hf(ids[b:b + 1, :n], token_type_ids=tt[b:b + 1, :n])
+            ref = hf(ids[b:b + 1, :n], **type_kwargs(None if tt is None else tt[b:b + 1, :n]))
             got = out.last_hidden_state[cu[b]:cu[b + 1]]
             assert (got - ref.last_hidden_state[0]).abs().max() <= 1e-5, f"sequence {b}"
             if pooler_of(hf) is not None:
@@ -95,8 +98,8 @@ def test_inputs_embeds_match_hf(hf, fb, padding):
     embeds = hf.embeddings.word_embeddings(ids).detach()
     assert embeds.shape[-1] == fb.get_input_embeddings().embedding_dim
     with torch.no_grad():
-        ref = hf(inputs_embeds=embeds, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
-        out = fb(inputs_embeds=embeds, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        ref = hf(inputs_embeds=embeds, attention_mask=mask, **type_kwargs(tt), output_hidden_states=True)
+        out = fb(inputs_embeds=embeds, attention_mask=mask, **type_kwargs(tt), output_hidden_states=True)
     check_outputs(out, ref, hf, ids, mask)
 
 
@@ -123,13 +126,15 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
                 "electra": transformers.ElectraForSequenceClassification,
                 "roberta": transformers.RobertaForSequenceClassification,
                 "xlm-roberta": transformers.XLMRobertaForSequenceClassification,
-                "camembert": transformers.CamembertForSequenceClassification}[hf.config.model_type]
+                "camembert": transformers.CamembertForSequenceClassification,
+                "distilbert": transformers.DistilBertForSequenceClassification,
+                "mpnet": transformers.MPNetForSequenceClassification}[hf.config.model_type]
     head = head_cls(hf.config)
     head.base_model.load_state_dict(hf.state_dict(), strict=False)
     head.save_pretrained(tmp_path / "head")
     ids, tt, mask = inputs(hf, "right")
     with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, token_type_ids=tt)
+        ref = hf(ids, attention_mask=mask, **type_kwargs(tt))
     for folder in ("base", "head"):
         fb = fastbert.AutoModel.from_pretrained(str(tmp_path / folder), kernels="torch", device=DEVICE)
         assert fb.config.model_type == hf.config.model_type
@@ -137,13 +142,13 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
         has_pooler = pooler_of(hf) is not None if folder == "base" else hf.config.model_type == "bert"
         assert (fb.pooler is not None) == has_pooler
         with torch.no_grad():
-            out = fb(ids, attention_mask=mask, token_type_ids=tt)
+            out = fb(ids, attention_mask=mask, **type_kwargs(tt))
         assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
     fb = fastbert.AutoModel.from_pretrained(str(tmp_path / "base"), kernels="torch")
     fb.save_pretrained(tmp_path / "again")
     back = type(hf).from_pretrained(tmp_path / "again").eval().to(DEVICE)
     with torch.no_grad():
-        again = back(ids, attention_mask=mask, token_type_ids=tt)
+        again = back(ids, attention_mask=mask, **type_kwargs(tt))
     assert (again.last_hidden_state - ref.last_hidden_state).abs().max() <= 1e-6
 
 
@@ -152,5 +157,5 @@ def test_electra_projection_and_no_pooler():
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")
     assert fb.embeddings_project is hf.embeddings_project and fb.embeddings_project.in_features == 32
     assert fb.pooler is None
-    with pytest.raises(ValueError, match="ELECTRA model has no pooler"):
+    with pytest.raises(ValueError, match="ELECTRA has no pooler"):
         fastbert.BertModel(hf.config, add_pooling_layer=True)

@@ -168,17 +168,17 @@ def test_hub_id_from_the_local_cache(hf_folder, tmp_path):
 
 # ---- configs and checkpoints fastbert must refuse, naming the file and the field -------------------------------------
 def test_other_architectures_are_refused_by_model_type(tmp_path):
-    """Outside the BERT family a checkpoint is refused by its model_type, never loaded as BERT (nor a wall of key
-    errors)."""
-    config = transformers.DistilBertConfig(vocab_size=50, dim=32, n_layers=1, n_heads=2, hidden_dim=40,
-                                           max_position_embeddings=20)
-    distilbert = transformers.DistilBertModel(config).eval()
-    distilbert.save_pretrained(tmp_path / "distilbert")
-    with pytest.raises(NotImplementedError, match=r"config .*config.json: model_type='distilbert' is not "
+    """Outside the families fastbert runs a checkpoint is refused by its model_type, never loaded as BERT (nor a
+    wall of key errors)."""
+    config = transformers.AlbertConfig(vocab_size=50, embedding_size=16, hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, intermediate_size=40, max_position_embeddings=20)
+    albert = transformers.AlbertModel(config).eval()
+    albert.save_pretrained(tmp_path / "albert")
+    with pytest.raises(NotImplementedError, match=r"config .*config.json: model_type='albert' is not "
                                                    r"implemented by fastbert"):
-        fastbert.AutoModel.from_pretrained(str(tmp_path / "distilbert"))
-    with pytest.raises(NotImplementedError, match=r"model_type='distilbert'"):
-        fastbert.BertModel.from_hf(distilbert)
+        fastbert.AutoModel.from_pretrained(str(tmp_path / "albert"))
+    with pytest.raises(NotImplementedError, match=r"model_type='albert'"):
+        fastbert.BertModel.from_hf(albert)
     import json
     (tmp_path / "modernbert").mkdir()  # the config alone decides: refused before any weight is read
     (tmp_path / "modernbert" / "config.json").write_text(json.dumps({"model_type": "modernbert", "hidden_size": 32}))

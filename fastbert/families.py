@@ -1,0 +1,98 @@
+"""The encoder families fastbert runs, as data: one layer, read along a few axes (DESIGN.md, "Architectures").
+
+A family says where its checkpoints keep each tensor (HF's module paths, so state_dict keys, PEFT targets and
+optimizer groups are HF's own), what its config calls each field, and which value each axis takes:
+
+    family      embeddings                            attention bias          pooler  output
+    bert        word + type + position (index)        none                    yes     ...AndCrossAttentions
+    roberta     word + type + position (padding_idx)  none                    yes     ...AndCrossAttentions
+    electra     as bert, narrower, then a projection  none                    no      ...WithPastAndCross...
+    distilbert  word + position (index)               none                    no      BaseModelOutput
+    mpnet       word + position (padding_idx = 1)     per-distance buckets    yes     ...WithPooling
+
+All of them are post-norm: x = LN(x + attention), x = LN(x + FFN), with the same four ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# A layer's tensors by role, in HF's module order (a model built from a config gets that order too: optimizer
+# states are saved by position).
+ROLES = ("query", "key", "value", "attn_out", "ln1", "ffn_in", "ffn_out", "ln2")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    title: str  # as people write it, for messages
+    prefix: str  # where a head checkpoint keeps the encoder (transformers' base_model_prefix)
+    positions: str  # "index": each token's index in its sequence; "padding_idx": fairseq's, counted from it + 1
+    layer: dict  # role -> HF's module path inside one layer
+    token_types: bool = True
+    projection: bool = False  # embeddings of embedding_size widened to hidden_size (ELECTRA)
+    pooler: bool = True  # a pooler unless the caller says otherwise
+    relative_bias: bool = False  # MPNet: a bias by (head, bucket of j - i), one table per forward
+    layers: str = "encoder"  # the module holding the ModuleList `layer`
+    attention_output_dropout: bool = True  # DistilBERT applies none after out_lin
+    selects_hidden_states: bool = True  # output_hidden_states=[indices] keeps only those (MPNet's HF code: all)
+    fields: dict = field(default_factory=dict)  # fastbert's (BERT's) field name -> this family's config attribute
+    fixed: dict = field(default_factory=dict)  # fields the family's modeling file hard-codes instead of reading
+    padding_idx: int | None = None  # a fixed padding_idx (MPNet's embeddings use 1, whatever pad_token_id says)
+    heads: tuple = ()  # top-level modules of its head checkpoints (not the encoder's)
+    output: str = "BaseModelOutputWithPoolingAndCrossAttentions"  # transformers.modeling_outputs class
+
+    def get(self, config, name: str):
+        """Config field `name` (BERT's spelling) as this family's config holds it; None when it has none."""
+        if name in self.fixed:
+            return self.fixed[name]
+        return getattr(config, self.fields.get(name, name), None)
+
+    def raw_name(self, name: str) -> str:
+        return self.fields.get(name, name)
+
+
+_BERT_LAYER = {"query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
+               "attn_out": "attention.output.dense", "ln1": "attention.output.LayerNorm",
+               "ffn_in": "intermediate.dense", "ffn_out": "output.dense", "ln2": "output.LayerNorm"}
+_BERT_HEADS = ("cls.", "classifier.", "qa_outputs.", "lm_head.", "dropout.", "discriminator_predictions.",
+               "generator_predictions.", "generator_lm_head.")
+
+BERT = Family("bert", "BERT", "bert.", "index", _BERT_LAYER, heads=_BERT_HEADS)
+ROBERTA = Family("roberta", "RoBERTa", "roberta.", "padding_idx", _BERT_LAYER, heads=_BERT_HEADS)
+ELECTRA = Family("electra", "ELECTRA", "electra.", "index", _BERT_LAYER, projection=True, pooler=False,
+                 heads=_BERT_HEADS, output="BaseModelOutputWithPastAndCrossAttentions")
+DISTILBERT = Family(
+    "distilbert", "DistilBERT", "distilbert.", "index",
+    {"query": "attention.q_lin", "key": "attention.k_lin", "value": "attention.v_lin", "attn_out": "attention.out_lin",
+     "ln1": "sa_layer_norm", "ffn_in": "ffn.lin1", "ffn_out": "ffn.lin2", "ln2": "output_layer_norm"},
+    token_types=False, pooler=False, layers="transformer", attention_output_dropout=False,
+    fields={"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+            "intermediate_size": "hidden_dim", "hidden_act": "activation", "hidden_dropout_prob": "dropout",
+            "attention_probs_dropout_prob": "attention_dropout"},
+    fixed={"layer_norm_eps": 1e-12},  # HF's DistilBERT builds every LayerNorm with eps=1e-12
+    heads=("vocab_transform.", "vocab_layer_norm.", "vocab_projector.", "pre_classifier.", "classifier.",
+           "qa_outputs.", "dropout."),
+    output="BaseModelOutput")
+MPNET = Family(
+    "mpnet", "MPNet", "mpnet.", "padding_idx",
+    {"query": "attention.attn.q", "key": "attention.attn.k", "value": "attention.attn.v",
+     "attn_out": "attention.attn.o", "ln1": "attention.LayerNorm", "ffn_in": "intermediate.dense",
+     "ffn_out": "output.dense", "ln2": "output.LayerNorm"},
+    token_types=False, relative_bias=True, padding_idx=1, selects_hidden_states=False,
+    heads=("lm_head.", "classifier.", "qa_outputs.", "dropout."),
+    output="BaseModelOutputWithPooling")
+
+# model_type -> (family, transformers' encoder class of that model_type)
+MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel"),
+               "xlm-roberta": (ROBERTA, "XLMRobertaModel"), "camembert": (ROBERTA, "CamembertModel"),
+               "electra": (ELECTRA, "ElectraModel"), "distilbert": (DISTILBERT, "DistilBertModel"),
+               "mpnet": (MPNET, "MPNetModel")}
+
+
+def of(config) -> Family:
+    """The family of a (checked) transformers config."""
+    return MODEL_TYPES[config.model_type][0]
+
+
+def encoder_class(model_type: str) -> str:
+    return MODEL_TYPES[model_type][1]
