@@ -1,0 +1,201 @@
+"""DistilBERT and MPNet as their users hold them: every head through fastbert.optimize and restore, saved and
+reloaded, and sentence-transformers models on them (a folder shaped like all-mpnet-base-v2's: mean pooling,
+Normalize; a DistilBERT one with CLS pooling) through fastbert.encode and SentenceTransformer with fastbert inside.
+Random weights, built with transformers' and sentence-transformers' own classes (no model hub here); fp32, CPU, the
+PyTorch path. Bar: 1e-5 on real tokens; cosine >= 0.99999 for embeddings."""
+import copy
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import optional, perturb_
+
+import fastbert
+
+B, S, VOCAB = 3, 10, 99
+PADDINGS = ("right", "left", "fully_padded_row")
+
+
+def masks(kind):
+    mask = torch.ones(B, S, dtype=torch.long)
+    if kind == "right":
+        mask[1, 6:] = 0
+        mask[2, 2:] = 0
+    elif kind == "left":
+        mask[1, :4] = 0
+        mask[2, :7] = 0
+    else:
+        mask[1, 5:] = 0
+        mask[2] = 0
+    return mask
+
+
+def config(family, **extra):
+    """Small random configs. DistilBERT's reference runs eager attention: for a fully padded row, HF's sdpa path and
+    its eager path disagree, and fastbert gives eager's (uniform attention over the row, docs/masks.md)."""
+    if family == "distilbert":
+        return transformers.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=100,
+                                             max_position_embeddings=32, attn_implementation="eager", **extra)
+    return transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=100, max_position_embeddings=34, **extra)
+
+
+HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM",
+         "ForMultipleChoice")
+CLASS = {"distilbert": "DistilBert", "mpnet": "MPNet"}
+
+
+def head_model(family, head):
+    cfg = config(family, num_labels=2 if head == "ForQuestionAnswering" else 3)
+    torch.manual_seed(0)
+    return perturb_(getattr(transformers, CLASS[family] + head)(cfg), weight_std=0.05).eval()
+
+
+def head_call(head, ids, mask):
+    if head == "ForMultipleChoice":  # [B, choices, S]: the head flattens it to [B * choices, S]
+        return dict(input_ids=ids[:, None].expand(B, 2, S).contiguous(),
+                    attention_mask=mask[:, None].expand(B, 2, S).contiguous())
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def outputs(head, out):
+    """(name, value, per-token?) of the head's outputs."""
+    if head == "ForQuestionAnswering":
+        return [("start_logits", out.start_logits, True), ("end_logits", out.end_logits, True)]
+    return [("logits", out.logits, head in ("ForTokenClassification", "ForMaskedLM"))]
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("family", CLASS)
+def test_heads_before_during_and_after_optimize(family, head, padding):
+    """Real tokens carry HF's numbers padding-free (the default); a head that reads position 0 of each row (the
+    sequence heads) gets HF's numbers where position 0 is a real token, and everywhere with padding_free=False
+    (HF's values at padded positions too). restore gives back HF's own encoder, and the same numbers bit for bit."""
+    model = head_model(family, head)
+    encoder = model.base_model
+    ids = torch.randint(2, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))  # never MPNet's pad id 1
+    mask = masks(padding)
+    call = head_call(head, ids, mask)
+    with torch.no_grad():
+        before = outputs(head, model(**call))
+        for padding_free in (True, False):
+            optimized = fastbert.optimize(copy.deepcopy(model), kernels="torch", padding_free=padding_free)
+            assert isinstance(optimized.base_model, fastbert.BertModel)
+            during = outputs(head, optimized(**call))
+            for (name, want, per_token), (_, got, _) in zip(before, during, strict=True):
+                if per_token:
+                    rows = mask.bool()
+                elif padding_free:  # one value per row (per choice): the rows whose position 0 is real
+                    rows = mask[:, 0].bool()
+                else:
+                    rows = torch.ones(B, dtype=torch.bool)
+                if head == "ForMultipleChoice":
+                    want, got = want.view(B, -1), got.view(B, -1)
+                assert (got[rows] - want[rows]).abs().max() <= 1e-5, (name, padding_free)
+        assert fastbert.optimize(model, kernels="torch") is model
+        assert fastbert.restore(model).base_model is encoder
+        after = outputs(head, model(**call))
+    for (name, want, _), (_, got, _) in zip(before, after, strict=True):
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("family", CLASS)
+def test_optimized_head_saves_what_transformers_loads(family, tmp_path):
+    """save_pretrained of a head with fastbert inside writes HF's keys: the stock class loads every one of them
+    (nothing missing, nothing unexpected) with the same logits, and fastbert.AutoModel loads its encoder."""
+    model = head_model(family, "ForSequenceClassification")
+    ids, mask = torch.randint(2, VOCAB, (B, S), generator=torch.Generator().manual_seed(1)), masks("right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    fastbert.optimize(model, kernels="torch").save_pretrained(tmp_path)
+    back, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    encoder = fastbert.AutoModel.from_pretrained(str(tmp_path), kernels="torch")
+    assert encoder.family.name == family and encoder.pooler is None  # the heads keep no pooler
+    with torch.no_grad():
+        assert (back.eval()(input_ids=ids, attention_mask=mask).logits - want).abs().max() <= 1e-5
+        ref = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert (got - ref)[mask.bool()].abs().max() <= 1e-5
+
+
+# ---- sentence-transformers models on both families ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def texts(minilm_path):
+    """Paragraphs of the bundled model's card (real text no one here wrote), short and long (past max_seq_length)."""
+    with open(os.path.join(minilm_path, "README.md"), encoding="utf-8") as f:
+        card = f.read()
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", card) if p.strip()]
+    return paragraphs[:12] + [card[:3000]]
+
+
+def tokenizer(family, minilm_path):
+    """The family's own tokenizer class over BERT's uncased vocabulary (the bundled model's vocab.txt); for MPNet
+    with its specials around it, as all-mpnet-base-v2's vocabulary is laid out (<s> 0, <pad> 1, </s> 2, <unk> 3,
+    then BERT's, then <mask>: 30,527 entries)."""
+    with open(os.path.join(minilm_path, "vocab.txt"), encoding="utf-8") as f:
+        words = f.read().splitlines()
+    if family == "mpnet":
+        return transformers.MPNetTokenizer(vocab={w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>",
+                                                                             *words, "<mask>"])})
+    return transformers.DistilBertTokenizer(vocab={w: i for i, w in enumerate(words)})
+
+
+def st_folder(family, minilm_path, root):
+    """A sentence-transformers folder: all-mpnet-base-v2's layout for MPNet (mean pooling, Normalize,
+    max_seq_length 384), CLS pooling without Normalize for DistilBERT; random weights."""
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    try:  # sentence-transformers 6 moved the modules
+        from sentence_transformers.sentence_transformer import modules as st_modules
+    except ImportError:
+        st_modules = st.models
+    tok = tokenizer(family, minilm_path)
+    hidden = 64
+    if family == "mpnet":
+        cfg = transformers.MPNetConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=100, max_position_embeddings=514)
+        cls = transformers.MPNetModel
+    else:
+        cfg = transformers.DistilBertConfig(vocab_size=len(tok), dim=hidden, n_layers=2, n_heads=4, hidden_dim=100,
+                                            max_position_embeddings=512)
+        cls = transformers.DistilBertModel
+    torch.manual_seed(0)
+    hf_folder = root / "hf"
+    perturb_(cls(cfg), weight_std=0.05).save_pretrained(hf_folder)
+    tok.save_pretrained(hf_folder)
+    word = st_modules.Transformer(str(hf_folder), max_seq_length=384 if family == "mpnet" else 256)
+    modules = [word, st_modules.Pooling(hidden, "mean" if family == "mpnet" else "cls")]
+    if family == "mpnet":
+        modules.append(st_modules.Normalize())
+    folder = root / "st"
+    st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
+def cosines(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.mark.parametrize("family", CLASS)
+def test_sentence_transformers_folder_through_encode_and_optimize(family, minilm_path, texts, tmp_path):
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    folder = st_folder(family, minilm_path, tmp_path)
+    stock = st.SentenceTransformer(str(folder), device="cpu")
+    assert type(stock[0].auto_model).__name__ == CLASS[family] + "Model"
+    want = stock.encode(texts, batch_size=4)
+    got = fastbert.encode(str(folder), texts, device="cpu", kernels="torch")
+    assert got.shape == want.shape and cosines(got, want).min() >= 0.99999
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1), rtol=1e-5)
+
+    ours = fastbert.optimize(st.SentenceTransformer(str(folder), device="cpu"), kernels="torch")
+    assert isinstance(ours[0].auto_model, fastbert.BertModel)
+    assert cosines(ours.encode(texts, batch_size=4), want).min() >= 0.99999
+    ours.save(str(tmp_path / "again"))  # saved with fastbert inside: stock sentence-transformers reads it back
+    again = st.SentenceTransformer(str(tmp_path / "again"), device="cpu").encode(texts, batch_size=4)
+    assert cosines(again, want).min() >= 0.99999
+    assert type(fastbert.restore(ours)[0].auto_model).__name__ == CLASS[family] + "Model"
