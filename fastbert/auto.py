@@ -34,6 +34,7 @@ class Shapes:
     max_seqlen: int  # attention: a bucket of the longest sequence
     activation: str
     ragged: bool = True  # attention: sequences of different lengths (the twin then loops over them on the host)
+    bias_reach: int = 0  # attention: a per-distance bias table [nh, 2R - 1] of this reach R (MPNet), or 0 for none
 
 
 def default_timer(fn) -> float:
@@ -116,7 +117,9 @@ def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
         return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
     # the twin is one sdpa on a dense batch, a host loop on a ragged one
     layout = "ragged" if shapes.ragged else "dense"
-    return f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
+    key = f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
+    # a bias table: the kernel gathers it into every score tile, the twin forms a [1, nh, L, L] mask per sequence
+    return key + (f"|bias{shapes.bias_reach}" if shapes.bias_reach else "")
 
 
 def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin):
@@ -142,6 +145,9 @@ def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin
         layout = measured_layout(T, shapes.max_seqlen, shapes.ragged, device)
         qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)
         args = (qkv, layout, shapes.head_dim ** -0.5)
+        if shapes.bias_reach:
+            table = rand(shapes.heads, 2 * shapes.bias_reach - 1).float()
+            return (lambda: kernel(*args, bias=table)), (lambda: twin(*args, bias=table))
     return (lambda: kernel(*args)), (lambda: twin(*args))
 
 

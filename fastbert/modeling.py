@@ -649,7 +649,7 @@ class BertModel(TransformersModelMixin, nn.Module):
                 and not self.training and tokens:
             shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                  cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
-                                 ragged)
+                                 ragged, RELATIVE_REACH if self.family.relative_bias else 0)
         situation = dispatch.Situation(
             kernels, weight.device, weight.dtype, self.head_dim, needs_grad,
             self.family.get(cfg, "attention_probs_dropout_prob") if self.training else 0.0,

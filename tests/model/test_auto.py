@@ -301,3 +301,34 @@ def test_the_measured_ragged_layout_spreads_lengths():
     assert int(layout.cu_seqlens[-1]) == 1024
     dense = auto.measured_layout(1024, 128, False, "cpu")
     assert dense.uniform and dense.lengths == (128,) * 8
+
+
+def test_attention_with_a_relative_bias_is_measured_with_one(measured_here):
+    """MPNet's attention carries a per-distance bias table: "auto" times both contenders with such a table and keys
+    the result apart from the same shapes without one."""
+    from helpers import random_arch_model
+    hf = random_arch_model("mpnet", hidden=32, heads=2, layers=1, intermediate=40)
+    timer = FakeTimer([1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 1.0, 2.0])  # attention: the twin measured faster
+    auto.choices_for(torch.device("cpu"), timer)
+    biases = []
+    original = twins.attention_torch
+
+    def twin(qkv, attn, *args, bias=None, **kwargs):
+        biases.append(None if bias is None else tuple(bias.shape))
+        return original(qkv, attn, *args, bias=bias, **kwargs)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(twins, "attention_torch", twin)
+    try:
+        fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+        with torch.no_grad():
+            out = fb(IDS, attention_mask=MASK)
+            ref = hf(IDS, attention_mask=MASK)
+    finally:
+        patch.undo()
+    assert timer.calls == 8
+    keys = [k for k in auto.choices_for(torch.device("cpu")).table if k.startswith("attention|")]
+    assert len(keys) == 1 and keys[0].endswith("|ragged|bias129"), keys
+    assert biases and all(b == (2, 2 * 129 - 1) for b in biases), biases  # timed and run with the model's table
+    real = MASK.bool()
+    assert (out.last_hidden_state - ref.last_hidden_state)[real].abs().max() <= 1e-5
