@@ -1,9 +1,10 @@
 """fastbert.BertModel: Hugging Face's BertModel, same checkpoints, same calls, same numbers, four fused ops.
 
-One model for the BERT family: BERT and the BERT-architecture embedding models (BGE, E5, GTE), RoBERTa, XLM-RoBERTa,
-CamemBERT and ELECTRA discriminators run the same layers; they differ only at the edge, in their embeddings
-(`EMBEDDINGS`, chosen by the config's model_type): RoBERTa's position ids count from padding_idx + 1, ELECTRA's
-embeddings are narrower than its layers and a projection widens them.
+One model for every family fastbert runs (fastbert/families.py): BERT and the BERT-architecture embedding models
+(BGE, E5, GTE), RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA discriminators, DistilBERT and MPNet run the same layer. A
+family is data: HF's module path of each of the layer's tensors, and its values along a few axes: token types or
+none, positions from an index or from padding_idx + 1 (`EMBEDDINGS`), an embeddings projection (ELECTRA), a pooler,
+a relative position bias added to the attention scores (MPNet: one per-distance table per forward).
 
 One forward in three parts:
 
@@ -13,7 +14,7 @@ One forward in three parts:
         x = LayerNorm(word[ids] + type[types] + position[positions])      [T, H]   (ELECTRA: [T, E] @ W_proj)
         per layer:
             qkv = qkv_projection(x)                          [T, 3, nh, hd]   one GEMM over the fused W_qkv
-            ctx = attention(qkv, layout)                     [T, H]           per sequence, never across
+            ctx = attention(qkv, layout, bias)               [T, H]           per sequence, never across
             x   = residual_layernorm(ctx @ W_o + b_o + x)    [T, H]
             h   = bias_gelu(x @ W_1 + b_1)                   [T, I]
             x   = residual_layernorm(h @ W_2 + b_2 + x)      [T, H]
