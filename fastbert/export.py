@@ -1,6 +1,7 @@
 """ONNX export of the PyTorch path, with dynamic batch and sequence axes.
 
     fastbert.export_onnx(model, "bert.onnx")        inputs input_ids, attention_mask, token_type_ids [batch, sequence]
+                                                    (DistilBERT, MPNet: no token_type_ids);
                                                     outputs last_hidden_state [batch, sequence, H] (+ pooler_output)
     fastbert.export_onnx(encoder, "embed.onnx")     a SentenceEncoder: inputs input_ids, attention_mask;
                                                     output sentence_embedding [batch, dim], pooled as it pools
@@ -26,9 +27,10 @@ class _BertGraph(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, token_type_ids):
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        return (out.last_hidden_state,) if out.pooler_output is None else (out.last_hidden_state, out.pooler_output)
+        pooled = getattr(out, "pooler_output", None)  # DistilBERT's output has no such field
+        return (out.last_hidden_state,) if pooled is None else (out.last_hidden_state, pooled)
 
 
 class _EncoderGraph(torch.nn.Module):
@@ -58,7 +60,7 @@ def export_onnx(model_or_encoder, path, *, example_length: int = 16, opset: int 
         outputs = ["sentence_embedding"]
     elif isinstance(model_or_encoder, BertModel):
         model, graph = model_or_encoder, _BertGraph(model_or_encoder)
-        names = ["input_ids", "attention_mask", "token_type_ids"]
+        names = ["input_ids", "attention_mask"] + (["token_type_ids"] if model.family.token_types else [])
         outputs = ["last_hidden_state"] + (["pooler_output"] if model.pooler is not None else [])
     else:
         raise TypeError(f"export_onnx takes a fastbert.BertModel or a fastbert.SentenceEncoder, got "

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import TokenLayout
-from .mask import AttentionMask
+from .mask import AttentionMask, tracing
 
 # hidden_act -> the activation name the kernels understand. HF's "gelu" is the exact erf GELU; "gelu_new" and
 # "gelu_pytorch_tanh" are the same tanh approximation computed two ways.
@@ -95,8 +95,9 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         ctx = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
     else:
         probs = None
-        if rel is not None and mask.additive is not None and mask.additive.shape[-2] == 1:
-            # key mask [B, 1, 1, S] + bias [1, nh, S, S]: one row at a time, so no [B, nh, S, S] sum is formed
+        if rel is not None and mask.additive is not None and mask.additive.shape[-2] == 1 and not tracing():
+            # key mask [B, 1, 1, S] + bias [1, nh, S, S]: one row at a time, so no [B, nh, S, S] sum is formed (a
+            # traced graph keeps the batch dynamic instead: one broadcast sum)
             ctx = torch.cat([F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
                                                             attn_mask=rel + mask.additive[b:b + 1],
                                                             dropout_p=dropout_p, scale=scale) for b in range(B)])

@@ -3,7 +3,7 @@ import numpy as np
 import onnxruntime  # noqa: E402  (a test dependency: setup.py's test extras)
 import pytest
 import torch
-from helpers import random_hf_bert
+from helpers import random_arch_model, random_hf_bert
 
 import fastbert
 
@@ -62,3 +62,20 @@ def test_sentence_encoder_embeddings(tmp_path, minilm_path):
 def test_refuses_other_objects(tmp_path):
     with pytest.raises(TypeError, match="export_onnx takes a fastbert.BertModel or a fastbert.SentenceEncoder"):
         fastbert.export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
+
+
+@pytest.mark.parametrize("arch", ["distilbert", "mpnet"])
+def test_families_without_token_types(tmp_path, arch):
+    """DistilBERT and MPNet export with input_ids and attention_mask only (they have no token types); MPNet's
+    relative bias table is part of the graph. HF's numbers on real tokens, at lengths the export never saw."""
+    hf = random_arch_model(arch)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    path = fastbert.export_onnx(fb, tmp_path / f"{arch}.onnx")
+    assert [i.name for i in onnxruntime.InferenceSession(str(path)).get_inputs()] == ["input_ids", "attention_mask"]
+    for B, S, left in ((2, 9, False), (3, 24, True)):
+        ids, mask = batch(B, S, 99, seed=S, left=left)
+        ids = ids.clamp(min=2)  # never MPNet's padding_idx inside a sentence
+        outputs = run(path, {"input_ids": ids, "attention_mask": mask})
+        with torch.no_grad():
+            ref = hf(ids, attention_mask=mask).last_hidden_state.numpy()
+        assert np.abs(outputs[0] - ref)[mask.bool().numpy()].max() <= 1e-5
