@@ -8,6 +8,8 @@ pooler and HF's module names of its own; MPNet counts positions like RoBERTa (pa
 position bias to every attention score. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and
 the pooler.
 """
+import copy
+
 import pytest
 import torch
 import transformers
@@ -159,3 +161,26 @@ def test_electra_projection_and_no_pooler():
     assert fb.pooler is None
     with pytest.raises(ValueError, match="ELECTRA has no pooler"):
         fastbert.BertModel(hf.config, add_pooling_layer=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mpnet_relative_bias_kernel_at_head_dim_64_against_hf(dtype):
+    """all-mpnet-base-v2's head dim (64) on the Triton path (the interpreter on CPU), ragged rows of up to 140 tokens
+    (past the 128 where the buckets stop changing, across the kernel's key blocks), against HF in fp32: fp32 1e-5;
+    fp16 within twice HF's own fp16 error (fastbert/numerics.py)."""
+    from fastbert.numerics import error_bound, max_error
+    hf = random_hf("mpnet", hidden=128, heads=2, layers=2, intermediate=160, max_len=160)
+    ids = torch.randint(2, VOCAB, (3, 140), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, 70:] = 0
+    mask[2, 9:] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask).last_hidden_state
+        if dtype == torch.float32:
+            baseline = 0.0
+        else:
+            baseline = max_error(copy.deepcopy(hf).to(dtype)(ids, attention_mask=mask).last_hidden_state, ref, real)
+        fb = fastbert.BertModel.from_hf(copy.deepcopy(hf).to(dtype), kernels="triton")
+        out = fb(ids, attention_mask=mask).last_hidden_state
+    assert max_error(out, ref, real) <= error_bound(dtype, baseline), (max_error(out, ref, real), baseline)
