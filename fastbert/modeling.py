@@ -267,6 +267,10 @@ class BertLayer(GradientCheckpointingLayer):
                 node = node._modules[name]
             if role in leaves:
                 node.add_module(leaf, leaves[role])
+        # role -> (the container holding its module, the module's name there). The containers are fastbert's own and
+        # stay; the module in one is read at every forward, since PEFT and from_hf put theirs there. Not submodules.
+        self.__dict__["_slots"] = {role: (self.get_submodule(".".join(self.paths[role][:-1])), self.paths[role][-1])
+                                   for role in families.ROLES}
         # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
         self.num_heads = config.num_attention_heads
         self.eps = eps
@@ -275,21 +279,16 @@ class BertLayer(GradientCheckpointingLayer):
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (also a head's, transformers')
 
     def module(self, role: str) -> nn.Module:
-        """The module at `role`'s HF path now (an adapter PEFT put there, if any), read through the module dicts:
-        each nn.Module.__getattr__ step is Python work on the host (bench/RESULTS.md, "Measurements cited by the
-        code")."""
-        node = self
-        for name in self.paths[role]:
-            node = node._modules[name]
-        return node
+        """The module at `role`'s HF path now (an adapter PEFT put there, if any), read through its container's
+        module dict: each nn.Module.__getattr__ step is Python work on the host (bench/RESULTS.md, "Measurements
+        cited by the code")."""
+        parent, name = self._slots[role]
+        return parent._modules[name]
 
     @property
     def self_attention(self) -> BertSelfAttention:
         """The module that holds query/key/value and their fused weight."""
-        node = self
-        for name in self.qkv_path:
-            node = node._modules[name]
-        return node
+        return self._slots["query"][0]
 
     def dropouts(self) -> tuple[float, float, float]:
         """(attention probabilities, attention output, FFN output) dropout, by the config now (0 in eval mode)."""
@@ -350,14 +349,18 @@ class BertLayer(GradientCheckpointingLayer):
     def weights(self) -> LayerWeights | None:
         """The layer's current parameters (read through the module dicts, see `module`). None when an adapter wraps
         one of the linears (BertLayer._forward_adapted)."""
-        sa = self.self_attention
-        q, k, v = (sa._modules[name] for name in sa.names)
-        attn_out, ffn_in, ffn_out = self.module("attn_out"), self.module("ffn_in"), self.module("ffn_out")
+        s = self._slots
+        (sa, nq), (_, nk), (_, nv) = s["query"], s["key"], s["value"]
+        qkv_parts = sa._modules
+        q, k, v = qkv_parts[nq], qkv_parts[nk], qkv_parts[nv]
+        (p, n), (p1, n1), (p2, n2) = s["attn_out"], s["ffn_in"], s["ffn_out"]
+        attn_out, ffn_in, ffn_out = p._modules[n], p1._modules[n1], p2._modules[n2]
         if not (type(q) is type(k) is type(v) is type(attn_out) is type(ffn_in) is type(ffn_out) is nn.Linear):
             return None
         qkv, qkv_bias = sa.fused()
         o, f, ffn_in = attn_out._parameters, ffn_out._parameters, ffn_in._parameters
-        ln1, ln2 = self.module("ln1")._parameters, self.module("ln2")._parameters
+        (p, n), (p2, n2) = s["ln1"], s["ln2"]
+        ln1, ln2 = p._modules[n]._parameters, p2._modules[n2]._parameters
         return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"],
                             ffn_in["weight"], ffn_in["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
 
