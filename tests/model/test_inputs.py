@@ -1,8 +1,10 @@
 """Bad input gets a clear exception naming the argument and the value, never an IndexError, a device assert or NaN."""
+import warnings
+
 import pytest
 import torch
 import transformers
-from helpers import random_hf_bert
+from helpers import random_arch_model, random_hf_bert
 
 import fastbert
 
@@ -225,3 +227,33 @@ def test_jit_trace_is_right_for_any_mask(hf_and_fb):
         padded[2] = 0
         got = traced(ids, padded)["last_hidden_state"]
         assert (got - fb(ids, attention_mask=padded).last_hidden_state).abs().max() <= 1e-5
+
+
+# ---- the forms transformers accepts (docs/drop-in.md, "Input forms") -----------------------------------------------
+@pytest.fixture(scope="module")
+def saved_bert(tmp_path_factory):
+    hf = random_arch_model("bert")
+    folder = tmp_path_factory.mktemp("bert")
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+@pytest.mark.parametrize("entry", ["BertModel", "AutoModel"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flash_attention_2"])
+def test_from_pretrained_takes_attn_implementation_and_notes_it_is_ignored(saved_bert, entry, attn):
+    """transformers' from_pretrained takes attn_implementation=; fastbert runs its own attention, so the keyword changes
+    nothing and is said once (one warning), never a TypeError."""
+    hf, folder = saved_bert
+    ids = torch.randint(1, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fb = getattr(fastbert, entry).from_pretrained(folder, attn_implementation=attn, kernels="torch")
+    notes = [str(w.message) for w in caught if "attn_implementation" in str(w.message)]
+    assert len(notes) == 1 and f"attn_implementation={attn!r}" in notes[0], notes
+    assert "fastbert runs its own attention" in notes[0]
+    with torch.no_grad():
+        assert (fb(ids).last_hidden_state - hf(ids).last_hidden_state).abs().max() <= 1e-5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(fastbert, entry).from_pretrained(folder, kernels="torch")
+    assert not [w for w in caught if "attn_implementation" in str(w.message)]  # nothing to say when not given
