@@ -146,11 +146,14 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     if S > model.embeddings.max_length and position_ids is None:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
+    # One row for the whole batch, as views: HF's embeddings broadcast [1, S] token types and positions, and
+    # transformers 4.x a [1, S] attention_mask too (transformers 5 fails on one with an IndexError)
+    attention_mask, token_type_ids, position_ids = (
+        t.expand(B, S) if t is not None and tuple(t.shape) == (1, S) else t
+        for t in (attention_mask, token_type_ids, position_ids))
     _check_like(shape, f"the input is {list(shape)}",
                 attention_mask=None if custom else attention_mask,  # a custom mask: checked by its own shape below
-                token_type_ids=token_type_ids,
-                position_ids=None if position_ids is not None and tuple(position_ids.shape) == (1, S)
-                else position_ids)  # HF broadcasts a [1, S] position_ids over the batch
+                token_type_ids=token_type_ids, position_ids=position_ids)
     if custom:
         if attention_mask.dim() == 3:
             ok = tuple(attention_mask.shape) == (B, S, S)
@@ -181,8 +184,6 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
                          f"{attention_mask.dim()}-D); only a floating 4-D mask may be additive (see README, Masks)")
 
-    if position_ids is not None and position_ids.shape[0] == 1 and B != 1:
-        position_ids = position_ids.expand(B, S)
     token_type_ids, position_ids = _fill_defaults(model, shape, input_ids, token_type_ids, position_ids,
                                                   lambda: torch.arange(S, device=device).expand(B, S))
 

@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import random_arch_model, random_hf_bert
+from helpers import arch_inputs, assert_close_on, host_reads, random_arch_model, random_hf_bert, type_kwargs
 
 import fastbert
 
@@ -257,3 +257,53 @@ def test_from_pretrained_takes_attn_implementation_and_notes_it_is_ignored(saved
         warnings.simplefilter("always")
         getattr(fastbert, entry).from_pretrained(folder, kernels="torch")
     assert not [w for w in caught if "attn_implementation" in str(w.message)]  # nothing to say when not given
+
+
+FAMILIES = ("bert", "roberta", "electra", "distilbert", "mpnet")
+HF4 = int(transformers.__version__.split(".")[0]) < 5
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    hf = random_arch_model(request.param)
+    return hf, fastbert.BertModel.from_hf(hf, kernels="torch")
+
+
+def assert_matches(out, ref, hf, mask, padding_free=True):
+    """HF's numbers on real tokens (and its pooler, where position 0 of every row is real)."""
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, padding_free)
+    if getattr(hf, "pooler", None) is not None:
+        assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding-free", "padded"])
+def test_one_row_mask_and_token_types_broadcast_over_the_batch(family, padding_free, monkeypatch):
+    """attention_mask and token_type_ids of shape [1, S] hold for every row of a [B, S] batch. HF's embeddings add
+    [1, S] token types to every row; transformers 4.x broadcasts a [1, S] mask too (except its DistilBERT), where
+    transformers 5 fails with an IndexError: the reference is HF given that mask for every row."""
+    hf, fb = family
+    monkeypatch.setattr(fb, "padding_free", padding_free)
+    ids, tt, mask = arch_inputs(hf, "right")
+    B, S = ids.shape
+    one_mask, one_tt = mask[1:2], None if tt is None else tt[1:2]  # row 1: 5 real tokens, then padding
+    with torch.no_grad():
+        out = fb(ids, attention_mask=one_mask, **type_kwargs(one_tt))
+        ref = hf(ids, attention_mask=one_mask.expand(B, S), **type_kwargs(one_tt))
+    assert_matches(out, ref, hf, one_mask.expand(B, S), padding_free)
+    if HF4 and hf.config.model_type != "distilbert":  # and HF on the very same call
+        with torch.no_grad():
+            same = hf(ids, attention_mask=one_mask, **type_kwargs(one_tt))
+        assert_matches(out, same, hf, one_mask.expand(B, S), padding_free)
+
+
+def test_one_row_mask_and_token_types_cost_one_host_read(monkeypatch):
+    """Broadcast [1, S] inputs keep the padding-free forward at one device-to-host read."""
+    hf = random_arch_model("bert")
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, tt, mask = arch_inputs(hf, "right")
+    reads = host_reads(monkeypatch)
+    with torch.no_grad():
+        fb(ids, attention_mask=mask[1:2], token_type_ids=tt[1:2])
+        reads.clear()
+        fb(ids, attention_mask=mask[1:2], token_type_ids=tt[1:2])
+    assert reads == ["tolist"]
