@@ -102,6 +102,7 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
                          f"move it with .to({str(device)!r})")
     if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    _check_index_dtype("input_ids", input_ids)
     if inputs_embeds is not None:
         dtype = model.embeddings.word_embeddings.weight.dtype
         if inputs_embeds.dtype != dtype:
@@ -114,6 +115,8 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
             hint = "" if name != "token_type_ids" or model.embeddings.token_type_embeddings is not None else (
                 f" ({model.config.model_type} has no token types: pass its other arguments by keyword)")
             raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}{hint}")
+        if name == "position_ids" or name == "token_type_ids" and model.embeddings.token_type_embeddings is not None:
+            _check_index_dtype(name, t)
     if model.embeddings.token_type_embeddings is None:
         token_type_ids = None  # DistilBERT, MPNet: no token types; transformers' forward takes and ignores them too
 
@@ -296,6 +299,14 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
 # --------------------------------------------------------------------------------------------------------------------
 def _flat(t, n: int):
     return None if t is None else t.reshape(n)
+
+
+def _check_index_dtype(name: str, t) -> None:
+    """Indices into an embedding table are int64 or int32, as torch's lookup takes them: HF fails on narrower ones
+    deep inside the embeddings, fastbert says so here."""
+    if t is not None and t.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} has dtype {t.dtype}; embedding indices must be torch.int64 (or torch.int32), as "
+                        f"transformers' models take them: pass {name}.long()")
 
 
 def _check_like(shape: tuple, described: str, **tensors) -> None:

@@ -307,3 +307,37 @@ def test_one_row_mask_and_token_types_cost_one_host_read(monkeypatch):
         reads.clear()
         fb(ids, attention_mask=mask[1:2], token_type_ids=tt[1:2])
     assert reads == ["tolist"]
+
+
+def test_int32_ids_run_as_in_hf(family):
+    """int32 ids, token types and positions are what torch's embedding lookup takes besides int64: HF runs them, and
+    so does fastbert, with HF's numbers."""
+    hf, fb = family
+    ids, tt, mask = arch_inputs(hf, "right")
+    kwargs = dict(attention_mask=mask, **type_kwargs(None if tt is None else tt.int()))
+    with torch.no_grad():
+        assert_matches(fb(ids.int(), **kwargs), hf(ids.int(), **kwargs), hf, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int8])
+def test_narrow_integer_input_ids_are_refused_by_name(family, dtype):
+    """HF cannot embed int16 / uint8 / int8 ids (torch's embedding lookup refuses them, deep inside); fastbert refuses
+    them where they enter, naming input_ids and the cast."""
+    hf, fb = family
+    ids, tt, mask = arch_inputs(hf, "right")
+    with pytest.raises(RuntimeError):  # (torch's words differ by op and version)
+        hf(ids.to(dtype), attention_mask=mask)
+    with pytest.raises(TypeError, match=rf"input_ids has dtype {dtype}.*input_ids\.long\(\)"):
+        fb(ids.to(dtype), attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8])
+@pytest.mark.parametrize("name", ["token_type_ids", "position_ids"])
+def test_narrow_integer_types_and_positions_are_refused_by_name(hf_and_fb, name, dtype):
+    hf, fb = hf_and_fb
+    given = {"token_type_ids": torch.zeros_like(IDS), "position_ids": torch.arange(4).expand(2, 4)}
+    given = {name: given[name].to(dtype)}
+    with pytest.raises(RuntimeError):  # (torch's words differ by op and version)
+        hf(IDS, **given)
+    with pytest.raises(TypeError, match=rf"{name} has dtype {dtype}.*{name}\.long\(\)"):
+        fb(IDS, **given)
