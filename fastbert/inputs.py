@@ -21,6 +21,7 @@ from .mask import AttentionMask, not_zero_one, tracing
 
 # Arguments HF's BertModel.forward accepts that only make sense for decoders / caches: accepted when unused.
 DECODER_ONLY_ARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask")
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes a model may have
 # HF's packed-sequence keywords (FlashAttention's varlen arguments, as transformers passes them).
 HF_PACKED_ARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -105,8 +106,17 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
     _check_index_dtype("input_ids", input_ids)
     if inputs_embeds is not None:
         dtype = model.embeddings.word_embeddings.weight.dtype
-        if inputs_embeds.dtype != dtype:
-            raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype} but the model is {dtype}")
+        given = inputs_embeds.dtype
+        if given != dtype:
+            # widening (fp16 / bf16 into fp32) is exact and is HF's own promotion, at its first add; a narrowing
+            # cast would round the caller's values, so the caller decides which side to cast
+            if not inputs_embeds.is_floating_point():
+                raise TypeError(f"inputs_embeds must be a floating tensor ({dtype}, the model's dtype), got {given}")
+            if torch.promote_types(given, dtype) != dtype:
+                model_cast = f", or cast the model: model.to({given})" if given in MODEL_DTYPES else ""
+                raise TypeError(f"inputs_embeds has dtype {given} but the model is {dtype}, which cannot hold every "
+                                f"{given} value: pass inputs_embeds.to({dtype}){model_cast}")
+            inputs_embeds = inputs_embeds.to(dtype)
     for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                     ("position_ids", position_ids)):
         if t is not None and t.device != device:

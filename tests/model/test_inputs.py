@@ -41,6 +41,8 @@ IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     ({"inputs_embeds": torch.zeros(2, 4, 31)}, ValueError, "inputs_embeds must be [batch, seq, 32]"),
     ({"inputs_embeds": torch.zeros(2, 4, 32, dtype=torch.float64)}, TypeError,
      "inputs_embeds has dtype torch.float64 but the model is torch.float32"),
+    ({"inputs_embeds": torch.zeros(2, 4, 32, dtype=torch.long)}, TypeError,
+     "inputs_embeds must be a floating tensor (torch.float32, the model's dtype), got torch.int64"),
     ({"input_ids": IDS, "encoder_hidden_states": torch.zeros(2, 4, 32)}, NotImplementedError,
      "encoder_hidden_states is not supported"),
     ({"input_ids": IDS, "no_such_argument": 1}, TypeError, "unexpected keyword argument 'no_such_argument'"),
@@ -341,3 +343,34 @@ def test_narrow_integer_types_and_positions_are_refused_by_name(hf_and_fb, name,
         hf(IDS, **given)
     with pytest.raises(TypeError, match=rf"{name} has dtype {dtype}.*{name}\.long\(\)"):
         fb(IDS, **given)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_embeds_into_an_fp32_model_are_promoted_as_in_hf(family, dtype):
+    """HF adds fp16 / bf16 inputs_embeds to its fp32 position embeddings, so the sum is fp32; widening them first is
+    exact, and gives HF's numbers."""
+    hf, fb = family
+    ids, tt, mask = arch_inputs(hf, "right")
+    embeds = hf.get_input_embeddings()(ids).to(dtype)
+    with torch.no_grad():
+        out = fb(inputs_embeds=embeds, attention_mask=mask, **type_kwargs(tt))
+        ref = hf(inputs_embeds=embeds, attention_mask=mask, **type_kwargs(tt))
+    assert out.last_hidden_state.dtype == ref.last_hidden_state.dtype == torch.float32
+    assert_matches(out, ref, hf, mask)
+
+
+@pytest.mark.parametrize("model_dtype, dtype", [
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.float64),
+    (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16),
+])
+def test_inputs_embeds_a_cast_would_round_are_refused_with_the_cast(model_dtype, dtype):
+    """Embeddings that the model's dtype cannot hold exactly (HF: 'mixed dtype' deep inside, on CPU) are refused,
+    saying how to cast either side."""
+    fb = fastbert.BertModel.from_hf(random_hf_bert(hidden=32, heads=2, layers=1, intermediate=40, vocab=50,
+                                                   max_pos=16).to(model_dtype), kernels="torch")
+    with pytest.raises(TypeError) as info:
+        fb(inputs_embeds=torch.zeros(2, 4, 32, dtype=dtype))
+    message = str(info.value)
+    assert f"inputs_embeds has dtype {dtype} but the model is {model_dtype}" in message
+    assert f"inputs_embeds.to({model_dtype})" in message
+    assert (f"model.to({dtype})" in message) == (dtype != torch.float64)  # a model's dtype: fp32, fp16 or bf16
