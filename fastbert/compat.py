@@ -4,6 +4,7 @@ fastbert/modeling.py reads as the math; BertModel is its only user.
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,12 +20,17 @@ class TransformersModelMixin:
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,
-                        torch_dtype=None, padding_free=True) -> "BertModel":
+                        torch_dtype=None, padding_free=True, attn_implementation=None) -> "BertModel":
         """A local folder (config.json + model.safetensors / pytorch_model.bin) or a Hub id from the local cache, of
-        any model_type in fastbert.MODEL_TYPES. add_pooling_layer=None: a pooler when the checkpoint has one."""
+        any model_type in fastbert.MODEL_TYPES. add_pooling_layer=None: a pooler when the checkpoint has one.
+        attn_implementation= is taken as transformers takes it, and ignored (with a warning)."""
         from .loading import from_pretrained
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; give one of them")
+        if attn_implementation is not None:
+            # code written for transformers passes it; fastbert's attention is one of its four ops (kernels= picks)
+            warnings.warn(f"fastbert: attn_implementation={attn_implementation!r} is ignored: fastbert runs its own "
+                          f"attention (the fused kernel or its PyTorch twin, chosen by kernels=)", stacklevel=2)
         return from_pretrained(cls, name_or_path, dtype=dtype if dtype is not None else torch_dtype,
                                device=device, kernels=kernels, add_pooling_layer=add_pooling_layer,
                                padding_free=padding_free)

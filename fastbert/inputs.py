@@ -21,6 +21,7 @@ from .mask import AttentionMask, not_zero_one, tracing
 
 # Arguments HF's BertModel.forward accepts that only make sense for decoders / caches: accepted when unused.
 DECODER_ONLY_ARGS = ("encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache", "head_mask")
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes a model may have
 # HF's packed-sequence keywords (FlashAttention's varlen arguments, as transformers passes them).
 HF_PACKED_ARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -102,10 +103,20 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
                          f"move it with .to({str(device)!r})")
     if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    _check_index_dtype("input_ids", input_ids)
     if inputs_embeds is not None:
         dtype = model.embeddings.word_embeddings.weight.dtype
-        if inputs_embeds.dtype != dtype:
-            raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype} but the model is {dtype}")
+        given = inputs_embeds.dtype
+        if given != dtype:
+            # widening (fp16 / bf16 into fp32) is exact and is HF's own promotion, at its first add; a narrowing
+            # cast would round the caller's values, so the caller decides which side to cast
+            if not inputs_embeds.is_floating_point():
+                raise TypeError(f"inputs_embeds must be a floating tensor ({dtype}, the model's dtype), got {given}")
+            if torch.promote_types(given, dtype) != dtype:
+                model_cast = f", or cast the model: model.to({given})" if given in MODEL_DTYPES else ""
+                raise TypeError(f"inputs_embeds has dtype {given} but the model is {dtype}, which cannot hold every "
+                                f"{given} value: pass inputs_embeds.to({dtype}){model_cast}")
+            inputs_embeds = inputs_embeds.to(dtype)
     for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                     ("position_ids", position_ids)):
         if t is not None and t.device != device:
@@ -114,6 +125,8 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
             hint = "" if name != "token_type_ids" or model.embeddings.token_type_embeddings is not None else (
                 f" ({model.config.model_type} has no token types: pass its other arguments by keyword)")
             raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}{hint}")
+        if name == "position_ids" or name == "token_type_ids" and model.embeddings.token_type_embeddings is not None:
+            _check_index_dtype(name, t)
     if model.embeddings.token_type_embeddings is None:
         token_type_ids = None  # DistilBERT, MPNet: no token types; transformers' forward takes and ignores them too
 
@@ -146,11 +159,14 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     if S > model.embeddings.max_length and position_ids is None:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
+    # One row for the whole batch, as views: HF's embeddings broadcast [1, S] token types and positions, and
+    # transformers 4.x a [1, S] attention_mask too (transformers 5 fails on one with an IndexError)
+    attention_mask, token_type_ids, position_ids = (
+        t.expand(B, S) if t is not None and tuple(t.shape) == (1, S) else t
+        for t in (attention_mask, token_type_ids, position_ids))
     _check_like(shape, f"the input is {list(shape)}",
                 attention_mask=None if custom else attention_mask,  # a custom mask: checked by its own shape below
-                token_type_ids=token_type_ids,
-                position_ids=None if position_ids is not None and tuple(position_ids.shape) == (1, S)
-                else position_ids)  # HF broadcasts a [1, S] position_ids over the batch
+                token_type_ids=token_type_ids, position_ids=position_ids)
     if custom:
         if attention_mask.dim() == 3:
             ok = tuple(attention_mask.shape) == (B, S, S)
@@ -181,8 +197,6 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
                          f"{attention_mask.dim()}-D); only a floating 4-D mask may be additive (see README, Masks)")
 
-    if position_ids is not None and position_ids.shape[0] == 1 and B != 1:
-        position_ids = position_ids.expand(B, S)
     token_type_ids, position_ids = _fill_defaults(model, shape, input_ids, token_type_ids, position_ids,
                                                   lambda: torch.arange(S, device=device).expand(B, S))
 
@@ -295,6 +309,14 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
 # --------------------------------------------------------------------------------------------------------------------
 def _flat(t, n: int):
     return None if t is None else t.reshape(n)
+
+
+def _check_index_dtype(name: str, t) -> None:
+    """Indices into an embedding table are int64 or int32, as torch's lookup takes them: HF fails on narrower ones
+    deep inside the embeddings, fastbert says so here."""
+    if t is not None and t.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} has dtype {t.dtype}; embedding indices must be torch.int64 (or torch.int32), as "
+                        f"transformers' models take them: pass {name}.long()")
 
 
 def _check_like(shape: tuple, described: str, **tensors) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -260,10 +261,24 @@ def share_hf(model, base) -> None:
         layer.self_attention.pack()
 
 
+# A sharded checkpoint's files, in either format: what transformers' save_pretrained writes for one
+_SHARDED_FILES = re.compile(r"model-\d{5}-of-\d{5}\.safetensors|pytorch_model-\d{5}-of-\d{5}\.bin"
+                            r"|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json")
+
+
+def remove_sharded_checkpoint(folder) -> None:
+    """Removes the shards and index of a sharded checkpoint in `folder`, never another file."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if _SHARDED_FILES.fullmatch(name) and os.path.isfile(path):
+            os.remove(path)
+
+
 def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dict: dict | None = None,
                     is_main_process: bool = True, max_shard_size=None, **kwargs) -> None:
     """Writes config.json (transformers' own writer, so exactly what HF writes for that config) + model.safetensors
-    (or pytorch_model.bin with safe_serialization=False), one file, that transformers' from_pretrained loads.
+    (or pytorch_model.bin with safe_serialization=False), one file, that transformers' from_pretrained loads. The
+    shards and index of a sharded checkpoint already in the folder are removed.
     transformers' other keywords that only shape how files are written (variant, token, ...) are refused by name
     rather than silently ignored, except max_shard_size (the weights go into one file)."""
     if kwargs.get("push_to_hub"):
@@ -275,6 +290,9 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
     if not is_main_process:
         return
     os.makedirs(folder, exist_ok=True)
+    # an older sharded checkpoint left here would be read instead of this save (loaders try an index before a single
+    # file of the other format); transformers' save_pretrained removes older shards too
+    remove_sharded_checkpoint(folder)
     config = model.config
     if not getattr(config, "architectures", None):
         config.architectures = [families.encoder_class(config.model_type)]

@@ -209,6 +209,17 @@ def assert_pooler_matches(fb_pooled, hf, ids, mask, tt, tol=1e-5):
             assert (fb_pooled[b] - want).abs().max() <= tol, f"pooler row {b}"
 
 
+def host_reads(monkeypatch) -> list:
+    """A list that fills with the name of every tensor method that reads a value back to the host (tolist, item,
+    bool(), int(), ...) while the test runs."""
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k:
+                            reads.append(_name) or _real(self, *a, **k))
+    return reads
+
+
 def launched_precisions(monkeypatch, kernel) -> list:
     """A list that fills with the INPUT_PRECISION of every launch of `kernel` (a JITFunction or the interpreter's
     stand-in) while the test runs: what the tf32 switch reaches, on any device."""

@@ -1,8 +1,10 @@
 """Bad input gets a clear exception naming the argument and the value, never an IndexError, a device assert or NaN."""
+import warnings
+
 import pytest
 import torch
 import transformers
-from helpers import random_hf_bert
+from helpers import arch_inputs, assert_close_on, host_reads, random_arch_model, random_hf_bert, type_kwargs
 
 import fastbert
 
@@ -39,6 +41,8 @@ IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     ({"inputs_embeds": torch.zeros(2, 4, 31)}, ValueError, "inputs_embeds must be [batch, seq, 32]"),
     ({"inputs_embeds": torch.zeros(2, 4, 32, dtype=torch.float64)}, TypeError,
      "inputs_embeds has dtype torch.float64 but the model is torch.float32"),
+    ({"inputs_embeds": torch.zeros(2, 4, 32, dtype=torch.long)}, TypeError,
+     "inputs_embeds must be a floating tensor (torch.float32, the model's dtype), got torch.int64"),
     ({"input_ids": IDS, "encoder_hidden_states": torch.zeros(2, 4, 32)}, NotImplementedError,
      "encoder_hidden_states is not supported"),
     ({"input_ids": IDS, "no_such_argument": 1}, TypeError, "unexpected keyword argument 'no_such_argument'"),
@@ -225,3 +229,148 @@ def test_jit_trace_is_right_for_any_mask(hf_and_fb):
         padded[2] = 0
         got = traced(ids, padded)["last_hidden_state"]
         assert (got - fb(ids, attention_mask=padded).last_hidden_state).abs().max() <= 1e-5
+
+
+# ---- the forms transformers accepts (docs/drop-in.md, "Input forms") -----------------------------------------------
+@pytest.fixture(scope="module")
+def saved_bert(tmp_path_factory):
+    hf = random_arch_model("bert")
+    folder = tmp_path_factory.mktemp("bert")
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+@pytest.mark.parametrize("entry", ["BertModel", "AutoModel"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flash_attention_2"])
+def test_from_pretrained_takes_attn_implementation_and_notes_it_is_ignored(saved_bert, entry, attn):
+    """transformers' from_pretrained takes attn_implementation=; fastbert runs its own attention, so the keyword changes
+    nothing and is said once (one warning), never a TypeError."""
+    hf, folder = saved_bert
+    ids = torch.randint(1, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fb = getattr(fastbert, entry).from_pretrained(folder, attn_implementation=attn, kernels="torch")
+    notes = [str(w.message) for w in caught if "attn_implementation" in str(w.message)]
+    assert len(notes) == 1 and f"attn_implementation={attn!r}" in notes[0], notes
+    assert "fastbert runs its own attention" in notes[0]
+    with torch.no_grad():
+        assert (fb(ids).last_hidden_state - hf(ids).last_hidden_state).abs().max() <= 1e-5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(fastbert, entry).from_pretrained(folder, kernels="torch")
+    assert not [w for w in caught if "attn_implementation" in str(w.message)]  # nothing to say when not given
+
+
+FAMILIES = ("bert", "roberta", "electra", "distilbert", "mpnet")
+HF4 = int(transformers.__version__.split(".")[0]) < 5
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    hf = random_arch_model(request.param)
+    return hf, fastbert.BertModel.from_hf(hf, kernels="torch")
+
+
+def assert_matches(out, ref, hf, mask, padding_free=True):
+    """HF's numbers on real tokens (and its pooler, where position 0 of every row is real)."""
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, padding_free)
+    if getattr(hf, "pooler", None) is not None:
+        assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding-free", "padded"])
+def test_one_row_mask_and_token_types_broadcast_over_the_batch(family, padding_free, monkeypatch):
+    """attention_mask and token_type_ids of shape [1, S] hold for every row of a [B, S] batch. HF's embeddings add
+    [1, S] token types to every row; transformers 4.x broadcasts a [1, S] mask too (except its DistilBERT), where
+    transformers 5 fails with an IndexError: the reference is HF given that mask for every row."""
+    hf, fb = family
+    monkeypatch.setattr(fb, "padding_free", padding_free)
+    ids, tt, mask = arch_inputs(hf, "right")
+    B, S = ids.shape
+    one_mask, one_tt = mask[1:2], None if tt is None else tt[1:2]  # row 1: 5 real tokens, then padding
+    with torch.no_grad():
+        out = fb(ids, attention_mask=one_mask, **type_kwargs(one_tt))
+        ref = hf(ids, attention_mask=one_mask.expand(B, S), **type_kwargs(one_tt))
+    assert_matches(out, ref, hf, one_mask.expand(B, S), padding_free)
+    if HF4 and hf.config.model_type != "distilbert":  # and HF on the very same call
+        with torch.no_grad():
+            same = hf(ids, attention_mask=one_mask, **type_kwargs(one_tt))
+        assert_matches(out, same, hf, one_mask.expand(B, S), padding_free)
+
+
+def test_one_row_mask_and_token_types_cost_one_host_read(monkeypatch):
+    """Broadcast [1, S] inputs keep the padding-free forward at one device-to-host read."""
+    hf = random_arch_model("bert")
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, tt, mask = arch_inputs(hf, "right")
+    reads = host_reads(monkeypatch)
+    with torch.no_grad():
+        fb(ids, attention_mask=mask[1:2], token_type_ids=tt[1:2])
+        reads.clear()
+        fb(ids, attention_mask=mask[1:2], token_type_ids=tt[1:2])
+    assert reads == ["tolist"]
+
+
+def test_int32_ids_run_as_in_hf(family):
+    """int32 ids, token types and positions are what torch's embedding lookup takes besides int64: HF runs them, and
+    so does fastbert, with HF's numbers."""
+    hf, fb = family
+    ids, tt, mask = arch_inputs(hf, "right")
+    kwargs = dict(attention_mask=mask, **type_kwargs(None if tt is None else tt.int()))
+    with torch.no_grad():
+        assert_matches(fb(ids.int(), **kwargs), hf(ids.int(), **kwargs), hf, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int8])
+def test_narrow_integer_input_ids_are_refused_by_name(family, dtype):
+    """HF cannot embed int16 / uint8 / int8 ids (torch's embedding lookup refuses them, deep inside); fastbert refuses
+    them where they enter, naming input_ids and the cast."""
+    hf, fb = family
+    ids, tt, mask = arch_inputs(hf, "right")
+    with pytest.raises(RuntimeError):  # (torch's words differ by op and version)
+        hf(ids.to(dtype), attention_mask=mask)
+    with pytest.raises(TypeError, match=rf"input_ids has dtype {dtype}.*input_ids\.long\(\)"):
+        fb(ids.to(dtype), attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8])
+@pytest.mark.parametrize("name", ["token_type_ids", "position_ids"])
+def test_narrow_integer_types_and_positions_are_refused_by_name(hf_and_fb, name, dtype):
+    hf, fb = hf_and_fb
+    given = {"token_type_ids": torch.zeros_like(IDS), "position_ids": torch.arange(4).expand(2, 4)}
+    given = {name: given[name].to(dtype)}
+    with pytest.raises(RuntimeError):  # (torch's words differ by op and version)
+        hf(IDS, **given)
+    with pytest.raises(TypeError, match=rf"{name} has dtype {dtype}.*{name}\.long\(\)"):
+        fb(IDS, **given)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_embeds_into_an_fp32_model_are_promoted_as_in_hf(family, dtype):
+    """HF adds fp16 / bf16 inputs_embeds to its fp32 position embeddings, so the sum is fp32; widening them first is
+    exact, and gives HF's numbers."""
+    hf, fb = family
+    ids, tt, mask = arch_inputs(hf, "right")
+    embeds = hf.get_input_embeddings()(ids).to(dtype)
+    with torch.no_grad():
+        out = fb(inputs_embeds=embeds, attention_mask=mask, **type_kwargs(tt))
+        ref = hf(inputs_embeds=embeds, attention_mask=mask, **type_kwargs(tt))
+    assert out.last_hidden_state.dtype == ref.last_hidden_state.dtype == torch.float32
+    assert_matches(out, ref, hf, mask)
+
+
+@pytest.mark.parametrize("model_dtype, dtype", [
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.float64),
+    (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16),
+])
+def test_inputs_embeds_a_cast_would_round_are_refused_with_the_cast(model_dtype, dtype):
+    """Embeddings that the model's dtype cannot hold exactly (HF: 'mixed dtype' deep inside, on CPU) are refused,
+    saying how to cast either side."""
+    fb = fastbert.BertModel.from_hf(random_hf_bert(hidden=32, heads=2, layers=1, intermediate=40, vocab=50,
+                                                   max_pos=16).to(model_dtype), kernels="torch")
+    with pytest.raises(TypeError) as info:
+        fb(inputs_embeds=torch.zeros(2, 4, 32, dtype=dtype))
+    message = str(info.value)
+    assert f"inputs_embeds has dtype {dtype} but the model is {model_dtype}" in message
+    assert f"inputs_embeds.to({model_dtype})" in message
+    assert (f"model.to({dtype})" in message) == (dtype != torch.float64)  # a model's dtype: fp32, fp16 or bf16

@@ -1,5 +1,6 @@
 """Checkpoints in and out: HF folders, BertFor* checkpoints, TF-style names, .bin, the Hub cache, and every mismatch
 reported by name (never a silently random weight)."""
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +93,46 @@ def test_bert_for_sequence_classification_checkpoint(hf, tmp_path):
     assert any(k.startswith("bert.") for k in load_file(tmp_path / "model.safetensors"))
     assert same_output(fastbert.BertModel.from_pretrained(str(tmp_path), kernels="torch"), hf)
     assert same_output(fastbert.BertModel.from_hf(clf.eval(), kernels="torch"), hf)
+
+
+def _write_sharded(folder, hf, form):
+    """`hf`'s weights as a two-shard checkpoint: transformers' own safetensors shards, or pytorch_model-*.bin shards
+    and their index as transformers 4 writes them (transformers 5 no longer writes .bin)."""
+    if form == "safetensors":
+        hf.save_pretrained(folder, max_shard_size="40KB")
+        assert len([n for n in os.listdir(folder) if n.endswith(".safetensors")]) > 1
+        return
+    hf.config.save_pretrained(folder)
+    keys = sorted(hf.state_dict())
+    weight_map = {}
+    for i, part in enumerate((keys[:len(keys) // 2], keys[len(keys) // 2:]), 1):
+        name = f"pytorch_model-{i:05d}-of-00002.bin"
+        torch.save({k: hf.state_dict()[k].contiguous() for k in part}, folder / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+# files a model folder holds besides its weights, some with shard-like names
+_OTHER_FILES = ("tokenizer.json", "README.md", "training_args.bin", "adapter_model.safetensors",
+                "optimizer-00001-of-00002.bin", "model-00001-of-00002.safetensors.partial")
+
+
+@pytest.mark.parametrize("old", ["safetensors", "bin"])
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["save-safetensors", "save-bin"])
+def test_save_pretrained_over_an_older_sharded_checkpoint(hf, old, safe_serialization, tmp_path):
+    """The older shards and their index go, and nothing else: a loader reads an index before a single file of the
+    other format, so they would load the old weights."""
+    _write_sharded(tmp_path, random_hf_bert(hidden=32, heads=2, layers=2, intermediate=40, vocab=50, max_pos=16,
+                                            seed=1), old)
+    for name in _OTHER_FILES:
+        (tmp_path / name).write_text("not weights")
+    fastbert.BertModel.from_hf(hf, kernels="torch").save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json", weights, *_OTHER_FILES])
+    assert all((tmp_path / name).read_text() == "not weights" for name in _OTHER_FILES)
+    assert same_output(fastbert.BertModel.from_pretrained(tmp_path, kernels="torch"), hf)
+    assert same_output(fastbert.BertModel.from_hf(transformers.BertModel.from_pretrained(tmp_path).eval(),
+                                                  kernels="torch"), hf)
 
 
 def _write(folder, hf, state):

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import DEVICE, random_hf_bert
+from helpers import DEVICE, host_reads, random_hf_bert
 
 import fastbert
 from fastbert import dispatch, ops
@@ -102,11 +102,7 @@ def test_packed_input_errors(hf, kwargs, exc, words):
 # ---- one host read per forward ---------------------------------------------------------------------------------------
 def test_one_host_read_per_forward(hf, monkeypatch):
     """A padded batch costs exactly one device-to-host read (validation, lengths and the token count together)."""
-    reads = []
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k:
-                            reads.append(_name) or _real(self, *a, **k))
+    reads = host_reads(monkeypatch)
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")
     ids, types, mask, *_ = ragged([7, 3, 12, 1])
     with torch.no_grad():
