@@ -338,3 +338,22 @@ def test_no_autograd_warning_off_the_gpu(monkeypatch):
         warnings.simplefilter("always")
         fb(IDS, attention_mask=MASK)
     assert not [w for w in record if "eval-mode forward" in str(w.message)]
+
+
+
+def bare_pair(family):
+    """(HF's bare encoder, fastbert's module over a copy of it)."""
+    hf = hf_head(family).base_model
+    return hf, fastbert.BertModel.from_hf(copy.deepcopy(hf), kernels="torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_save_pretrained_writes_the_dtype_into_config_json_as_transformers_does(tmp_path, dtype):
+    """transformers' from_pretrained(dtype="auto") reads config.json's dtype before it looks at the weights."""
+    import json
+    hf, fb = bare_pair("bert")
+    hf.to(dtype).save_pretrained(tmp_path / "hf")
+    fb.to(dtype).save_pretrained(tmp_path / "fb")
+    written = [json.loads((tmp_path / side / "config.json").read_text()) for side in ("hf", "fb")]
+    key = "dtype" if "dtype" in written[0] else "torch_dtype"  # (transformers 4 writes torch_dtype)
+    assert written[1].get(key) == written[0][key] == str(dtype).split(".")[1]
