@@ -44,6 +44,21 @@ class TransformersModelMixin:
 
     # ---- where callers of a transformers model touch it ---------------------------------------------------------
     @property
+    def base_model_prefix(self) -> str:
+        """The attribute a head keeps this encoder under ("bert", "roberta", "electra"), as transformers names it."""
+        from .loading import BASE_PREFIXES
+        return BASE_PREFIXES[self.config.model_type].rstrip(".")
+
+    def init_weights(self) -> None:
+        """transformers' initialisation, again: what a model built on meta and moved with to_empty() needs."""
+        self.apply(self._init_weights)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        embeddings = {f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+        return sum(p.numel() for name, p in self.named_parameters()
+                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and name in embeddings))
+
+    @property
     def device(self) -> torch.device:
         return self.embeddings.word_embeddings.weight.device
 
@@ -56,6 +71,20 @@ class TransformersModelMixin:
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
+
+    def get_output_embeddings(self) -> None:  # an encoder has no LM head (transformers' BertModel answers None too)
+        return None
+
+    def enable_input_require_grads(self) -> None:
+        """The input embeddings' output requires grad: with frozen weights (PEFT) and gradient checkpointing, the
+        gradient still reaches the adapters of the first layers."""
+        self.disable_input_require_grads()
+        hook = self.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+        self.__dict__["_require_grads_hooks"] = [hook]
+
+    def disable_input_require_grads(self) -> None:
+        for hook in self.__dict__.pop("_require_grads_hooks", []):
+            hook.remove()
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
@@ -79,7 +108,7 @@ class TransformersModelMixin:
                     new.weight[keep:].normal_(std=self.config.initializer_range)
         new.weight.requires_grad_(old.weight.requires_grad)
         self.set_input_embeddings(new)
-        self.config.vocab_size = n
+        self.config.vocab_size = self.vocab_size = n  # (transformers sets both)
         return new
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
@@ -102,6 +131,8 @@ class TransformersModelMixin:
     @property
     def is_gradient_checkpointing(self) -> bool:
         return any(layer.gradient_checkpointing for layer in self.encoder.layer)
+
+    is_activation_checkpointing = is_gradient_checkpointing  # transformers 5's newer name
 
     def can_generate(self) -> bool:  # transformers' pipelines ask
         return False
