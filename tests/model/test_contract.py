@@ -415,3 +415,14 @@ def test_save_pretrained_writes_the_dtype_into_config_json_as_transformers_does(
     written = [json.loads((tmp_path / side / "config.json").read_text()) for side in ("hf", "fb")]
     key = "dtype" if "dtype" in written[0] else "torch_dtype"  # (transformers 4 writes torch_dtype)
     assert written[1].get(key) == written[0][key] == str(dtype).split(".")[1]
+
+
+def test_optimized_bare_encoder_forward_shows_its_parameters():
+    """Trainer keeps the dataset columns named in inspect.signature(model.forward) and drops the rest; transformers'
+    tests (test_inputs_embeds) look for inputs_embeds there. The module optimize returns shows BertModel's."""
+    import inspect
+    model = fastbert.optimize(hf_head("bert").bert, kernels="torch")
+    names = list(inspect.signature(model.forward).parameters)
+    assert names == list(inspect.signature(fastbert.BertModel(model.config).forward).parameters)
+    assert {"input_ids", "attention_mask", "token_type_ids", "inputs_embeds"} <= set(names)
+
