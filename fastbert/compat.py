@@ -90,6 +90,12 @@ class TransformersModelMixin:
                                 mean_resizing: bool = True) -> nn.Embedding:
         """transformers' resize: the first rows kept, new rows the mean of the old ones (mean_resizing, the centre of
         the distribution transformers samples them from) or drawn like a fresh model's; config.vocab_size follows."""
+        sizes = (("new_num_tokens", new_num_tokens, None), ("pad_to_multiple_of", pad_to_multiple_of, 1))
+        for name, value, least in sizes:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or (least is not None and value < least)):
+                wanted = "a positive integer" if least else "an integer"
+                raise ValueError(f"resize_token_embeddings: {name} must be {wanted} or None, got {value!r}")
         old = self.get_input_embeddings()
         n = old.num_embeddings if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:

@@ -426,3 +426,14 @@ def test_optimized_bare_encoder_forward_shows_its_parameters():
     assert names == list(inspect.signature(fastbert.BertModel(model.config).forward).parameters)
     assert {"input_ids", "attention_mask", "token_type_ids", "inputs_embeds"} <= set(names)
 
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"new_num_tokens": 60, "pad_to_multiple_of": 1.3}, r"pad_to_multiple_of must be a positive integer .*got 1\.3"),
+    ({"new_num_tokens": 60, "pad_to_multiple_of": 0}, "pad_to_multiple_of must be a positive integer or None, got 0"),
+    ({"new_num_tokens": 60.0}, r"new_num_tokens must be an integer or None, got 60\.0"),
+])
+def test_resize_token_embeddings_refuses_sizes_that_are_not_integers(kwargs, words):
+    _, fb = bare_pair("bert")
+    with pytest.raises(ValueError, match=words):
+        fb.resize_token_embeddings(**kwargs)
+    assert fb.get_input_embeddings().num_embeddings == fb.config.vocab_size == 50  # unchanged
