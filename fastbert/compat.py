@@ -49,6 +49,10 @@ class TransformersModelMixin:
         from .loading import BASE_PREFIXES
         return BASE_PREFIXES[self.config.model_type].rstrip(".")
 
+    @property
+    def base_model(self) -> "BertModel":  # transformers' answer for a bare encoder: itself
+        return self
+
     def init_weights(self) -> None:
         """transformers' initialisation, again: what a model built on meta and moved with to_empty() needs."""
         self.apply(self._init_weights)

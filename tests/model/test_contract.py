@@ -352,6 +352,7 @@ def bare_pair(family):
 def test_bare_encoder_answers_what_callers_ask_a_transformers_model(family):
     hf, fb = bare_pair(family)
     assert fb.base_model_prefix == hf.base_model_prefix
+    assert fb.base_model is fb and hf.base_model is hf  # a bare encoder is its own base model
     assert fb.get_output_embeddings() is None is hf.get_output_embeddings()
     for m in (hf, fb):
         m.get_input_embeddings().weight.requires_grad_(False)
