@@ -50,6 +50,25 @@ class TransformersModelMixin:
 
     # ---- where callers of a transformers model touch it ---------------------------------------------------------
     @property
+    def base_model_prefix(self) -> str:
+        """The attribute a head keeps this encoder under ("bert", "roberta", "electra", "distilbert", "mpnet"), as
+        transformers names it."""
+        return self.family.prefix.rstrip(".")
+
+    @property
+    def base_model(self) -> "BertModel":  # transformers' answer for a bare encoder: itself
+        return self
+
+    def init_weights(self) -> None:
+        """transformers' initialisation, again: what a model built on meta and moved with to_empty() needs."""
+        self.apply(self._init_weights)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        embeddings = {f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+        return sum(p.numel() for name, p in self.named_parameters()
+                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and name in embeddings))
+
+    @property
     def device(self) -> torch.device:
         return self.embeddings.word_embeddings.weight.device
 
@@ -63,10 +82,30 @@ class TransformersModelMixin:
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
 
+    def get_output_embeddings(self) -> None:  # an encoder has no LM head (transformers' BertModel answers None too)
+        return None
+
+    def enable_input_require_grads(self) -> None:
+        """The input embeddings' output requires grad: with frozen weights (PEFT) and gradient checkpointing, the
+        gradient still reaches the adapters of the first layers."""
+        self.disable_input_require_grads()
+        hook = self.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+        self.__dict__["_require_grads_hooks"] = [hook]
+
+    def disable_input_require_grads(self) -> None:
+        for hook in self.__dict__.pop("_require_grads_hooks", []):
+            hook.remove()
+
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
         """transformers' resize: the first rows kept, new rows the mean of the old ones (mean_resizing, the centre of
         the distribution transformers samples them from) or drawn like a fresh model's; config.vocab_size follows."""
+        sizes = (("new_num_tokens", new_num_tokens, None), ("pad_to_multiple_of", pad_to_multiple_of, 1))
+        for name, value, least in sizes:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or (least is not None and value < least)):
+                wanted = "a positive integer" if least else "an integer"
+                raise ValueError(f"resize_token_embeddings: {name} must be {wanted} or None, got {value!r}")
         old = self.get_input_embeddings()
         n = old.num_embeddings if new_num_tokens is None else new_num_tokens
         if pad_to_multiple_of is not None:
@@ -85,7 +124,7 @@ class TransformersModelMixin:
                     new.weight[keep:].normal_(std=self.config.initializer_range)
         new.weight.requires_grad_(old.weight.requires_grad)
         self.set_input_embeddings(new)
-        self.config.vocab_size = n
+        self.config.vocab_size = self.vocab_size = n  # (transformers sets both)
         return new
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
@@ -108,6 +147,8 @@ class TransformersModelMixin:
     @property
     def is_gradient_checkpointing(self) -> bool:
         return any(layer.gradient_checkpointing for layer in self.layers)
+
+    is_activation_checkpointing = is_gradient_checkpointing  # transformers 5's newer name
 
     def can_generate(self) -> bool:  # transformers' pipelines ask
         return False

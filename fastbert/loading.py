@@ -296,6 +296,10 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
     config = model.config
     if not getattr(config, "architectures", None):
         config.architectures = [families.encoder_class(config.model_type)]
+    # as transformers' save_pretrained: from_pretrained(dtype="auto") reads this before it looks at the weights
+    import transformers
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    setattr(config, dtype_key, str(model.dtype).split(".")[1])
     config.save_pretrained(folder)
     # contiguous copies: a caller's state_dict may hold views, which safetensors refuses
     state = {k: v.detach().contiguous().clone() for k, v in (state_dict or model.state_dict()).items()}

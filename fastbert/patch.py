@@ -18,6 +18,8 @@ the first one is swapped.
 """
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 
 from . import config as configs
@@ -35,6 +37,7 @@ class OptimizedBertModel(BertModel):
     fastbert/graphs.py) when it has one. Its forward stays on the class, so a copy that shares its __dict__ (an
     nn.DataParallel replica) runs its own eager forward rather than the original's graphs."""
 
+    @functools.wraps(BertModel.forward)  # its signature: Trainer keeps the dataset columns forward names
     def forward(self, *args, **kwargs):
         graphed = self.__dict__.get("graphed")
         if graphed is None or graphed.model is not self:

@@ -373,3 +373,103 @@ def test_no_autograd_warning_off_the_gpu(monkeypatch):
         warnings.simplefilter("always")
         fb(IDS, attention_mask=MASK)
     assert not [w for w in record if "eval-mode forward" in str(w.message)]
+
+
+# ---- the bare encoder's PreTrainedModel surface (transformers' test_model_is_small, test_correct_missing_keys,
+# ---- test_model_get_set_embeddings, test_resize_tokens_embeddings, test_gradient_checkpointing_enable_disable) -----
+def bare_pair(family):
+    """(HF's bare encoder, fastbert's module over a copy of it)."""
+    hf = hf_head(family).base_model
+    return hf, fastbert.BertModel.from_hf(copy.deepcopy(hf), kernels="torch")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bare_encoder_answers_what_callers_ask_a_transformers_model(family):
+    hf, fb = bare_pair(family)
+    assert fb.base_model_prefix == hf.base_model_prefix
+    assert fb.base_model is fb and hf.base_model is hf  # a bare encoder is its own base model
+    assert fb.get_output_embeddings() is None is hf.get_output_embeddings()
+    for m in (hf, fb):
+        m.get_input_embeddings().weight.requires_grad_(False)
+    for kwargs in ({}, {"only_trainable": True}, {"exclude_embeddings": True}):
+        assert fb.num_parameters(**kwargs) == hf.num_parameters(**kwargs), kwargs
+    assert fb.is_activation_checkpointing is False is hf.is_activation_checkpointing
+    for m in (hf, fb):
+        m.gradient_checkpointing_enable()
+    assert fb.is_activation_checkpointing is True is hf.is_activation_checkpointing
+    n = hf.config.vocab_size + 10
+    for m in (hf, fb):
+        m.resize_token_embeddings(n)
+    assert fb.vocab_size == hf.vocab_size == n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bare_encoder_enable_input_require_grads(family):
+    """PEFT and gradient checkpointing over a frozen model: the embeddings' output requires grad, so gradients reach
+    the adapters of the first layers; disable undoes it."""
+    hf, fb = bare_pair(family)
+    for m in (hf, fb):
+        m.requires_grad_(False)
+    for enabled in (True, False):
+        for m in (hf, fb):
+            (m.enable_input_require_grads if enabled else m.disable_input_require_grads)()
+        want = hf(IDS, attention_mask=MASK).last_hidden_state.requires_grad
+        assert fb(IDS, attention_mask=MASK).last_hidden_state.requires_grad is want is enabled
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bare_encoder_on_meta_then_to_empty_and_init_weights(family):
+    """transformers' test_all_tensors_are_parameter_or_buffer for fastbert's own module: built on meta, to_empty,
+    init_weights() gives HF's initialisation (LayerNorm ones and zeros, zero biases, zero padding row) and a forward."""
+    config = hf_head(family).config
+    with torch.device("meta"):
+        fb = fastbert.BertModel(config, kernels="torch")
+    fb.to_empty(device="cpu")
+    fb.init_weights()
+    for name, p in fb.named_parameters():
+        if "LayerNorm" in name:
+            assert torch.equal(p, torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p)), name
+        elif name.endswith("bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+        else:
+            assert 0 < p.std() < 2 * config.initializer_range, name
+    pad = fb.get_input_embeddings().padding_idx
+    if pad is not None:
+        assert not fb.get_input_embeddings().weight[pad].any()
+    with torch.no_grad():
+        assert torch.isfinite(fb(IDS, attention_mask=MASK).last_hidden_state).all()
+    assert fused_rows_alias_parts(fb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_save_pretrained_writes_the_dtype_into_config_json_as_transformers_does(tmp_path, dtype):
+    """transformers' from_pretrained(dtype="auto") reads config.json's dtype before it looks at the weights."""
+    import json
+    hf, fb = bare_pair("bert")
+    hf.to(dtype).save_pretrained(tmp_path / "hf")
+    fb.to(dtype).save_pretrained(tmp_path / "fb")
+    written = [json.loads((tmp_path / side / "config.json").read_text()) for side in ("hf", "fb")]
+    key = "dtype" if "dtype" in written[0] else "torch_dtype"  # (transformers 4 writes torch_dtype)
+    assert written[1].get(key) == written[0][key] == str(dtype).split(".")[1]
+
+
+def test_optimized_bare_encoder_forward_shows_its_parameters():
+    """Trainer keeps the dataset columns named in inspect.signature(model.forward) and drops the rest; transformers'
+    tests (test_inputs_embeds) look for inputs_embeds there. The module optimize returns shows BertModel's."""
+    import inspect
+    model = fastbert.optimize(hf_head("bert").bert, kernels="torch")
+    names = list(inspect.signature(model.forward).parameters)
+    assert names == list(inspect.signature(fastbert.BertModel(model.config).forward).parameters)
+    assert {"input_ids", "attention_mask", "token_type_ids", "inputs_embeds"} <= set(names)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"new_num_tokens": 60, "pad_to_multiple_of": 1.3}, r"pad_to_multiple_of must be a positive integer .*got 1\.3"),
+    ({"new_num_tokens": 60, "pad_to_multiple_of": 0}, "pad_to_multiple_of must be a positive integer or None, got 0"),
+    ({"new_num_tokens": 60.0}, r"new_num_tokens must be an integer or None, got 60\.0"),
+])
+def test_resize_token_embeddings_refuses_sizes_that_are_not_integers(kwargs, words):
+    _, fb = bare_pair("bert")
+    with pytest.raises(ValueError, match=words):
+        fb.resize_token_embeddings(**kwargs)
+    assert fb.get_input_embeddings().num_embeddings == fb.config.vocab_size == 50  # unchanged
