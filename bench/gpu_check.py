@@ -125,7 +125,7 @@ def plan(dry_run: bool) -> list[Step]:
               for family in CONFIG_FAMILIES]
     tiny = ["--bench-tiny", "--bench-target-s", "0.01", "--bench-min-rounds", "1"]  # the interpreter: ~1 s a call
     if dry_run:
-        model = tiny
+        model = [*tiny, "--bench-models", "tiny"]  # the tiny BERT: --bench-tiny lists the tiny families too
     else:
         model = ["--bench-models", "bert-base", "--bench-device", "cuda", "--bench-dtypes", "bf16"]
     for cell, variants in HEADLINE:
