@@ -189,6 +189,20 @@ def test_gpu_check_plan_order(dry_run):
         assert sum(s.cap for s in steps[:3]) <= 90
 
 
+def test_ab_table_names_each_runs_hf_variant():
+    """An A/B run against HF eager (MPNet has no sdpa) gets its row, with the variant named; a run recorded before
+    the baseline was named reads as hf-sdpa."""
+    mpnet = dict(kind="ab", model="mpnet-base", cell="32xvar16-512", dtype="fp32", device="cpu", rounds=3,
+                 baseline="hf-eager", **{"fastbert-torch_tokens_per_s": 300.0, "hf-eager_tokens_per_s": 100.0},
+                 ratio_fastbert_over_hf_eager=3.0)
+    minilm = dict(kind="ab", model="minilm", cell="32x128", dtype="fp32", device="cpu", rounds=15,
+                  **{"fastbert-torch_tokens_per_s": 6520.0, "hf-sdpa_tokens_per_s": 6736.0},
+                  ratio_fastbert_over_hf_sdpa=0.97)
+    text = summarize.ab_table([{"extra_info": mpnet}, {"extra_info": minilm}])
+    assert "| mpnet-base | 32xvar16-512 | fp32 | cpu | 3 | 300 | hf-eager | 100 | 3.00× |" in text
+    assert "| minilm | 32x128 | fp32 | cpu | 15 | 6520 | hf-sdpa | 6736 | 0.97× |" in text
+
+
 def _records(out):
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
