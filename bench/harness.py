@@ -73,7 +73,7 @@ def graph_bucket(tokens: int) -> int:
     return min(power, -(-tokens // 256) * 256)
 
 
-CUDA_MODELS = ("bert-base", "minilm")
+CUDA_MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base")
 TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet")  # --bench-tiny: each family's code path at tiny sizes
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")

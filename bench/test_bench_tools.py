@@ -158,7 +158,12 @@ def test_bank_builds_families_with_transformers_classes(bank, model, hf_class):
 HEADLINE_ORDER = ["headline/32x128/hf-sdpa", "headline/32x128/hf-compile", "headline/32x128/fastbert-triton",
                   "headline/32x128/fastbert-graphs", "headline/32xvar16-512/hf-sdpa",
                   "headline/32xvar16-512/fastbert-triton", "headline/32xvar16-512/fastbert-graphs",
-                  "headline/1x128/hf-sdpa", "headline/1x128/fastbert-graphs", "headline/1x128/fastbert-triton"]
+                  "headline/1x128/hf-sdpa", "headline/1x128/fastbert-graphs", "headline/1x128/fastbert-triton",
+                  "headline/distilbert-base/32xvar16-512/hf-sdpa",
+                  "headline/distilbert-base/32xvar16-512/fastbert-triton",
+                  "headline/distilbert-base/32xvar16-512/fastbert-graphs",
+                  "headline/mpnet-base/32xvar16-512/hf-eager", "headline/mpnet-base/32xvar16-512/fastbert-triton",
+                  "headline/mpnet-base/32xvar16-512/fastbert-graphs"]
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
@@ -184,6 +189,9 @@ def test_gpu_check_plan_order(dry_run):
         assert args[args.index("--bench-cells") + 1] == step.info["runs_as"] and step.info["runs_as"] in cells
         assert ("--bench-compile" in args) == (step.info["variant"] == "hf-compile")
         assert any(a.endswith(step.bench_json) for a in args if a.startswith("--benchmark-json="))
+        model = step.info["model"]
+        assert args[args.index("--bench-models") + 1] == (gpu_check.TINY_MODEL[model] if dry_run else model)
+        assert ("--bench-tiny" in args) == dry_run
     assert len({s.bench_json for s in headline}) == len(headline)  # each case its own JSON
     if not dry_run:
         assert sum(s.cap for s in steps[:3]) <= 90
