@@ -3,8 +3,8 @@
     pytest bench/                          the grid for this machine (CUDA grid on a GPU, the CPU grid otherwise)
     pytest bench/ --benchmark-disable      every case checked and run once, no timing (what CI runs)
     pytest bench/ --bench-compile          add torch.compile(HF sdpa) (compile time in extra_info, never timed)
-    pytest bench/ --bench-tiny             a tiny random BERT and tiny shapes (the GPU check's --dry-run; the op
-                                           benchmarks always take the tiny shapes on CPU)
+    pytest bench/ --bench-tiny             a tiny random BERT, DistilBERT and MPNet at tiny shapes (the GPU check's
+                                           --dry-run; the op benchmarks always take the tiny shapes on CPU)
     pytest bench/ --benchmark-json r.json  then: python -m bench.summarize r.json --out DIR
 
 The --bench-* options are only accepted when bench/ (or a file in it) is on the command line: pytest registers
@@ -50,7 +50,9 @@ def pytest_addoption(parser):
                     help="comma list of cells the compile variant runs on (default: every cell)")
     group.addoption("--bench-compile-mode", default="default",
                     help="torch.compile mode for hf-compile (default, reduce-overhead, max-autotune...)")
-    group.addoption("--bench-models", default="", help="comma list: keep only these models (bert-base, minilm)")
+    group.addoption("--bench-models", default="",
+                    help="comma list: keep only these models (bert-base, minilm, distilbert-base, mpnet-base; with "
+                         "--bench-tiny: tiny, tiny-distilbert, tiny-mpnet)")
     group.addoption("--bench-cells", default="", help="comma list: keep only these cells (e.g. 32x128,8x512)")
     group.addoption("--bench-dtypes", default="", help="comma list: keep only these dtypes (fp16, bf16, fp32)")
     group.addoption("--bench-variants", default="", help="comma list: keep only these variants / op backends")

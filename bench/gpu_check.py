@@ -14,10 +14,11 @@ rewritten after every step. The steps, most important first, under one deadline 
      forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x HF's own error
   1b. configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin, fp16 and
      bf16 (four processes at once)
-  2. headline, BERT-base bf16, one process per case, HF first in every cell: 32x128 (hf-sdpa, hf-compile,
+  2. headline, bf16, one process per case, HF first in every cell. BERT-base: 32x128 (hf-sdpa, hf-compile,
      fastbert-triton, fastbert-graphs); 32 ragged rows of 16..512 (hf-sdpa, fastbert-triton, fastbert-graphs with
      a graph bucket just above the real tokens, harness.graph_bucket); 1x128 (hf-sdpa, fastbert-graphs,
-     fastbert-triton)
+     fastbert-triton). Then the same ragged cell for DistilBERT (hf-sdpa first) and MPNet (hf-eager first: HF's
+     MPNet has no sdpa), base-sized random weights, steps headline/<model>/32xvar16-512/<variant>
   3. ops: per-op figures, each fused GEMM next to a plain F.linear (cuBLAS)
   4. choices: the autotuner's configs and the "auto" table (kernel vs twin per op, measured on this GPU)
   5. memcheck: compute-sanitizer on one small forward; "skipped" where the sanitizer cannot attach to the device
@@ -94,12 +95,16 @@ class Step:
 
 
 # The headline cells in order, each cell's variants in order: the baselines first, so a fault in a fastbert kernel
-# can never cost HF's numbers. The dry run runs each cell as its tiny stand-in.
-HEADLINE = (("32x128", ("hf-sdpa", "hf-compile", "fastbert-triton", "fastbert-graphs")),
-            ("32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
-            ("1x128", ("hf-sdpa", "fastbert-graphs", "fastbert-triton")))
+# can never cost HF's numbers. The other families come after BERT's cells, so BERT's figures keep their place.
+# MPNet's baseline is HF eager: transformers' MPNet has no sdpa path. The dry run runs each cell as its tiny stand-in.
+HEADLINE = (("bert-base", "32x128", ("hf-sdpa", "hf-compile", "fastbert-triton", "fastbert-graphs")),
+            ("bert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
+            ("bert-base", "1x128", ("hf-sdpa", "fastbert-graphs", "fastbert-triton")),
+            ("distilbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
+            ("mpnet-base", "32xvar16-512", ("hf-eager", "fastbert-triton", "fastbert-graphs")))
 TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16"}
-CASE_CAP = {"hf-sdpa": 45, "hf-compile": 120, "fastbert-triton": 60, "fastbert-graphs": 60}
+TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-base": "tiny-mpnet"}
+CASE_CAP = {"hf-sdpa": 45, "hf-eager": 45, "hf-compile": 120, "fastbert-triton": 60, "fastbert-graphs": 60}
 CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
 
 
@@ -124,20 +129,21 @@ def plan(dry_run: bool) -> list[Step]:
     steps += [Step("1b", f"configs-{family}", _child(f"configs-{family}", dry_run), 90 * slow, group="configs")
               for family in CONFIG_FAMILIES]
     tiny = ["--bench-tiny", "--bench-target-s", "0.01", "--bench-min-rounds", "1"]  # the interpreter: ~1 s a call
-    if dry_run:
-        model = tiny
-    else:
-        model = ["--bench-models", "bert-base", "--bench-device", "cuda", "--bench-dtypes", "bf16"]
-    for cell, variants in HEADLINE:
+    for model, cell, variants in HEADLINE:
         runs_as = TINY_CELL[cell] if dry_run else cell
+        if dry_run:
+            selection = [*tiny, "--bench-models", TINY_MODEL[model]]
+        else:
+            selection = ["--bench-models", model, "--bench-device", "cuda", "--bench-dtypes", "bf16"]
+        where = cell if model == "bert-base" else f"{model}/{cell}"  # BERT's steps keep their names
         for variant in variants:
-            name = f"headline/{cell}/{variant}"
-            path = f"bench/{cell}-{variant}.json"
-            args = ["bench/test_bench_model.py", *model, "--bench-cells", runs_as, "--bench-variants", variant]
+            name = f"headline/{where}/{variant}"
+            path = f"bench/{where.replace('/', '-')}-{variant}.json"
+            args = ["bench/test_bench_model.py", *selection, "--bench-cells", runs_as, "--bench-variants", variant]
             if variant == "hf-compile":
                 args.append("--bench-compile")
             steps.append(Step("2", name, _pytest(args, path), CASE_CAP[variant] * slow, bench_json=path,
-                              info={"cell": cell, "runs_as": runs_as, "variant": variant}))
+                              info={"model": model, "cell": cell, "runs_as": runs_as, "variant": variant}))
     ops = ["bench/test_bench_ops.py"] + (tiny if dry_run else ["--bench-dtypes", "bf16"])
     steps.append(Step("3", "ops", _pytest(ops + ["--bench-deadline", "{deadline}"], "bench/ops.json"), 60 * slow,
                       bench_json="bench/ops.json"))
@@ -705,7 +711,7 @@ def headline(summary_benchmarks: list[dict]) -> list[str]:
     lines = []
     for row in summarize.ratios(summarize.model_cells(summary_benchmarks)):
         model, cell, dtype, device = row["key"]
-        if row["variant"] in ("fastbert-triton", "fastbert-graphs") and model in ("bert-base", "tiny"):
+        if row["variant"] in ("fastbert-triton", "fastbert-graphs") and model in (*TINY_MODEL, *TINY_MODEL.values()):
             parts = [f"÷ {b} {row[b]:.2f}×" for b in summarize.BASELINES if b in row]
             lines.append(f"{model} {cell} {dtype} {row['variant']}: {row['median_s'] * 1e3:.3f} ms, "
                          f"{row['tokens_per_s']:,.0f} tok/s; " + ", ".join(parts))

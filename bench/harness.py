@@ -73,7 +73,8 @@ def graph_bucket(tokens: int) -> int:
     return min(power, -(-tokens // 256) * 256)
 
 
-CUDA_MODELS = ("bert-base", "minilm")
+CUDA_MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base")
+TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet")  # --bench-tiny: each family's code path at tiny sizes
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")
 CPU_DTYPES = ("fp32",)
@@ -102,7 +103,7 @@ def model_cases(tiny: bool, cuda_available: bool) -> list[ModelCase]:
     if tiny:
         device = "cuda" if cuda_available else "cpu"
         dtype = "fp16" if cuda_available else "fp32"
-        return [ModelCase("tiny", c, dtype, v, device) for c in TINY_CELLS for v in VARIANTS]
+        return [ModelCase(m, c, dtype, v, device) for m in TINY_MODELS for c in TINY_CELLS for v in VARIANTS]
     cases = [ModelCase(m, c, d, v, "cuda")
              for m in CUDA_MODELS for c in CUDA_CELLS for d in CUDA_DTYPES for v in VARIANTS]
     cases += [ModelCase(m, c, d, v, "cpu") for m in CPU_MODELS for c in CPU_CELLS for d in CPU_DTYPES for v in VARIANTS
@@ -134,15 +135,42 @@ def hf_config(model: str):
     if model == "bert-base":
         return transformers.BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                        intermediate_size=3072)
-    if model == "tiny":  # head_dim 16: the smallest the Triton attention kernel serves
+    if model == "tiny":  # head_dim 16 (here and in the tiny families): the smallest the Triton attention serves
         return transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=128, max_position_embeddings=64)
+    if model == "tiny-distilbert":
+        return transformers.DistilBertConfig(vocab_size=1000, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                                             max_position_embeddings=64)
+    if model == "tiny-mpnet":
+        return transformers.MPNetConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=66)
     if model == "host":  # compute is negligible: what is measured is the cost of a forward on the host
         return transformers.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=12, num_attention_heads=2,
                                        intermediate_size=64)
     if model == "minilm":
         return transformers.BertConfig.from_pretrained(minilm_path())
-    raise ValueError(f"unknown model {model!r}; the models are bert-base, minilm, tiny, host")
+    if model == "distilbert-base":  # distilbert-base-uncased's shape (the config's defaults)
+        return transformers.DistilBertConfig(dim=768, n_layers=6, n_heads=12, hidden_dim=3072)
+    if model == "mpnet-base":  # all-mpnet-base-v2's shape (the config's defaults; pad id 1, 32 relative buckets)
+        return transformers.MPNetConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                        intermediate_size=3072, max_position_embeddings=514,
+                                        relative_attention_num_buckets=32)
+    raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+
+
+MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", *TINY_MODELS, "host")
+# transformers' encoder class for each model_type the bank builds
+HF_CLASSES = {"bert": "BertModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel"}
+
+
+def hf_attention(model: str) -> tuple[str, ...]:
+    """The attention implementations HF offers for `model`, the fastest last: its MPNet has no sdpa path."""
+    return ("eager",) if model in ("mpnet-base", "tiny-mpnet") else ("eager", "sdpa")
+
+
+def hf_variant(model: str) -> str:
+    """The HF variant fastbert is measured against: HF at its best for that family."""
+    return f"hf-{hf_attention(model)[-1]}"
 
 
 def fastbert_model_class():
@@ -176,13 +204,18 @@ class ModelBank:
             if model == "minilm":
                 m = transformers.BertModel.from_pretrained(minilm_path(), attn_implementation="eager")
             else:
-                torch.manual_seed(0)  # BERT-base shape with random weights, the same on every machine
-                m = transformers.BertModel(hf_config(model))
+                config = hf_config(model)
+                torch.manual_seed(0)  # random weights, the same on every machine
+                m = getattr(transformers, HF_CLASSES[config.model_type])(config)
             return m.float().eval()
 
         return self._get(("master", model), make)
 
     def hf(self, model: str, impl: str, dtype: torch.dtype, device: str):
+        if impl not in hf_attention(model):
+            raise Unavailable(f"HF {model}: transformers' {HF_CLASSES[hf_config(model).model_type]} has no "
+                              f"{impl!r} attention (it has {', '.join(hf_attention(model))})")
+
         def make():
             m = copy.deepcopy(self.master(model))
             if hasattr(m, "set_attn_implementation"):
@@ -198,8 +231,9 @@ class ModelBank:
 
     def fastbert(self, model: str, dtype: torch.dtype, device: str):
         cls = fastbert_model_class()
+        best = hf_attention(model)[-1]
         return self._get(("fastbert", model, dtype, device),
-                         lambda: cls.from_hf(self.hf(model, "sdpa", dtype, device), kernels="torch").eval())
+                         lambda: cls.from_hf(self.hf(model, best, dtype, device), kernels="torch").eval())
 
     def batch(self, model: str, cell: Cell, device: str) -> "Batch":
         return self._get(("batch", model, cell, device), lambda: make_batch(self.master(model).config, cell, device))
@@ -215,11 +249,12 @@ class ModelBank:
         return self._get(("ref", model, cell, device), make)
 
     def hf_error(self, model: str, cell: Cell, dtype: torch.dtype, device: str) -> float:
-        """The worse of HF eager's and HF sdpa's own error in `dtype` against the fp32 reference."""
+        """The worse of HF's own errors in `dtype` (eager, and sdpa where the family has it) against the fp32
+        reference."""
         def make():
             b, ref = self.batch(model, cell, device), self.reference(model, cell, device)
             errors = []
-            for impl in ("eager", "sdpa"):
+            for impl in hf_attention(model):
                 if impl == "eager" and dtype == torch.float32:
                     continue  # that is the reference itself: error 0 by construction
                 with torch.inference_mode():
@@ -235,23 +270,29 @@ class ModelBank:
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass
 class Batch:
-    inputs: dict  # input_ids, attention_mask, token_type_ids, all [B, S] on the device
+    inputs: dict  # input_ids, attention_mask, token_type_ids (families that have them), all [B, S] on the device
     real: torch.Tensor  # [B, S] bool, True on real tokens
     real_tokens: int
     padded_tokens: int
 
 
 def make_batch(config, cell: Cell, device: str) -> Batch:
-    """Random token ids (seeded; never the pad id) right-padded to the longest row, with the attention mask a
-    tokenizer would give (all ones for the fixed cells: real users pass it, so every variant gets it)."""
+    """Random token ids (seeded; never the pad id) right-padded to the longest row with the pad id, with the
+    attention mask a tokenizer would give (all ones for the fixed cells: real users pass it, so every variant gets
+    it). token_type_ids only for families that have them (DistilBERT's and MPNet's forward take none)."""
     lengths = cell.lengths()
     B, S = cell.batch, max(lengths)
     g = torch.Generator().manual_seed(cell.seed + 1)
+    pad = config.pad_token_id or 0
     low = min(1000, config.vocab_size // 2)
+    if low <= pad < config.vocab_size:  # a real token equal to the pad id would get MPNet's padding position
+        raise ValueError(f"pad_token_id={pad} lies in the random ids' range [{low}, {config.vocab_size})")
     ids = torch.randint(low, config.vocab_size, (B, S), generator=g)
     real = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
-    ids = ids.masked_fill(~real, config.pad_token_id or 0)
-    inputs = {"input_ids": ids, "attention_mask": real.long(), "token_type_ids": torch.zeros_like(ids)}
+    ids = ids.masked_fill(~real, pad)
+    inputs = {"input_ids": ids, "attention_mask": real.long()}
+    if getattr(config, "type_vocab_size", None):
+        inputs["token_type_ids"] = torch.zeros_like(ids)
     return Batch({k: v.to(device) for k, v in inputs.items()}, real.to(device), int(sum(lengths)), B * S)
 
 

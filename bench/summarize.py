@@ -182,20 +182,23 @@ def conditions(meta: list[dict]) -> str:
 
 
 def ab_table(benchmarks: list[dict]) -> str:
-    """The interleaved A/B runs (bench/test_bench_ab.py): per-variant medians from alternating rounds."""
+    """The interleaved A/B runs (bench/test_bench_ab.py): per-variant medians from alternating rounds, against the
+    HF variant each run names (hf-sdpa, or hf-eager for a family without sdpa; runs before it was named: hf-sdpa)."""
     rows = []
     for b in benchmarks:
         info = b.get("extra_info") or {}
-        if info.get("kind") != "ab" or "ratio_fastbert_over_hf_sdpa" not in info:
+        baseline = info.get("baseline", "hf-sdpa")
+        ratio = f"ratio_fastbert_over_{baseline.replace('-', '_')}"
+        if info.get("kind") != "ab" or ratio not in info:
             continue
         rows.append([info["model"], info["cell"], info["dtype"], info["device"], str(info["rounds"]),
-                     _fmt_num(info["fastbert-torch_tokens_per_s"]), _fmt_num(info["hf-sdpa_tokens_per_s"]),
-                     _fmt_ratio(info["ratio_fastbert_over_hf_sdpa"])])
+                     _fmt_num(info["fastbert-torch_tokens_per_s"]), baseline,
+                     _fmt_num(info[f"{baseline}_tokens_per_s"]), _fmt_ratio(info[ratio])])
     if not rows:
         return ""
     return "\n".join(["### Interleaved A/B (alternating rounds; real tokens/s, median)", "",
-                      _table(["model", "batch×seq", "dtype", "device", "rounds", "fastbert-torch", "hf-sdpa",
-                              "fastbert ÷ hf-sdpa"], rows)])
+                      _table(["model", "batch×seq", "dtype", "device", "rounds", "fastbert-torch", "HF variant",
+                              "HF", "fastbert ÷ HF"], rows)])
 
 
 def encode_table(benchmarks: list[dict]) -> str:

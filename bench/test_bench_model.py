@@ -73,8 +73,9 @@ def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str,
             raise harness.Unavailable(f"torch.compile runs only on cells {cells} (--bench-compile-cells)")
         mode = option(config, "--bench-compile-mode")
         torch._dynamo.reset()  # a fresh compile per case, so compile_s is comparable between cells
-        model = torch.compile(bank.hf(case.model, "sdpa", dtype, device), mode=None if mode == "default" else mode)
-        info["compile_mode"] = mode
+        impl = harness.hf_attention(case.model)[-1]  # HF at its best: sdpa, eager for MPNet (it has no sdpa)
+        model = torch.compile(bank.hf(case.model, impl, dtype, device), mode=None if mode == "default" else mode)
+        info.update(compile_mode=mode, compiled_attention=impl)
         return (lambda: model(**batch.inputs)), info
     raise ValueError(f"unknown variant {case.variant!r}; the variants are {harness.VARIANTS}")
 

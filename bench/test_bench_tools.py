@@ -109,10 +109,61 @@ def test_accuracy_bound():
                              harness.Outputs(torch.zeros(1, 1), None)) == float("inf")  # NaN never passes
 
 
+@pytest.mark.parametrize("model, pad", [("distilbert-base", 0), ("mpnet-base", 1), ("tiny-distilbert", 0),
+                                        ("tiny-mpnet", 1)])
+def test_batch_of_a_family_without_token_types(model, pad):
+    """DistilBERT and MPNet get no token_type_ids (their transformers 4.x forward has no such argument), and no
+    real token is the pad id (MPNet would give it the padding position); padded positions hold it."""
+    config = harness.hf_config(model)
+    cell = harness._varlen(32, 16, 512) if model.endswith("-base") else harness.TINY_CELLS[-1]
+    batch = harness.make_batch(config, cell, "cpu")
+    assert sorted(batch.inputs) == ["attention_mask", "input_ids"]
+    ids = batch.inputs["input_ids"]
+    assert not (ids[batch.real] == pad).any() and (ids[~batch.real] == pad).all() and (~batch.real).any()
+    assert batch.real_tokens == sum(cell.lengths())
+    bert = harness.make_batch(harness.hf_config("tiny"), cell, "cpu")
+    assert sorted(bert.inputs) == ["attention_mask", "input_ids", "token_type_ids"]
+
+
+def test_base_family_configs_have_the_published_shapes():
+    distil = harness.hf_config("distilbert-base")  # distilbert-base-uncased
+    assert (type(distil).__name__, distil.dim, distil.n_layers, distil.n_heads, distil.hidden_dim,
+            distil.max_position_embeddings, distil.pad_token_id) == ("DistilBertConfig", 768, 6, 12, 3072, 512, 0)
+    mpnet = harness.hf_config("mpnet-base")  # all-mpnet-base-v2
+    assert (type(mpnet).__name__, mpnet.hidden_size, mpnet.num_hidden_layers, mpnet.num_attention_heads,
+            mpnet.intermediate_size, mpnet.max_position_embeddings, mpnet.relative_attention_num_buckets,
+            mpnet.pad_token_id) == ("MPNetConfig", 768, 12, 12, 3072, 514, 32, 1)
+    assert harness.hf_variant("mpnet-base") == "hf-eager" and harness.hf_variant("distilbert-base") == "hf-sdpa"
+
+
+@pytest.mark.parametrize("model, hf_class", [("tiny-distilbert", "DistilBertModel"), ("tiny-mpnet", "MPNetModel")])
+def test_bank_builds_families_with_transformers_classes(bank, model, hf_class):
+    """HF's own class for the master and every HF variant; MPNet's missing sdpa is a skip reason naming the class,
+    never a silent eager; fastbert built from HF's best variant matches HF eager fp32 on the tiny ragged cell."""
+    import torch
+
+    cell = harness.TINY_CELLS[-1]
+    assert type(bank.master(model)).__name__ == hf_class
+    best = harness.hf_attention(model)[-1]
+    hf = bank.hf(model, best, torch.float32, "cpu")
+    assert type(hf).__name__ == hf_class and hf.config._attn_implementation == best
+    if model == "tiny-mpnet":
+        with pytest.raises(harness.Unavailable, match="MPNetModel has no 'sdpa' attention"):
+            bank.hf(model, "sdpa", torch.float32, "cpu")
+    batch = bank.batch(model, cell, "cpu")
+    out = bank.fastbert(model, torch.float32, "cpu")(**batch.inputs)
+    assert harness.max_error(harness.Outputs.of(out, batch), bank.reference(model, cell, "cpu")) <= 1e-5
+
+
 HEADLINE_ORDER = ["headline/32x128/hf-sdpa", "headline/32x128/hf-compile", "headline/32x128/fastbert-triton",
                   "headline/32x128/fastbert-graphs", "headline/32xvar16-512/hf-sdpa",
                   "headline/32xvar16-512/fastbert-triton", "headline/32xvar16-512/fastbert-graphs",
-                  "headline/1x128/hf-sdpa", "headline/1x128/fastbert-graphs", "headline/1x128/fastbert-triton"]
+                  "headline/1x128/hf-sdpa", "headline/1x128/fastbert-graphs", "headline/1x128/fastbert-triton",
+                  "headline/distilbert-base/32xvar16-512/hf-sdpa",
+                  "headline/distilbert-base/32xvar16-512/fastbert-triton",
+                  "headline/distilbert-base/32xvar16-512/fastbert-graphs",
+                  "headline/mpnet-base/32xvar16-512/hf-eager", "headline/mpnet-base/32xvar16-512/fastbert-triton",
+                  "headline/mpnet-base/32xvar16-512/fastbert-graphs"]
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
@@ -138,9 +189,26 @@ def test_gpu_check_plan_order(dry_run):
         assert args[args.index("--bench-cells") + 1] == step.info["runs_as"] and step.info["runs_as"] in cells
         assert ("--bench-compile" in args) == (step.info["variant"] == "hf-compile")
         assert any(a.endswith(step.bench_json) for a in args if a.startswith("--benchmark-json="))
+        model = step.info["model"]
+        assert args[args.index("--bench-models") + 1] == (gpu_check.TINY_MODEL[model] if dry_run else model)
+        assert ("--bench-tiny" in args) == dry_run
     assert len({s.bench_json for s in headline}) == len(headline)  # each case its own JSON
     if not dry_run:
         assert sum(s.cap for s in steps[:3]) <= 90
+
+
+def test_ab_table_names_each_runs_hf_variant():
+    """An A/B run against HF eager (MPNet has no sdpa) gets its row, with the variant named; a run recorded before
+    the baseline was named reads as hf-sdpa."""
+    mpnet = dict(kind="ab", model="mpnet-base", cell="32xvar16-512", dtype="fp32", device="cpu", rounds=3,
+                 baseline="hf-eager", **{"fastbert-torch_tokens_per_s": 300.0, "hf-eager_tokens_per_s": 100.0},
+                 ratio_fastbert_over_hf_eager=3.0)
+    minilm = dict(kind="ab", model="minilm", cell="32x128", dtype="fp32", device="cpu", rounds=15,
+                  **{"fastbert-torch_tokens_per_s": 6520.0, "hf-sdpa_tokens_per_s": 6736.0},
+                  ratio_fastbert_over_hf_sdpa=0.97)
+    text = summarize.ab_table([{"extra_info": mpnet}, {"extra_info": minilm}])
+    assert "| mpnet-base | 32xvar16-512 | fp32 | cpu | 3 | 300 | hf-eager | 100 | 3.00× |" in text
+    assert "| minilm | 32x128 | fp32 | cpu | 15 | 6520 | hf-sdpa | 6736 | 0.97× |" in text
 
 
 def _records(out):

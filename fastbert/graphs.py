@@ -285,7 +285,8 @@ class GraphRunner:
         layout = batch.layout
         T, n = layout.num_tokens, layout.num_seqs
         self.input_ids[:T].copy_(batch.input_ids)
-        self.token_type_ids[:T].copy_(batch.token_type_ids)
+        if batch.token_type_ids is not None:  # DistilBERT, MPNet have none: their embeddings never read the buffer
+            self.token_type_ids[:T].copy_(batch.token_type_ids)
         self.position_ids[:T].copy_(batch.position_ids)
         for buffer in (self.input_ids, self.token_type_ids, self.position_ids):
             buffer[T:bucket].zero_()  # spare tokens: valid ids, in no sequence

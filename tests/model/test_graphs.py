@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import main_in_process, random_hf_bert
+from helpers import arch_inputs, main_in_process, random_arch_model, random_hf_bert
 
 import fastbert
 from fastbert import dispatch, graphs
@@ -70,6 +70,19 @@ def test_only_the_buckets_used_are_captured(hf):
     ids, mask = batch([30, 20], 3)  # 50 tokens: the 64-token bucket, 32 stays uncaptured
     assert_same(runner(ids, attention_mask=mask).pooler_output, eager(fb, ids, mask).pooler_output)
     assert set(runner.graphs) == {16, 64} and runner.stats.captures == 2
+
+
+@pytest.mark.parametrize("arch", ["distilbert", "mpnet"])
+def test_families_without_token_types_replay(arch):
+    """DistilBERT and MPNet have no token types: the runner's token-type buffer stays zeros (their embeddings never
+    read it) and the replay matches the eager model, MPNet's relative bias and padding_idx positions included."""
+    fb = fastbert.BertModel.from_hf(random_arch_model(arch, hidden=64, heads=2), kernels=KERNELS).eval()
+    runner = GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
+    ids, types, mask = arch_inputs(fb, "right")
+    assert types is None
+    for _ in range(2):  # the capture, then a replay
+        assert_same(runner(ids, attention_mask=mask).last_hidden_state, eager(fb, ids, mask).last_hidden_state)
+    assert runner.stats.captures == 1 and runner.stats.replays == 2
 
 
 def test_capture_now_rather_than_on_first_use(hf):
