@@ -132,12 +132,14 @@ def reasons(situation: Situation) -> dict:
 
 class Ops(NamedTuple):
     """The four ops of one forward, each the kernel or the twin; every callable takes the same arguments whichever
-    backend it runs (see the layer's forward). `triton`: the ops that run their kernel."""
+    backend it runs (see the layer's forward). `triton`: the ops that run their kernel. `traced`: the forward is
+    being recorded (torch.jit.trace, torch.compile, export), asked once here rather than in every layer."""
     qkv_projection: Callable
     attention: Callable
     bias_gelu: Callable
     residual_layernorm: Callable
     triton: frozenset
+    traced: bool = False
 
 
 # While a forward is traced for inference, the four ops are recorded as torch custom ops (fastbert/custom_ops.py),
@@ -161,7 +163,7 @@ def plan(situation: Situation) -> Ops:
     """The four ops for one situation, decided here once."""
     if tracing() and not TRACE_AS_CUSTOM_OPS:  # an ONNX export (traced_as_aten): every op on its twin
         return Ops(twins.qkv_projection_torch, twins.attention_torch, twins.bias_gelu_torch,
-                   twins.residual_layernorm_torch, frozenset())
+                   twins.residual_layernorm_torch, frozenset(), traced=True)
     why = reasons(situation)
     use = {op: resolve(op, backend, situation.device, why[op]) for op, backend in zip(OPS, situation.kernels)}
     inference = not situation.needs_grad and situation.attention_dropout == 0 and situation.hidden_dropout == 0
@@ -177,7 +179,7 @@ def plan(situation: Situation) -> Ops:
                    # probabilities and custom masks: the twin
                    traced["attention"] if situation.padded is None else twins.attention_torch,
                    traced["bias_gelu"], traced["residual_layernorm"],
-                   triton=frozenset(op for op, on in use.items() if on))
+                   triton=frozenset(op for op, on in use.items() if on), traced=True)
     g = globals()
 
     def chosen(op):
@@ -189,7 +191,7 @@ def plan(situation: Situation) -> Ops:
         table_key = None if situation.shapes is None else _auto().op_key(op, situation.dtype, situation.shapes)
         return net_callable(op, kernel, twin, situation.device, table_key)
 
-    return Ops(*(chosen(op) for op in OPS), triton=frozenset(op for op, on in use.items() if on))
+    return Ops(*(chosen(op) for op in OPS), triton=frozenset(op for op, on in use.items() if on), traced=tracing())
 
 
 _TWINS = {"qkv_projection": "qkv_projection_torch", "attention": "attention_torch", "bias_gelu": "bias_gelu_torch",

@@ -158,12 +158,14 @@ class BertSelfAttention(nn.Module):
                 part.data = _alias(rows)
         self._fused = holder["_fastbert_fused"] = (weight, bias, _pointers(parts))
 
-    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused(self, parts: tuple | None = None, traced: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_qkv [3H, H], b_qkv [3H]) for this forward. Where autograd needs the parts, or a trace records the
         forward, the parts concatenated (a copy: gradients reach HF's own parameters, and the trace reads them);
-        otherwise the fused tensors themselves."""
-        parts = self.parts()
-        if torch.is_grad_enabled() and any(p.requires_grad for p in parts) or tracing():
+        otherwise the fused tensors themselves. `parts` / `traced`: what the caller has read already (the layer's
+        forward: `parts()` and the plan's `traced`)."""
+        parts = self.parts() if parts is None else parts
+        if torch.is_grad_enabled() and any(p.requires_grad for p in parts) or (
+                tracing() if traced is None else traced):
             return torch.cat(parts[:3]), torch.cat(parts[3:])
         return self._packed(parts)
 
@@ -304,8 +306,8 @@ class BertLayer(GradientCheckpointingLayer):
         ops as resolved for this forward (dispatch.plan); `bias`: the attention's per-distance table or None (MPNet).
         Under gradient checkpointing, GradientCheckpointingLayer recomputes this in the backward pass (the arguments
         come positionally for that)."""
-        w, eps = self.weights(), self.eps
-        p_attn, p_attn_out, p_ffn_out = self.dropouts()
+        w, eps = self.weights(run.traced), self.eps
+        p_attn, p_attn_out, p_ffn_out = self.dropouts() if self.training else _NO_DROPOUT
         if w is None:  # an adapter (PEFT) wraps one of the layer's linears
             return self._forward_adapted(x, attn, run, output_attentions, bias, p_attn, p_attn_out, p_ffn_out)
 
@@ -346,7 +348,7 @@ class BertLayer(GradientCheckpointingLayer):
             h = nn.functional.dropout(h, p)
         return ln(h + residual)
 
-    def weights(self) -> LayerWeights | None:
+    def weights(self, traced: bool | None = None) -> LayerWeights | None:
         """The layer's current parameters (read through the module dicts, see `module`). None when an adapter wraps
         one of the linears (BertLayer._forward_adapted)."""
         s = self._slots
@@ -357,12 +359,16 @@ class BertLayer(GradientCheckpointingLayer):
         attn_out, ffn_in, ffn_out = p._modules[n], p1._modules[n1], p2._modules[n2]
         if not (type(q) is type(k) is type(v) is type(attn_out) is type(ffn_in) is type(ffn_out) is nn.Linear):
             return None
-        qkv, qkv_bias = sa.fused()
+        q, k, v = q._parameters, k._parameters, v._parameters
+        qkv, qkv_bias = sa.fused((q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]), traced)
         o, f, ffn_in = attn_out._parameters, ffn_out._parameters, ffn_in._parameters
         (p, n), (p2, n2) = s["ln1"], s["ln2"]
         ln1, ln2 = p._modules[n]._parameters, p2._modules[n2]._parameters
         return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"],
                             ffn_in["weight"], ffn_in["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
+
+
+_NO_DROPOUT = (0.0, 0.0, 0.0)
 
 
 class BertEncoder(nn.Module):
