@@ -67,7 +67,11 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width) if family.token_types else None
         self.LayerNorm = nn.LayerNorm(width, eps=family.get(config, "layer_norm_eps"))
         self.dropout = nn.Dropout(family.get(config, "hidden_dropout_prob"))
-        self.max_length = config.max_position_embeddings  # the longest sequence the position table covers
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence the position table covers (read off the table: resize_position_embeddings swaps it)."""
+        return self.position_embeddings.num_embeddings
 
     def position_ids(self, input_ids, index):
         """The default position ids: `index` holds each token's index in its sequence (the shape of input_ids, [B, S]
@@ -96,7 +100,10 @@ class RobertaEmbeddings(BertEmbeddings):
         super().__init__(config, width, family)
         self.padding_idx = self.word_embeddings.padding_idx
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, width, padding_idx=self.padding_idx)
-        self.max_length = config.max_position_embeddings - self.padding_idx - 1
+
+    @property
+    def max_length(self) -> int:
+        return self.position_embeddings.num_embeddings - self.padding_idx - 1
 
     def position_ids(self, input_ids, index):
         if input_ids is None:
