@@ -36,6 +36,7 @@ class Family:
     attention_output_dropout: bool = True  # DistilBERT applies none after out_lin
     selects_hidden_states: bool = True  # output_hidden_states=[indices] keeps only those (MPNet's HF code: all)
     resizable_positions: bool = False  # resize_position_embeddings, as the family's transformers class has it
+    tuple_keeps_pooler: bool = False  # return_dict=False: pooler_output holds its slot even when None (MPNet)
     fields: dict = field(default_factory=dict)  # fastbert's (BERT's) field name -> this family's config attribute
     fixed: dict = field(default_factory=dict)  # fields the family's modeling file hard-codes instead of reading
     padding_idx: int | None = None  # a fixed padding_idx (MPNet's embeddings use 1, whatever pad_token_id says)
@@ -79,7 +80,7 @@ MPNET = Family(
     {"query": "attention.attn.q", "key": "attention.attn.k", "value": "attention.attn.v",
      "attn_out": "attention.attn.o", "ln1": "attention.LayerNorm", "ffn_in": "intermediate.dense",
      "ffn_out": "output.dense", "ln2": "output.LayerNorm"},
-    token_types=False, relative_bias=True, padding_idx=1, selects_hidden_states=False,
+    token_types=False, relative_bias=True, padding_idx=1, selects_hidden_states=False, tuple_keeps_pooler=True,
     heads=("lm_head.", "classifier.", "qa_outputs.", "dropout."),
     output="BaseModelOutputWithPooling")
 

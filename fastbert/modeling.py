@@ -572,7 +572,15 @@ class BertModel(TransformersModelMixin, nn.Module):
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
                                                    batch.attn, run, batch.inputs_embeds, keep, output_attentions)
         out = self.finish(batch, x, hidden_states, attentions, keep is not None, output_attentions)
-        return out if return_dict else out.to_tuple()
+        return out if return_dict else self.output_tuple(out)
+
+    def output_tuple(self, out) -> tuple:
+        """HF's return_dict=False tuple of the family: the output's non-None fields in order; MPNet's keeps a
+        pooler_output of None in its slot (its heads take outputs[2:] as hidden_states and attentions)."""
+        if not self.family.tuple_keeps_pooler:
+            return out.to_tuple()
+        rest = tuple(v for v in (out.hidden_states, out.attentions) if v is not None)
+        return (out.last_hidden_state, out.pooler_output, *rest)
 
     def _warn_autograd_in_eval(self) -> None:
         """An eval-mode forward with autograd on (model(**inputs) without torch.no_grad(), a common habit) runs every

@@ -530,3 +530,33 @@ def test_resize_position_embeddings_refuses_sizes_that_are_not_positive_integers
     with pytest.raises(ValueError, match=f"new_num_position_embeddings must be a positive integer, got {size!r}"):
         fb.resize_position_embeddings(size)
     assert fb.get_position_embeddings().num_embeddings == fb.config.max_position_embeddings == 16
+
+
+# ---- return_dict=False (transformers' test_model_outputs_equivalence) --------------------------------------------
+def _entries(out, path=()):
+    """A nested output tuple as (position, shape or None) pairs and its tensors, in order."""
+    if isinstance(out, (tuple, list)):
+        pairs, tensors = [], []
+        for i, item in enumerate(out):
+            p, t = _entries(item, (*path, i))
+            pairs += p
+            tensors += t
+        return pairs, tensors
+    return [(path, None if out is None else tuple(out.shape))], [] if out is None else [out]
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_return_dict_false_tuples_are_hfs(family, padding_free):
+    """Heads build their tuple from the encoder's by position (MPNet's take outputs[2:], past a pooler slot that is
+    None in a head's encoder), so the encoder's tuple and the head's hold HF's entries, None slots included."""
+    hf = hf_head(family)
+    hf.config._attn_implementation = "eager"  # (HF's sdpa returns no attentions)
+    fb = with_fastbert(hf, padding_free)
+    kwargs = dict(output_hidden_states=True, output_attentions=True, return_dict=False)
+    with torch.no_grad():
+        for run in (lambda m: m(IDS, labels=IDS, **kwargs), lambda m: m.base_model(IDS, **kwargs)):
+            (want, want_tensors), (got, got_tensors) = _entries(run(hf)), _entries(run(fb))
+            assert got == want
+            for w, g in zip(want_tensors, got_tensors):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
