@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from . import families
+
 if TYPE_CHECKING:
     from .modeling import BertModel
 
@@ -126,6 +128,40 @@ class TransformersModelMixin:
         self.set_input_embeddings(new)
         self.config.vocab_size = self.vocab_size = n  # (transformers sets both)
         return new
+
+    def get_position_embeddings(self) -> nn.Embedding:
+        self._check_resizable_positions("get_position_embeddings")
+        return self.embeddings.position_embeddings
+
+    def resize_position_embeddings(self, new_num_position_embeddings: int) -> None:
+        """transformers' DistilBertModel.resize_position_embeddings: the first rows kept, config.max_position_embeddings
+        follows. New rows are drawn as a fresh model's (std initializer_range; transformers draws N(0, 1)); a
+        sinusoidal table (sinusoidal_pos_embds) is computed again at the new size, frozen as transformers freezes it."""
+        self._check_resizable_positions("resize_position_embeddings")
+        n = new_num_position_embeddings
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"resize_position_embeddings: new_num_position_embeddings must be a positive integer, "
+                             f"got {n!r}")
+        old = self.embeddings.position_embeddings
+        if n == old.num_embeddings:
+            return
+        new = nn.Embedding(n, old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            if getattr(self.config, "sinusoidal_pos_embds", False):
+                from transformers.models.distilbert.modeling_distilbert import create_sinusoidal_embeddings
+                create_sinusoidal_embeddings(n, old.embedding_dim, new.weight)
+            else:
+                keep = min(n, old.num_embeddings)
+                new.weight[:keep] = old.weight[:keep]
+                new.weight[keep:].normal_(std=self.config.initializer_range)
+                new.weight.requires_grad_(old.weight.requires_grad)
+        self.embeddings.position_embeddings = new
+        self.config.max_position_embeddings = n
+
+    def _check_resizable_positions(self, method: str) -> None:
+        if not self.family.resizable_positions:  # transformers' PreTrainedModel refuses it for these families too
+            raise NotImplementedError(f"{method}: transformers' {families.encoder_class(self.config.model_type)} has "
+                                      f"no {method}, so fastbert's {self.family.title} encoder has none either")
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """Recompute each layer in the backward pass instead of keeping its activations (train mode, torch path)."""

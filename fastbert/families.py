@@ -35,6 +35,8 @@ class Family:
     layers: str = "encoder"  # the module holding the ModuleList `layer`
     attention_output_dropout: bool = True  # DistilBERT applies none after out_lin
     selects_hidden_states: bool = True  # output_hidden_states=[indices] keeps only those (MPNet's HF code: all)
+    resizable_positions: bool = False  # resize_position_embeddings, as the family's transformers class has it
+    tuple_keeps_pooler: bool = False  # return_dict=False: pooler_output holds its slot even when None (MPNet)
     fields: dict = field(default_factory=dict)  # fastbert's (BERT's) field name -> this family's config attribute
     fixed: dict = field(default_factory=dict)  # fields the family's modeling file hard-codes instead of reading
     padding_idx: int | None = None  # a fixed padding_idx (MPNet's embeddings use 1, whatever pad_token_id says)
@@ -65,7 +67,7 @@ DISTILBERT = Family(
     "distilbert", "DistilBERT", "distilbert.", "index",
     {"query": "attention.q_lin", "key": "attention.k_lin", "value": "attention.v_lin", "attn_out": "attention.out_lin",
      "ln1": "sa_layer_norm", "ffn_in": "ffn.lin1", "ffn_out": "ffn.lin2", "ln2": "output_layer_norm"},
-    token_types=False, pooler=False, layers="transformer", attention_output_dropout=False,
+    token_types=False, pooler=False, layers="transformer", attention_output_dropout=False, resizable_positions=True,
     fields={"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
             "intermediate_size": "hidden_dim", "hidden_act": "activation", "hidden_dropout_prob": "dropout",
             "attention_probs_dropout_prob": "attention_dropout"},
@@ -78,7 +80,7 @@ MPNET = Family(
     {"query": "attention.attn.q", "key": "attention.attn.k", "value": "attention.attn.v",
      "attn_out": "attention.attn.o", "ln1": "attention.LayerNorm", "ffn_in": "intermediate.dense",
      "ffn_out": "output.dense", "ln2": "output.LayerNorm"},
-    token_types=False, relative_bias=True, padding_idx=1, selects_hidden_states=False,
+    token_types=False, relative_bias=True, padding_idx=1, selects_hidden_states=False, tuple_keeps_pooler=True,
     heads=("lm_head.", "classifier.", "qa_outputs.", "dropout."),
     output="BaseModelOutputWithPooling")
 

@@ -389,7 +389,7 @@ class GraphRunner:
             out = model.finish(batch, x, None, None, False, False)
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
-        return out if return_dict else out.to_tuple()
+        return out if return_dict else model.output_tuple(out)
 
 
 class Graphed:

@@ -67,7 +67,11 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width) if family.token_types else None
         self.LayerNorm = nn.LayerNorm(width, eps=family.get(config, "layer_norm_eps"))
         self.dropout = nn.Dropout(family.get(config, "hidden_dropout_prob"))
-        self.max_length = config.max_position_embeddings  # the longest sequence the position table covers
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence the position table covers (read off the table: resize_position_embeddings swaps it)."""
+        return self.position_embeddings.num_embeddings
 
     def position_ids(self, input_ids, index):
         """The default position ids: `index` holds each token's index in its sequence (the shape of input_ids, [B, S]
@@ -96,7 +100,10 @@ class RobertaEmbeddings(BertEmbeddings):
         super().__init__(config, width, family)
         self.padding_idx = self.word_embeddings.padding_idx
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, width, padding_idx=self.padding_idx)
-        self.max_length = config.max_position_embeddings - self.padding_idx - 1
+
+    @property
+    def max_length(self) -> int:
+        return self.position_embeddings.num_embeddings - self.padding_idx - 1
 
     def position_ids(self, input_ids, index):
         if input_ids is None:
@@ -571,7 +578,15 @@ class BertModel(TransformersModelMixin, nn.Module):
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
                                                    batch.attn, run, batch.inputs_embeds, keep, output_attentions)
         out = self.finish(batch, x, hidden_states, attentions, keep is not None, output_attentions)
-        return out if return_dict else out.to_tuple()
+        return out if return_dict else self.output_tuple(out)
+
+    def output_tuple(self, out) -> tuple:
+        """HF's return_dict=False tuple of the family: the output's non-None fields in order; MPNet's keeps a
+        pooler_output of None in its slot (its heads take outputs[2:] as hidden_states and attentions)."""
+        if not self.family.tuple_keeps_pooler:
+            return out.to_tuple()
+        rest = tuple(v for v in (out.hidden_states, out.attentions) if v is not None)
+        return (out.last_hidden_state, out.pooler_output, *rest)
 
     def _warn_autograd_in_eval(self) -> None:
         """An eval-mode forward with autograd on (model(**inputs) without torch.no_grad(), a common habit) runs every

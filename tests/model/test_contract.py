@@ -476,3 +476,87 @@ def test_resize_token_embeddings_refuses_sizes_that_are_not_integers(kwargs, wor
     with pytest.raises(ValueError, match=words):
         fb.resize_token_embeddings(**kwargs)
     assert fb.get_input_embeddings().num_embeddings == fb.config.vocab_size == 50  # unchanged
+
+
+# ---- position embeddings (transformers' test_resize_position_vector_embeddings: DistilBERT's classes have it) -----
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("change", [10, -5])
+def test_distilbert_resize_position_embeddings_as_transformers_does(change, padding_free):
+    """Called on the head, it reaches fastbert's encoder: config.max_position_embeddings follows, the kept rows are
+    HF's, the outputs stay HF's, and the longest input allowed is the new table's length."""
+    hf = hf_head("distilbert")
+    fb = with_fastbert(hf, padding_free)
+    n = hf.config.max_position_embeddings + change
+    kept = hf.get_position_embeddings().weight[:n].clone()
+    for m in (hf, fb):
+        m.resize_position_embeddings(n)
+        assert m.config.max_position_embeddings == n
+        assert m.get_position_embeddings().num_embeddings == n
+        assert torch.equal(m.get_position_embeddings().weight[:len(kept)], kept)
+    assert fb.get_position_embeddings() is fb.distilbert.embeddings.position_embeddings
+    with torch.no_grad():
+        want = hf(IDS, attention_mask=MASK).logits
+        got = fb(IDS, attention_mask=MASK).logits
+        assert (got - want)[MASK.bool()].abs().max() <= 1e-5
+        assert fb(torch.full((1, n), 5)).logits.shape == (1, n, hf.config.vocab_size)
+        with pytest.raises(ValueError, match="exceeds"):
+            fb(torch.full((1, n + 1), 5))
+
+
+def test_distilbert_resize_sinusoidal_position_embeddings_recomputes_the_table():
+    from transformers.models.distilbert.modeling_distilbert import _create_sinusoidal_embeddings
+    config = FAMILIES["distilbert"][0]()
+    config.sinusoidal_pos_embds = True
+    fb = fastbert.BertModel(config, kernels="torch")
+    fb.resize_position_embeddings(24)
+    want = _create_sinusoidal_embeddings(24, config.dim, torch.empty(24, config.dim))
+    assert torch.equal(fb.get_position_embeddings().weight, want)
+    assert not fb.get_position_embeddings().weight.requires_grad  # a fixed table, as transformers keeps it
+
+
+@pytest.mark.parametrize("family", ["bert", "mpnet"])
+def test_position_embeddings_methods_are_refused_where_transformers_refuses_them(family):
+    hf, fb = bare_pair(family)
+    for method, args in (("get_position_embeddings", ()), ("resize_position_embeddings", (20,))):
+        with pytest.raises(NotImplementedError):
+            getattr(hf, method)(*args)
+        with pytest.raises(NotImplementedError, match=method):
+            getattr(fb, method)(*args)
+
+
+@pytest.mark.parametrize("size", [0, 20.0, True])
+def test_resize_position_embeddings_refuses_sizes_that_are_not_positive_integers(size):
+    _, fb = bare_pair("distilbert")
+    with pytest.raises(ValueError, match=f"new_num_position_embeddings must be a positive integer, got {size!r}"):
+        fb.resize_position_embeddings(size)
+    assert fb.get_position_embeddings().num_embeddings == fb.config.max_position_embeddings == 16
+
+
+# ---- return_dict=False (transformers' test_model_outputs_equivalence) --------------------------------------------
+def _entries(out, path=()):
+    """A nested output tuple as (position, shape or None) pairs and its tensors, in order."""
+    if isinstance(out, (tuple, list)):
+        pairs, tensors = [], []
+        for i, item in enumerate(out):
+            p, t = _entries(item, (*path, i))
+            pairs += p
+            tensors += t
+        return pairs, tensors
+    return [(path, None if out is None else tuple(out.shape))], [] if out is None else [out]
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_return_dict_false_tuples_are_hfs(family, padding_free):
+    """Heads build their tuple from the encoder's by position (MPNet's take outputs[2:], past a pooler slot that is
+    None in a head's encoder), so the encoder's tuple and the head's hold HF's entries, None slots included."""
+    hf = hf_head(family)
+    hf.config._attn_implementation = "eager"  # (HF's sdpa returns no attentions)
+    fb = with_fastbert(hf, padding_free)
+    kwargs = dict(output_hidden_states=True, output_attentions=True, return_dict=False)
+    with torch.no_grad():
+        for run in (lambda m: m(IDS, labels=IDS, **kwargs), lambda m: m.base_model(IDS, **kwargs)):
+            (want, want_tensors), (got, got_tensors) = _entries(run(hf)), _entries(run(fb))
+            assert got == want
+            for w, g in zip(want_tensors, got_tensors):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

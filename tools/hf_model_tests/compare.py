@@ -9,7 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 RESULTS = sys.argv[1] if len(sys.argv) > 1 else "results"
-FAMILIES = ("bert", "roberta", "electra")
+FAMILIES = ("bert", "roberta", "electra", "distilbert", "mpnet")
 MODES = ("stock", "fb", "fbpf")
 
 

@@ -1,14 +1,14 @@
-"""pytest plugin: run transformers' own BERT / RoBERTa / ELECTRA model tests with fastbert inside.
+"""pytest plugin: run transformers' own BERT / RoBERTa / ELECTRA / DistilBERT / MPNet model tests with fastbert inside.
 
     python -m pytest -p no:cacheprovider tests/models/bert/test_modeling_bert.py --fastbert [--fastbert-padding-free]
 
-With --fastbert, every model of the three families that a test builds runs its encoder through fastbert:
+With --fastbert, every model of these families that a test builds runs its encoder through fastbert:
 
 - a head (BertForMaskedLM(config), ...): built as transformers builds it, then `fastbert.optimize(model,
   kernels="torch", padding_free=..., cuda_graphs=False)` swaps the encoder inside it, in place; the test holds the
   same head object;
-- a bare encoder (BertModel(config), RobertaModel(...), ElectraModel(...)): the test gets what optimize returns for
-  it, fastbert's own module (its `BertModel.__new__` builds the HF model, then hands back optimize's result);
+- a bare encoder (BertModel(config), RobertaModel(...), DistilBertModel(...), ...): the test gets what optimize
+  returns for it, fastbert's own module (its `__new__` builds the HF model, then hands back optimize's result);
 - `from_pretrained` / `_from_config` of either: transformers loads or builds the model as usual, then optimize runs
   on the result (what a user does: optimize(from_pretrained(...))).
 
@@ -29,6 +29,8 @@ FAMILIES = {
     "transformers.models.bert.modeling_bert": "BertModel",
     "transformers.models.roberta.modeling_roberta": "RobertaModel",
     "transformers.models.electra.modeling_electra": "ElectraModel",
+    "transformers.models.distilbert.modeling_distilbert": "DistilBertModel",
+    "transformers.models.mpnet.modeling_mpnet": "MPNetModel",
 }
 
 _state = threading.local()
@@ -129,7 +131,8 @@ def patch_families() -> list[str]:
 
 def pytest_addoption(parser):
     group = parser.getgroup("fastbert")
-    group.addoption("--fastbert", action="store_true", help="run every BERT/RoBERTa/ELECTRA model through fastbert")
+    group.addoption("--fastbert", action="store_true",
+                    help="run every BERT/RoBERTa/ELECTRA/DistilBERT/MPNet model through fastbert")
     group.addoption("--fastbert-padding-free", action="store_true",
                     help="optimize with padding_free=True (default: padding_free=False, HF's padded execution)")
     group.addoption("--fastbert-log", default=None, help="JSON lines: per test, the models swapped and refused")
