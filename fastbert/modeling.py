@@ -261,24 +261,24 @@ class BertLayer(GradientCheckpointingLayer):
         self.family = family
         H, I = config.hidden_size, family.get(config, "intermediate_size")
         eps = family.get(config, "layer_norm_eps")
-        self.paths = {role: tuple(family.layer[role].split(".")) for role in families.ROLES}
-        self.qkv_path = self.paths["query"][:-1]
-        qkv_names = tuple(self.paths[role][-1] for role in ("query", "key", "value"))
+        paths = {role: tuple(family.layer[role].split(".")) for role in families.ROLES}
+        qkv_path = paths["query"][:-1]
+        qkv_names = tuple(paths[role][-1] for role in ("query", "key", "value"))
         leaves = {"attn_out": nn.Linear(H, H), "ln1": nn.LayerNorm(H, eps=eps), "ffn_in": nn.Linear(H, I),
                   "ffn_out": nn.Linear(I, H), "ln2": nn.LayerNorm(H, eps=eps)}
         for role in families.ROLES:  # in HF's order, which is the roles' order
-            *parents, leaf = self.paths[role]
+            *parents, leaf = paths[role]
             node = self
             for depth, name in enumerate(parents):
                 if name not in node._modules:
                     node.add_module(name, BertSelfAttention(H, qkv_names)
-                                    if tuple(parents[:depth + 1]) == self.qkv_path else Block())
+                                    if tuple(parents[:depth + 1]) == qkv_path else Block())
                 node = node._modules[name]
             if role in leaves:
                 node.add_module(leaf, leaves[role])
         # role -> (the container holding its module, the module's name there). The containers are fastbert's own and
         # stay; the module in one is read at every forward, since PEFT and from_hf put theirs there. Not submodules.
-        self.__dict__["_slots"] = {role: (self.get_submodule(".".join(self.paths[role][:-1])), self.paths[role][-1])
+        self.__dict__["_slots"] = {role: (self.get_submodule(".".join(paths[role][:-1])), paths[role][-1])
                                    for role in families.ROLES}
         # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
         self.num_heads = config.num_attention_heads
@@ -300,9 +300,8 @@ class BertLayer(GradientCheckpointingLayer):
         return self._slots["query"][0]
 
     def dropouts(self) -> tuple[float, float, float]:
-        """(attention probabilities, attention output, FFN output) dropout, by the config now (0 in eval mode)."""
-        if not self.training:
-            return 0.0, 0.0, 0.0
+        """(attention probabilities, attention output, FFN output) dropout in train mode, by the config now (the
+        forward takes none in eval mode)."""
         family, cfg = self.family, self.config
         p_hidden = family.get(cfg, "hidden_dropout_prob")
         return (family.get(cfg, "attention_probs_dropout_prob"),
