@@ -8,8 +8,15 @@ Every op works on token-major 2-D matrices [T, features] (T = real tokens, packe
     attention           softmax(q k^T * scale + bias + mask) v -> [T, nh*hd] flash attention, online softmax
     bias_gelu           act(x @ W^T + b)                                      GEMM with bias+activation epilogue
     residual_layernorm  LN(y @ W^T + b + residual)                            bias+residual+LN in one pass per row
+
+The ops grow parameters along the families' axes (DESIGN.md, "Architectures"), each a keyword that defaults to the
+BERT form: attention takes `bias=` (a per-distance table), `window=` (keys within +-w positions only) and `rotary=`
+(q and k rotated by per-token cos/sin); bias_gelu takes `gated=` (act(a) * g over W's two halves); residual_layernorm
+takes `pre_norm=` (it returns the new residual stream and its LayerNorm).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,63 +35,151 @@ def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return F.linear(x, weight, bias).view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
 
 
-def relative_bias(table: torch.Tensor, num_queries: int, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+class Rotary(NamedTuple):
+    """Rotary position embeddings for one attention call: cos and sin of position * inv_freq, float32 [T, hd/2], one
+    row per token in the attention's token order (packed T, or B*S padded). q and k are rotated in float32 by
+    rotate-half (HF's apply_rotary_pos_emb: the frequencies repeat over both halves of a head) and rounded back to
+    their dtype before the product, as HF does."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rotary:
+    """positions [T] (int) and inv_freq [hd/2] (float32) -> Rotary. The product is HF's (position as float32 times
+    inv_freq), so every angle, and its cos and sin, is bit-identical to transformers'."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    return Rotary(freqs.cos(), freqs.sin())
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., L, hd] rotated by cos/sin [L, hd/2] (broadcast over the leading dims), in float32, back in x's dtype:
+    HF's q * cos + rotate_half(q) * sin with cos = cat(c, c)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _rotated(q, k, v, rotary: Rotary | None, rows: slice | None = None):
+    """q, k [.., nh, L, hd] rotated by the rows `rows` of the per-token tables (all of them when None)."""
+    if rotary is None:
+        return q, k, v
+    cos, sin = (rotary.cos, rotary.sin) if rows is None else (rotary.cos[rows], rotary.sin[rows])
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def window_mask(num_queries: int, num_keys: int, window: int, device, query_start: int = 0,
+                key_start: int = 0) -> torch.Tensor:
+    """bool [num_queries, num_keys]: True where |i - j| <= window, i = query_start + row, j = key_start + column
+    (HF's bidirectional sliding window: inclusive)."""
+    i = torch.arange(query_start, query_start + num_queries, device=device)
+    j = torch.arange(key_start, key_start + num_keys, device=device)
+    return (j[None, :] - i[:, None]).abs() <= window
+
+
+def relative_bias(table: torch.Tensor, num_queries: int, num_keys: int, dtype: torch.dtype, query_start: int = 0,
+                  key_start: int = 0) -> torch.Tensor:
     """The scores bias of one sequence, [nh, num_queries, num_keys] in `dtype`, from a per-distance table:
-    B[h, i, j] = table[h, (j - i) + L - 1] for a table [nh, 2L - 1]. Distances beyond +-(L - 1) read the table's end
-    columns (T5/MPNet buckets are constant from some distance on: a table reaching it is exact at every distance)."""
+    B[h, i, j] = table[h, (j - i) + L - 1] for a table [nh, 2L - 1], i = query_start + row, j = key_start + column.
+    Distances beyond +-(L - 1) read the table's end columns (T5/MPNet buckets are constant from some distance on: a
+    table reaching it is exact at every distance)."""
     reach = (table.shape[1] - 1) // 2
-    keys, queries = torch.arange(num_keys, device=table.device), torch.arange(num_queries, device=table.device)
+    keys = torch.arange(key_start, key_start + num_keys, device=table.device)
+    queries = torch.arange(query_start, query_start + num_queries, device=table.device)
     distance = keys[None, :] - queries[:, None]  # [num_queries, num_keys]: j - i
     return table[:, (distance + reach).clamp_(0, 2 * reach)].to(dtype)
 
 
+# Query rows per sdpa call of a windowed sequence: each call sees its rows' keys +-window, so a local layer costs
+# ~L * (WINDOW_CHUNK + 2w) scores, not L^2, and the calls stay few.
+WINDOW_CHUNK = 256
+
+
+def _score_mask(bias, window, num_queries, num_keys, dtype, device, query_start=0, key_start=0):
+    """What sdpa adds to one sequence's scores: the bias [nh, nq, nk] (float), the window [nq, nk] (bool), both
+    (-inf outside the window), or None."""
+    rel = None if bias is None else relative_bias(bias, num_queries, num_keys, dtype, query_start, key_start)
+    if window is None:
+        return rel
+    allowed = window_mask(num_queries, num_keys, window, device, query_start, key_start)
+    return allowed if rel is None else rel.masked_fill(~allowed, float("-inf"))
+
+
+def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window):
+    """q, k, v [b, nh, L, hd] of b sequences of one length L -> [b, nh, L, hd]. A window narrower than the sequence
+    runs WINDOW_CHUNK query rows at a time against only the keys their window reaches."""
+    L = q.shape[2]
+    if window is None or L - 1 <= window:  # every key is within every query's window
+        mask = _score_mask(bias, None, L, L, q.dtype, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None],
+                                              dropout_p=dropout_p, scale=scale)
+    out = []
+    for start in range(0, L, WINDOW_CHUNK):
+        stop = min(start + WINDOW_CHUNK, L)
+        k0, k1 = max(0, start - window), min(L, stop + window)
+        mask = _score_mask(bias, window, stop - start, k1 - k0, q.dtype, q.device, start, k0)
+        out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, k0:k1], v[:, :, k0:k1],
+                                                  attn_mask=mask, dropout_p=dropout_p, scale=scale))
+    return torch.cat(out, dim=2)
+
+
 def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    bias: torch.Tensor | None = None, window: int | None = None,
+                    rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """qkv [T, 3, nh, hd] -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn` is a TokenLayout (packed
     sequences, padding-free) or an AttentionMask (padded rows, T = B*S). `bias`: None, or a float32 table
     [nh, 2L - 1] of an additive score bias that depends on (head, j - i) only (see `relative_bias`), added after the
-    scale and before the softmax."""
+    scale and before the softmax. `window`: None, or w: query i sees only keys j with |i - j| <= w (positions within
+    its sequence). `rotary`: None, or the per-token cos/sin that rotate q and k first (`Rotary`)."""
     if isinstance(attn, TokenLayout):
-        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias), None
-    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias)
+        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary), None
+    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary)
 
 
 def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
+                           bias: torch.Tensor | None = None, window: int | None = None,
+                           rotary: Rotary | None = None) -> torch.Tensor:
     """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
     on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
     3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
-    sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch."""
+    sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch; a `window`, a band
+    of keys per block of queries."""
     T, _, nh, hd = qkv.shape
     if layout.uniform:
         B, S = layout.num_seqs, layout.max_seqlen
         q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
-        attn_mask = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+        if rotary is not None:
+            q, k, v = _rotated(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
+        ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
         return ctx.transpose(1, 2).reshape(T, nh * hd)
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
                            "(a captured CUDA graph runs the Triton kernel)")
-    contexts = []
+    contexts, start = [], 0
     for piece in qkv.split(layout.lengths):  # views; under autograd one SplitBackward, not a zeroed [T, ...] each
         length = piece.shape[0]
         q, k, v = piece.unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
-        attn_mask = None if bias is None else relative_bias(bias, length, length, qkv.dtype)[None]
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+        q, k, v = _rotated(q, k, v, rotary, slice(start, start + length))
+        ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
         contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
+        start += length
     return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
 
 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
-                           return_probs: bool = False,
-                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Padded rows, qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None). A `bias` table is
-    read at the padded positions (as HF does: distances count padding); a fully padded row still attends
-    uniformly."""
+                           return_probs: bool = False, bias: torch.Tensor | None = None, window: int | None = None,
+                           rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padded rows, qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None). A `bias` table and a
+    `window` are read at the padded positions (as HF does: distances count padding); a fully padded row still
+    attends uniformly to all S keys (HF eager's answer there)."""
     B, S = mask.batch_size, mask.seq_len
     T, _, nh, hd = qkv.shape
     q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
+    if rotary is not None:
+        q, k, v = _rotated(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
     rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
+    if window is not None and S - 1 > window:  # the window as -inf outside the band, added to whatever else is added
+        band = torch.zeros(S, S, dtype=qkv.dtype, device=qkv.device).masked_fill_(
+            ~window_mask(S, S, window, qkv.device), float("-inf"))
+        rel = band[None, None] if rel is None else rel + band
     if return_probs:  # HF's eager math, because the caller wants the probabilities themselves
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         if rel is not None:
@@ -123,21 +218,30 @@ def _activation_torch(h: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"activation={activation!r} is not one of {sorted(set(ACTIVATIONS.values()))}")
 
 
-def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    activation: str = "gelu") -> torch.Tensor:
-    """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}."""
-    return _activation_torch(F.linear(x, weight, bias), activation)
+def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
+                    gated: bool = False) -> torch.Tensor:
+    """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}. gated: W is
+    [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for [a, g] = x @ W^T + b
+    (GeGLU)."""
+    h = F.linear(x, weight, bias)
+    if gated:
+        a, g = h.chunk(2, dim=-1)
+        return _activation_torch(a, activation) * g
+    return _activation_torch(h, activation)
 
 
 def residual_layernorm_torch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                             ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                             dropout_p: float = 0.0) -> torch.Tensor:
-    """LayerNorm(dropout(y [T, K] @ W[H, K]^T + b) + residual [T, H]) -> [T, H]."""
+                             ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
+                             dropout_p: float = 0.0, pre_norm: bool = False):
+    """LayerNorm(dropout(y [T, K] @ W[H, K]^T + b) + residual [T, H]) -> [T, H] (post-norm: the new residual stream
+    is the LayerNorm). pre_norm: (s, LayerNorm(s)) for s = dropout(y @ W^T + b) + residual, the new residual stream
+    and the next sublayer's input. ln_bias None: a LayerNorm without bias."""
     h = F.linear(y, weight, bias)
     if dropout_p > 0:
         h = F.dropout(h, dropout_p)
     h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation
-    return torch.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)  # skips F.layer_norm's Python wrapper
+    normed = torch.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)  # skips F.layer_norm's Python wrapper
+    return (h, normed) if pre_norm else normed
 
 
 def default_scale(head_dim: int) -> float:
