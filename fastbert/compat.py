@@ -82,7 +82,7 @@ class TransformersModelMixin:
         return self.embeddings.word_embeddings
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embeddings.word_embeddings = value
+        setattr(self.embeddings, self.embeddings.word_embeddings_name, value)
 
     def get_output_embeddings(self) -> None:  # an encoder has no LM head (transformers' BertModel answers None too)
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from . import families
+from . import families, rotary
 from .twins import ACTIVATIONS
 
 # model_type -> its family (fastbert/families.py: where its tensors live, what its config calls each field, and the
@@ -71,6 +71,14 @@ def check_model_type(model_type, where: str = "config") -> str:
     if model_type not in families.MODEL_TYPES:
         raise NotImplementedError(f"{where}: model_type={model_type!r} is not implemented by fastbert (it implements "
                                   f"{', '.join(MODEL_TYPES)}); loading it as BERT would give wrong numbers")
+    family = families.MODEL_TYPES[model_type][0]
+    if family.min_transformers is not None:
+        import transformers
+        from packaging.version import Version
+        if Version(transformers.__version__) < Version(family.min_transformers):
+            raise NotImplementedError(f"{where}: model_type={model_type!r} needs transformers >= "
+                                      f"{family.min_transformers} (its {family.title} definition and config), but "
+                                      f"transformers {transformers.__version__} is installed; upgrade it")
     return model_type
 
 
@@ -99,6 +107,9 @@ def check_supported(config, where: str = "config") -> None:
                          f"{family.raw_name('num_attention_heads')}={values['num_attention_heads']}")
     if family.relative_bias and values["relative_attention_num_buckets"] is None:
         raise ValueError(f"{where}: field 'relative_attention_num_buckets' must be set for model_type={model_type!r}")
+    if family.pre_norm:  # ModernBERT: each layer's type and its rotary theta are readable (else ValueError)
+        for layer_type in set(rotary.layer_types(config)):
+            rotary.rope_theta(config, layer_type)
     if family.positions == "padding_idx":
         pad = family.padding_idx if family.padding_idx is not None else values["pad_token_id"]
         if pad is None:

@@ -9,15 +9,20 @@ optimizer groups are HF's own), what its config calls each field, and which valu
     electra     as bert, narrower, then a projection  none                    no      ...WithPastAndCross...
     distilbert  word + position (index)               none                    no      BaseModelOutput
     mpnet       word + position (padding_idx = 1)     per-distance buckets    yes     ...WithPooling
+    modernbert  word, LayerNorm; rotary q/k (index)   none; a window on the   no      BaseModelOutput
+                                                      "sliding" layers
 
-All of them are post-norm: x = LN(x + attention), x = LN(x + FFN), with the same four ops.
+All but ModernBERT are post-norm: x = LN(x + attention), x = LN(x + FFN). ModernBERT is pre-norm with a final norm
+and a gated MLP: x = x + attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T; its checkpoints
+already hold q/k/v as one Wqkv, and its linears and LayerNorms carry biases only where its config says. The same
+four ops run every family, with the parameters each axis adds (fastbert/twins.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# A layer's tensors by role, in HF's module order (a model built from a config gets that order too: optimizer
-# states are saved by position).
+# A post-norm layer's tensors by role, in HF's module order (a model built from a config gets that order too:
+# optimizer states are saved by position). A family's `layer` dict lists its roles in its own HF order.
 ROLES = ("query", "key", "value", "attn_out", "ln1", "ffn_in", "ffn_out", "ln2")
 
 
@@ -26,13 +31,14 @@ class Family:
     name: str
     title: str  # as people write it, for messages
     prefix: str  # where a head checkpoint keeps the encoder (transformers' base_model_prefix)
-    positions: str  # "index": each token's index in its sequence; "padding_idx": fairseq's, counted from it + 1
+    positions: str  # "index": each token's index in its sequence; "padding_idx": fairseq's, counted from it + 1;
+    # "rotary": the index, rotating q and k in attention (no position table)
     layer: dict  # role -> HF's module path inside one layer
     token_types: bool = True
     projection: bool = False  # embeddings of embedding_size widened to hidden_size (ELECTRA)
     pooler: bool = True  # a pooler unless the caller says otherwise
     relative_bias: bool = False  # MPNet: a bias by (head, bucket of j - i), one table per forward
-    layers: str = "encoder"  # the module holding the ModuleList `layer`
+    layers: str = "encoder"  # the module holding the ModuleList `layer` (ModernBERT: "layers", the list itself)
     attention_output_dropout: bool = True  # DistilBERT applies none after out_lin
     selects_hidden_states: bool = True  # output_hidden_states=[indices] keeps only those (MPNet's HF code: all)
     resizable_positions: bool = False  # resize_position_embeddings, as the family's transformers class has it
@@ -42,6 +48,8 @@ class Family:
     padding_idx: int | None = None  # a fixed padding_idx (MPNet's embeddings use 1, whatever pad_token_id says)
     heads: tuple = ()  # top-level modules of its head checkpoints (not the encoder's)
     output: str = "BaseModelOutputWithPoolingAndCrossAttentions"  # transformers.modeling_outputs class
+    pre_norm: bool = False  # ModernBERT: LN before each sublayer, a final norm, rotary q/k, windows, a gated MLP
+    min_transformers: str | None = None  # the first transformers release that has the family
 
     def get(self, config, name: str):
         """Config field `name` (BERT's spelling) as this family's config holds it; None when it has none."""
@@ -84,11 +92,24 @@ MPNET = Family(
     heads=("lm_head.", "classifier.", "qa_outputs.", "dropout."),
     output="BaseModelOutputWithPooling")
 
+# ModernBERT's layer roles, in HF's module order (ModernBertEncoderLayer: attn_norm, attn, mlp_norm, mlp). Its
+# checkpoints fuse q/k/v already ("qkv"); "ln1" is the norm before attention (the identity in layer 0), "ln2" before
+# the MLP.
+_MODERNBERT_LAYER = {"ln1": "attn_norm", "qkv": "attn.Wqkv", "attn_out": "attn.Wo", "ln2": "mlp_norm",
+                     "ffn_in": "mlp.Wi", "ffn_out": "mlp.Wo"}
+MODERNBERT = Family(
+    "modernbert", "ModernBERT", "model.", "rotary", _MODERNBERT_LAYER,
+    token_types=False, pooler=False, layers="layers", pre_norm=True, min_transformers="4.48.0",
+    fields={"layer_norm_eps": "norm_eps", "hidden_act": "hidden_activation",
+            "hidden_dropout_prob": "mlp_dropout", "attention_probs_dropout_prob": "attention_dropout"},
+    heads=("head.", "decoder.", "classifier.", "drop."),
+    output="BaseModelOutput")
+
 # model_type -> (family, transformers' encoder class of that model_type)
 MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel"),
                "xlm-roberta": (ROBERTA, "XLMRobertaModel"), "camembert": (ROBERTA, "CamembertModel"),
                "electra": (ELECTRA, "ElectraModel"), "distilbert": (DISTILBERT, "DistilBertModel"),
-               "mpnet": (MPNET, "MPNetModel")}
+               "mpnet": (MPNET, "MPNetModel"), "modernbert": (MODERNBERT, "ModernBertModel")}
 
 
 def of(config) -> Family:

@@ -156,7 +156,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     if S == 0:
         raise ValueError(f"{first[0]} has sequence length 0 (shape {tuple(first[1].shape)}); every row needs at "
                          f"least one position")
-    if S > model.embeddings.max_length and position_ids is None:
+    if S > model.embeddings.max_length and position_ids is None and model.embeddings.position_embeddings is not None:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
     # One row for the whole batch, as views: HF's embeddings broadcast [1, S] token types and positions, and
@@ -189,7 +189,9 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         lengths = keep.sum(dim=1)
         reads.add("real_tokens", lengths.sum())
         reads.add("lengths", lengths)
-        if model.family.relative_bias:  # a row whose real tokens are not one run: packing would change j - i
+        # a row whose real tokens are not one run: packing would change j - i, which a relative bias (MPNet) and a
+        # sliding window (ModernBERT) read
+        if model.family.relative_bias or model.family.pre_norm:
             runs = (keep[:, 1:] & ~keep[:, :-1]).sum(dim=1) + keep[:, 0]
             reads.add("holes", (runs > 1).any())
     values = reads.read()
@@ -290,7 +292,8 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         max_seqlen = int(max_seqlen)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence ({longest} tokens)")
-    if position_ids is None and longest > model.embeddings.max_length:
+    if position_ids is None and longest > model.embeddings.max_length \
+            and model.embeddings.position_embeddings is not None:  # rotary positions have no table to run out of
         raise ValueError(f"a sequence of {longest} tokens exceeds {_max_length_words(model)}")
 
     def index_in_sequence():  # token index minus its sequence's start
@@ -362,9 +365,10 @@ class _Reads:
         types = embeddings.token_type_embeddings
         limits = {"input_ids": embeddings.word_embeddings.num_embeddings,
                   "token_type_ids": None if types is None else types.num_embeddings,
-                  "position_ids": embeddings.position_embeddings.num_embeddings}
+                  "position_ids": None if embeddings.position_embeddings is None
+                  else embeddings.position_embeddings.num_embeddings}
         for name, t in tensors.items():
-            if t is not None and t.numel():
+            if t is not None and t.numel() and limits[name] is not None:
                 low, high = t.min(), t.max()  # (aminmax's full reduction has no ONNX translation)
                 self.add(name + " min", low)
                 self.add(name + " max", high)

@@ -258,7 +258,8 @@ def share_hf(model, base) -> None:
             order = {k: i for i, k in enumerate(theirs._modules)}
             ours._modules = dict(sorted(ours._modules.items(), key=lambda kv: order.get(kv[0], len(order))))
     for layer in model.layers:
-        layer.self_attention.pack()
+        if layer.self_attention is not None:  # (ModernBERT's checkpoints hold one Wqkv already)
+            layer.self_attention.pack()
 
 
 # A sharded checkpoint's files, in either format: what transformers' save_pretrained writes for one

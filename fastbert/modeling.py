@@ -39,7 +39,7 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
 )
 
-from . import adapters, auto, dispatch, fallback, families, relative, twins
+from . import adapters, auto, dispatch, fallback, families, relative, rotary, twins
 from . import config as configs
 from .compat import TransformersModelMixin
 from .dispatch import OPS
@@ -58,6 +58,8 @@ _EMPTY_CROSS_ATTENTIONS = () if int(transformers.__version__.split(".")[0]) >= 5
 class BertEmbeddings(nn.Module):
     """word (+ token type) + position embeddings, LayerNorm, dropout, at `width` (hidden_size; ELECTRA:
     embedding_size). Position ids are each token's index in its sequence. DistilBERT and MPNet have no token types."""
+
+    word_embeddings_name = "word_embeddings"
 
     def __init__(self, config, width: int, family: families.Family = families.BERT):
         super().__init__()
@@ -118,8 +120,36 @@ class RobertaEmbeddings(BertEmbeddings):
         return counts * real + self.padding_idx
 
 
+class TokenEmbeddings(nn.Module):
+    """ModernBERT: the token embedding, LayerNorm (with a bias where norm_bias says), dropout. No position table:
+    positions (each token's index in its sequence, or the caller's position_ids) rotate q and k in attention."""
+
+    position_embeddings = token_type_embeddings = None
+
+    def __init__(self, config, width: int, family: families.Family):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        self.norm = nn.LayerNorm(width, eps=family.get(config, "layer_norm_eps"), bias=config.norm_bias)
+        self.drop = nn.Dropout(config.embedding_dropout)
+        self.max_length = config.max_position_embeddings  # what it was trained for; longer input is not refused
+
+    word_embeddings_name = "tok_embeddings"  # HF's name of the table (set_input_embeddings replaces it by name)
+
+    @property
+    def word_embeddings(self) -> nn.Embedding:  # the name the rest of fastbert reads
+        return self.tok_embeddings
+
+    def position_ids(self, input_ids, index):
+        return index
+
+    def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds):
+        if inputs_embeds is None:
+            inputs_embeds = self.tok_embeddings(input_ids)
+        return self.drop(self.norm(inputs_embeds))                                # [T, H]
+
+
 # a family's position ids -> its embeddings
-EMBEDDINGS = {"index": BertEmbeddings, "padding_idx": RobertaEmbeddings}
+EMBEDDINGS = {"index": BertEmbeddings, "padding_idx": RobertaEmbeddings, "rotary": TokenEmbeddings}
 
 
 class BertSelfAttention(nn.Module):
@@ -252,21 +282,33 @@ except ImportError:  # transformers before 4.52: the same behaviour, under the s
 
 
 class BertLayer(GradientCheckpointingLayer):
-    """One post-norm encoder layer: x = LN1(x + attention(x)), x = LN2(x + FFN(x)). Its modules sit at HF's paths for
-    the family (families.Family.layer: role -> path), so HF's checkpoints, names and adapters fit it as they are."""
+    """One encoder layer. Post-norm (BERT and most families): x = LN1(x + attention(x)), x = LN2(x + FFN(x)).
+    Pre-norm (ModernBERT): x = x + attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T, LN1 the
+    identity in layer 0, a sliding window on its "sliding_attention" layers. Its modules sit at HF's paths for the
+    family (families.Family.layer: role -> path), so HF's checkpoints, names and adapters fit it as they are."""
 
-    def __init__(self, config, family: families.Family = families.BERT):
+    def __init__(self, config, family: families.Family = families.BERT, index: int = 0):
         super().__init__()
         self.config = config  # read for the dropout probabilities in train mode
         self.family = family
         H, I = config.hidden_size, family.get(config, "intermediate_size")
         eps = family.get(config, "layer_norm_eps")
-        paths = {role: tuple(family.layer[role].split(".")) for role in families.ROLES}
-        qkv_path = paths["query"][:-1]
-        qkv_names = tuple(paths[role][-1] for role in ("query", "key", "value"))
-        leaves = {"attn_out": nn.Linear(H, H), "ln1": nn.LayerNorm(H, eps=eps), "ffn_in": nn.Linear(H, I),
-                  "ffn_out": nn.Linear(I, H), "ln2": nn.LayerNorm(H, eps=eps)}
-        for role in families.ROLES:  # in HF's order, which is the roles' order
+        paths = {role: tuple(path.split(".")) for role, path in family.layer.items()}
+        if family.pre_norm:  # ModernBERT: biases as its config says, Wi holds both halves, layer 0 has no LN1
+            attn_bias, mlp_bias, norm_bias = config.attention_bias, config.mlp_bias, config.norm_bias
+            leaves = {"ln1": nn.Identity() if index == 0 else nn.LayerNorm(H, eps=eps, bias=norm_bias),
+                      "qkv": nn.Linear(H, 3 * H, bias=attn_bias), "attn_out": nn.Linear(H, H, bias=attn_bias),
+                      "ln2": nn.LayerNorm(H, eps=eps, bias=norm_bias), "ffn_in": nn.Linear(H, 2 * I, bias=mlp_bias),
+                      "ffn_out": nn.Linear(I, H, bias=mlp_bias)}
+            self.layer_type = rotary.layer_types(config)[index]
+            self.window = rotary.window(config, self.layer_type)
+            qkv_path = None
+        else:
+            leaves = {"attn_out": nn.Linear(H, H), "ln1": nn.LayerNorm(H, eps=eps), "ffn_in": nn.Linear(H, I),
+                      "ffn_out": nn.Linear(I, H), "ln2": nn.LayerNorm(H, eps=eps)}
+            qkv_path = paths["query"][:-1]
+            qkv_names = tuple(paths[role][-1] for role in ("query", "key", "value"))
+        for role in family.layer:  # in HF's order, which is the order of the family's roles
             *parents, leaf = paths[role]
             node = self
             for depth, name in enumerate(parents):
@@ -279,7 +321,7 @@ class BertLayer(GradientCheckpointingLayer):
         # role -> (the container holding its module, the module's name there). The containers are fastbert's own and
         # stay; the module in one is read at every forward, since PEFT and from_hf put theirs there. Not submodules.
         self.__dict__["_slots"] = {role: (self.get_submodule(".".join(paths[role][:-1])), paths[role][-1])
-                                   for role in families.ROLES}
+                                   for role in family.layer}
         # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
         self.num_heads = config.num_attention_heads
         self.eps = eps
@@ -295,23 +337,26 @@ class BertLayer(GradientCheckpointingLayer):
         return parent._modules[name]
 
     @property
-    def self_attention(self) -> BertSelfAttention:
-        """The module that holds query/key/value and their fused weight."""
-        return self._slots["query"][0]
+    def self_attention(self) -> BertSelfAttention | None:
+        """The module that holds query/key/value and their fused weight (None where the checkpoint fuses them)."""
+        slot = self._slots.get("query")
+        return None if slot is None else slot[0]
 
     def dropouts(self) -> tuple[float, float, float]:
         """(attention probabilities, attention output, FFN output) dropout in train mode, by the config now (the
-        forward takes none in eval mode)."""
-        family, cfg = self.family, self.config
-        p_hidden = family.get(cfg, "hidden_dropout_prob")
-        return (family.get(cfg, "attention_probs_dropout_prob"),
-                p_hidden if family.attention_output_dropout else 0.0, p_hidden)
+        forward takes none in eval mode). ModernBERT: its attention_dropout on the probabilities and after Wo, its
+        mlp_dropout on act(a) * g."""
+        return layer_dropouts(self.family, self.config)
 
-    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, bias=None):
+    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, positions=None):
         """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
-        ops as resolved for this forward (dispatch.plan); `bias`: the attention's per-distance table or None (MPNet).
-        Under gradient checkpointing, GradientCheckpointingLayer recomputes this in the backward pass (the arguments
-        come positionally for that)."""
+        ops as resolved for this forward (dispatch.plan); `positions`: what the attention reads of positions, or
+        None: MPNet's per-distance bias table, ModernBERT's rotary cos/sin for this layer's type. Under gradient
+        checkpointing, GradientCheckpointingLayer recomputes this in the backward pass (the arguments come
+        positionally for that)."""
+        if self.family.pre_norm:
+            return self._forward_pre_norm(x, attn, run, output_attentions, positions)
+        bias = positions
         w, eps = self.weights(run.traced), self.eps
         p_attn, p_attn_out, p_ffn_out = self.dropouts() if self.training else _NO_DROPOUT
         if w is None:  # an adapter (PEFT) wraps one of the layer's linears
@@ -323,6 +368,40 @@ class BertLayer(GradientCheckpointingLayer):
         h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                            # [T, I]
         x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_ffn_out)        # [T, H]
         return x, probs
+
+    def _forward_pre_norm(self, x, attn, run, output_attentions, rotary):
+        """ModernBERT's layer on the same four ops: the attention output's residual add and the MLP's LayerNorm are
+        one pre-norm residual_layernorm (the new stream and its norm), the MLP's input GEMM computes act(a) * g in
+        its epilogue, and the MLP's output GEMM adds the stream (a linear the layer calls, so an adapter on it is
+        honoured). A linear an adapter wraps is called as the module it is."""
+        ln1, qkv_in, out, ln2, wi, wo = (self.module(role) for role in ("ln1", "qkv", "attn_out", "ln2", "ffn_in",
+                                                                        "ffn_out"))
+        p_attn, p_attn_out, p_mlp = self.dropouts() if self.training else _NO_DROPOUT
+        plain = adapters.is_plain_linear
+        h = x if isinstance(ln1, nn.Identity) else torch.layer_norm(x, (x.shape[-1],), ln1.weight, ln1.bias,
+                                                                    self.eps)
+        if plain(qkv_in):
+            qkv = run.qkv_projection(h, qkv_in.weight, qkv_in.bias, self.num_heads)              # [T, 3, nh, hd]
+        else:
+            qkv = qkv_in(h).view(h.shape[0], 3, self.num_heads, -1)
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, window=self.window,
+                                   rotary=rotary)                                               # [T, H]
+        if plain(out):
+            x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, ln2.bias, self.eps, p_attn_out,
+                                          pre_norm=True)                                        # [T, H] each
+        else:
+            x = x + nn.functional.dropout(out(ctx), p_attn_out, self.training)
+            h = ln2(x)
+        if plain(wi):
+            g = run.bias_gelu(h, wi.weight, wi.bias, self.activation, gated=True)              # [T, I]
+        else:
+            a, gate = wi(h).chunk(2, dim=-1)
+            g = twins._activation_torch(a, self.activation) * gate
+        if p_mlp > 0:
+            g = nn.functional.dropout(g, p_mlp)
+        if plain(wo) and wo.bias is None:
+            return torch.addmm(x, g, wo.weight.t()), probs  # one GEMM that adds the stream: x + g @ Wo^T
+        return x + wo(g), probs
 
     def _forward_adapted(self, x, attn, run, output_attentions, bias, p_attn, p_attn_out, p_ffn_out):
         """The same layer with adapters on some linears. The QKV projection stays one GEMM over the base weights;
@@ -377,13 +456,21 @@ class BertLayer(GradientCheckpointingLayer):
 _NO_DROPOUT = (0.0, 0.0, 0.0)
 
 
+def layer_dropouts(family: families.Family, config) -> tuple[float, float, float]:
+    """(attention probabilities, attention output, FFN) dropout of a family's layer in train mode."""
+    p_attn, p_hidden = family.get(config, "attention_probs_dropout_prob"), family.get(config, "hidden_dropout_prob")
+    if family.pre_norm:  # ModernBERT's attention_dropout is also its out_drop after Wo
+        return p_attn, p_attn, p_hidden
+    return p_attn, p_hidden if family.attention_output_dropout else 0.0, p_hidden
+
+
 class BertEncoder(nn.Module):
     """The layers (HF's `encoder`; DistilBERT's `transformer`) and, for MPNet, the relative position bias embedding
     [buckets, nh] its attention reads through one per-distance table per forward."""
 
     def __init__(self, config, family: families.Family = families.BERT):
         super().__init__()
-        self.layer = nn.ModuleList([BertLayer(config, family) for _ in range(config.num_hidden_layers)])
+        self.layer = nn.ModuleList([BertLayer(config, family, i) for i in range(config.num_hidden_layers)])
         if family.relative_bias:
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets,
                                                         config.num_attention_heads)
@@ -487,7 +574,15 @@ class BertModel(TransformersModelMixin, nn.Module):
         self.embeddings = EMBEDDINGS[family.positions](config, width, family)
         # ELECTRA: embeddings narrower than the layers are widened by a projection (HF's module name and key)
         self.embeddings_project = nn.Linear(width, H) if width != H else None
-        self.add_module(family.layers, BertEncoder(config, family))  # HF's name: encoder (DistilBERT: transformer)
+        if family.pre_norm:  # ModernBERT: the layers' list itself under the model (HF's `layers`, which is also the
+            # name of the property below: add_module would refuse it), then the final norm
+            self._modules[family.layers] = nn.ModuleList([BertLayer(config, family, i)
+                                                          for i in range(config.num_hidden_layers)])
+            self.final_norm = nn.LayerNorm(H, eps=family.get(config, "layer_norm_eps"), bias=config.norm_bias)
+        else:
+            self.add_module(family.layers, BertEncoder(config, family))  # HF's: encoder (DistilBERT: transformer)
+            self.final_norm = None
+        self.__dict__["_inv_freq"] = {}  # (layer type, device) -> rotary inv_freq (ModernBERT), made on first use
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self._kernels = {op: "auto" for op in OPS}
@@ -506,7 +601,8 @@ class BertModel(TransformersModelMixin, nn.Module):
             nn.init.zeros_(module.bias)
         if isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+            if module.bias is not None:  # ModernBERT's norm_bias=False
+                nn.init.zeros_(module.bias)
         if module is self.embeddings and getattr(self.config, "sinusoidal_pos_embds", False):  # DistilBERT's option
             from transformers.models.distilbert.modeling_distilbert import create_sinusoidal_embeddings
             weight = module.position_embeddings.weight
@@ -516,8 +612,9 @@ class BertModel(TransformersModelMixin, nn.Module):
 
     @property
     def layers(self) -> nn.ModuleList:
-        """The encoder layers (HF's encoder.layer; DistilBERT's transformer.layer)."""
-        return self._modules[self.family.layers].layer
+        """The encoder layers (HF's encoder.layer; DistilBERT's transformer.layer; ModernBERT's layers)."""
+        container = self._modules[self.family.layers]
+        return container if isinstance(container, nn.ModuleList) else container.layer
 
     # ---- the per-op switch -------------------------------------------------------------------------------------
     @property
@@ -619,16 +716,44 @@ class BertModel(TransformersModelMixin, nn.Module):
         if keep_hidden_states is True:
             keep_hidden_states = HiddenStates(None, _same, _same)
         hidden_states, attentions = [] if keep_hidden_states else None, [] if output_attentions else None
-        bias = self.relative_bias()                                                      # [nh, 2R - 1] or None
-        for layer in self.layers:  # (a checkpointing layer recomputes itself in backward: its own __call__)
+        layers = self.layers
+        positions = self.attention_positions(position_ids, len(layers))                 # one per layer, or None
+        for layer, at in zip(layers, positions):  # (a checkpointing layer recomputes itself in backward)
             if keep_hidden_states:
                 x = keep_hidden_states.record(hidden_states, x)
-            x, probs = layer(x, attn, run, output_attentions, bias)
+            x, probs = layer(x, attn, run, output_attentions, at)
             if output_attentions:
                 attentions.append(probs)
+        if self.final_norm is not None:  # pre-norm: the last hidden state is normed (and is HF's last hidden_states)
+            x = self.final_norm(x)
         if keep_hidden_states:
             x = keep_hidden_states.record(hidden_states, x)
         return x, hidden_states, attentions
+
+    def attention_positions(self, position_ids, num_layers: int) -> list:
+        """What each layer's attention reads of positions, built once per forward: MPNet's per-distance bias table
+        (one for every layer), ModernBERT's rotary cos/sin of the packed tokens (one per layer type), else None."""
+        if self.family.relative_bias:
+            return [self.relative_bias()] * num_layers
+        if not self.family.pre_norm:
+            return [None] * num_layers
+        tables = {}
+        for layer in self.layers:
+            if layer.layer_type not in tables:
+                tables[layer.layer_type] = twins.rotary_tables(position_ids.reshape(-1),
+                                                               self._rotary_inv_freq(layer.layer_type,
+                                                                                     position_ids.device))
+        return [tables[layer.layer_type] for layer in self.layers]
+
+    def _rotary_inv_freq(self, layer_type: str, device) -> torch.Tensor:
+        """A layer type's inv_freq, computed from the config once per device (not a buffer: nothing to load, nothing
+        for to_empty to leave uninitialised)."""
+        if tracing():
+            return rotary.inv_freq(self.config, layer_type, self.head_dim, device)
+        key = (layer_type, device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rotary.inv_freq(self.config, layer_type, self.head_dim, device)
+        return self._inv_freq[key]
 
     def relative_bias(self) -> torch.Tensor | None:
         """MPNet's attention bias for this forward as one per-distance table (fastbert/relative.py): distances past
@@ -674,10 +799,9 @@ class BertModel(TransformersModelMixin, nn.Module):
             shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                  cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
                                  ragged, RELATIVE_REACH if self.family.relative_bias else 0)
-        situation = dispatch.Situation(
-            kernels, weight.device, weight.dtype, self.head_dim, needs_grad,
-            self.family.get(cfg, "attention_probs_dropout_prob") if self.training else 0.0,
-            self.family.get(cfg, "hidden_dropout_prob") if self.training else 0.0, padded, shapes)
+        p_attn, p_attn_out, p_ffn = layer_dropouts(self.family, cfg) if self.training else _NO_DROPOUT
+        situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
+                                       max(p_attn_out, p_ffn), padded, shapes)
         if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return dispatch.plan(situation)
         if self._plans_failures != len(fallback._FAILED):

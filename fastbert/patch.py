@@ -169,7 +169,8 @@ def write_back(fb: BertModel):
         if holder._modules.get(leaf) is not module:
             holder._modules[leaf] = module
     for layer in fb.layers:
-        layer.self_attention.untie()
+        if layer.self_attention is not None:
+            layer.self_attention.untie()
     device = fb.device  # buffers (HF's position_ids) to wherever the weights went meanwhile
     for module in hf.modules():
         for name, buffer in module._buffers.items():

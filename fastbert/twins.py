@@ -16,6 +16,7 @@ takes `pre_norm=` (it returns the new residual stream and its LayerNorm).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -176,10 +177,13 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
     if rotary is not None:
         q, k, v = _rotated(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
     rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
-    if window is not None and S - 1 > window:  # the window as -inf outside the band, added to whatever else is added
-        band = torch.zeros(S, S, dtype=qkv.dtype, device=qkv.device).masked_fill_(
-            ~window_mask(S, S, window, qkv.device), float("-inf"))
-        rel = band[None, None] if rel is None else rel + band
+    if window is not None and S - 1 > window:
+        # HF's one mask: finfo.min wherever the window or the padding excludes a key (once, not summed), so a padded
+        # query whose window holds no real key attends uniformly to all S keys, as HF eager computes it
+        low = torch.finfo(qkv.dtype).min
+        band = window_mask(S, S, window, qkv.device)
+        additive = torch.zeros((), dtype=qkv.dtype, device=qkv.device) if mask.additive is None else mask.additive
+        mask = dataclasses.replace(mask, additive=torch.where(band, additive, low))
     if return_probs:  # HF's eager math, because the caller wants the probabilities themselves
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         if rel is not None:

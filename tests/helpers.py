@@ -122,6 +122,9 @@ def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_
             activation="gelu", max_position_embeddings=max_len, attn_implementation="eager"))
     elif arch == "mpnet":
         model = transformers.MPNetModel(transformers.MPNetConfig(**common, max_position_embeddings=max_len + 2))
+    elif arch.startswith("modernbert"):  # a window of +-2 keys, so that short rows cross it; "-bias": every bias on
+        model = transformers.ModernBertModel(modernbert_config(hidden, heads, layers, intermediate, max_len,
+                                                               biases=arch == "modernbert-bias"))
     elif arch in ("bert", "bert-no-pooler"):
         model = transformers.BertModel(transformers.BertConfig(**common, max_position_embeddings=max_len,
                                                                type_vocab_size=3),
@@ -138,6 +141,22 @@ def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_
                               type_vocab_size=1 if arch == "xlm-roberta" else 2))
     torch.manual_seed(seed)
     return perturb_(model, weight_std=0.05).eval().to(DEVICE)  # padding rows too: HF reads them, so must fastbert
+
+
+def modernbert_config(hidden=64, heads=2, layers=2, intermediate=100, max_len=24, biases=False, window=2, **extra):
+    """A small ModernBertConfig: layer 0 full attention, layer 1 sliding (+-window), token ids inside ARCH_VOCAB."""
+    import transformers
+    flags = dict(attention_bias=True, mlp_bias=True, norm_bias=True) if biases else {}
+    return transformers.ModernBertConfig(
+        vocab_size=ARCH_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=intermediate, hidden_activation="gelu", max_position_embeddings=max_len,
+        local_attention=2 * window, pad_token_id=0, bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1,
+        attn_implementation="eager", **flags, **extra)
+
+
+def has_modernbert() -> bool:
+    import transformers
+    return hasattr(transformers, "ModernBertModel")
 
 
 def pad_id(hf):

@@ -5,7 +5,8 @@ RoBERTa / XLM-RoBERTa / CamemBERT count positions from padding_idx + 1 over the 
 token inside a sentence stays at padding_idx); ELECTRA's embeddings are narrower than its layers, widened by a
 projection; BERT-architecture embedding models (BGE, E5, GTE) have no pooler; DistilBERT has no token types, no
 pooler and HF's module names of its own; MPNet counts positions like RoBERTa (padding_idx 1) and adds a relative
-position bias to every attention score. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and
+position bias to every attention score; ModernBERT is pre-norm with a final norm, rotary q/k, a sliding window on
+its local layers and a gated MLP, with and without its optional biases. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and
 the pooler.
 """
 import copy
@@ -16,11 +17,15 @@ import transformers
 from helpers import ARCH_VOCAB as VOCAB
 from helpers import DEVICE, assert_close_on, type_kwargs
 from helpers import arch_inputs as inputs
+from helpers import has_modernbert
 from helpers import random_arch_model as random_hf
 
 import fastbert
 
-ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet")
+NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
+
+ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
+         pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT))
 BACKENDS = ("torch", "triton")
 
 
@@ -97,7 +102,7 @@ def test_inputs_embeds_match_hf(hf, fb, padding):
     """From inputs_embeds HF cannot see padding: positions run on over every column (RoBERTa: from
     padding_idx + 1). Width: ELECTRA's embedding_size."""
     ids, tt, mask = inputs(hf, padding)
-    embeds = hf.embeddings.word_embeddings(ids).detach()
+    embeds = hf.get_input_embeddings()(ids).detach()
     assert embeds.shape[-1] == fb.get_input_embeddings().embedding_dim
     with torch.no_grad():
         ref = hf(inputs_embeds=embeds, attention_mask=mask, **type_kwargs(tt), output_hidden_states=True)
@@ -106,7 +111,8 @@ def test_inputs_embeds_match_hf(hf, fb, padding):
 
 
 def test_longest_sequence_and_one_past_it(hf):
-    """The usable length: max_position_embeddings, or for RoBERTa max_position_embeddings - padding_idx - 1."""
+    """The usable length: max_position_embeddings, or for RoBERTa max_position_embeddings - padding_idx - 1; ModernBERT
+    (rotary) runs past max_position_embeddings as HF does."""
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")
     limit = 24
     assert fb.embeddings.max_length == limit
@@ -116,8 +122,13 @@ def test_longest_sequence_and_one_past_it(hf):
     with torch.no_grad():
         ref, out = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
     assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
+    longer = torch.full((1, limit + 1), 5, device=DEVICE)
+    if hf.config.model_type == "modernbert":  # rotary positions: no table runs out, and HF refuses nothing either
+        with torch.no_grad():
+            assert (fb(longer).last_hidden_state - hf(longer).last_hidden_state).abs().max() <= 1e-5
+        return
     with pytest.raises(ValueError, match=f"sequence length {limit + 1} exceeds .*{limit}"):
-        fb(torch.full((1, limit + 1), 5, device=DEVICE))
+        fb(longer)
 
 
 def test_from_pretrained_picks_by_model_type(hf, tmp_path):
@@ -130,7 +141,8 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
                 "xlm-roberta": transformers.XLMRobertaForSequenceClassification,
                 "camembert": transformers.CamembertForSequenceClassification,
                 "distilbert": transformers.DistilBertForSequenceClassification,
-                "mpnet": transformers.MPNetForSequenceClassification}[hf.config.model_type]
+                "mpnet": transformers.MPNetForSequenceClassification,
+                "modernbert": getattr(transformers, "ModernBertForSequenceClassification", None)}[hf.config.model_type]
     head = head_cls(hf.config)
     head.base_model.load_state_dict(hf.state_dict(), strict=False)
     head.save_pretrained(tmp_path / "head")
@@ -148,7 +160,7 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
         assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
     fb = fastbert.AutoModel.from_pretrained(str(tmp_path / "base"), kernels="torch")
     fb.save_pretrained(tmp_path / "again")
-    back = type(hf).from_pretrained(tmp_path / "again").eval().to(DEVICE)
+    back = type(hf).from_pretrained(tmp_path / "again", attn_implementation="eager").eval().to(DEVICE)
     with torch.no_grad():
         again = back(ids, attention_mask=mask, **type_kwargs(tt))
     assert (again.last_hidden_state - ref.last_hidden_state).abs().max() <= 1e-6
