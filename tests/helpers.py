@@ -147,11 +147,12 @@ def modernbert_config(hidden=64, heads=2, layers=2, intermediate=100, max_len=24
     """A small ModernBertConfig: layer 0 full attention, layer 1 sliding (+-window), token ids inside ARCH_VOCAB."""
     import transformers
     flags = dict(attention_bias=True, mlp_bias=True, norm_bias=True) if biases else {}
+    extra = {"vocab_size": ARCH_VOCAB, "attn_implementation": "eager", **extra}
     return transformers.ModernBertConfig(
-        vocab_size=ARCH_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=intermediate, hidden_activation="gelu", max_position_embeddings=max_len,
         local_attention=2 * window, pad_token_id=0, bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1,
-        attn_implementation="eager", **flags, **extra)
+        **flags, **extra)
 
 
 def has_modernbert() -> bool:
@@ -186,6 +187,8 @@ def fused_rows_alias_parts(encoder) -> bool:
     QKV weight (one copy, one GEMM)."""
     for layer in encoder.layers:
         sa = layer.self_attention
+        if sa is None:  # ModernBERT: the checkpoint's own Wqkv is the fused weight
+            continue
         rows = sa.qkv_weight.chunk(3), sa.qkv_bias.chunk(3)
         for i, name in enumerate(sa.names):
             part = getattr(sa, name)

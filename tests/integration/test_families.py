@@ -1,6 +1,6 @@
-"""DistilBERT and MPNet as their users hold them: every head through fastbert.optimize and restore, saved and
+"""DistilBERT, MPNet and ModernBERT as their users hold them: every head through fastbert.optimize and restore, saved and
 reloaded, and sentence-transformers models on them (a folder shaped like all-mpnet-base-v2's: mean pooling,
-Normalize; a DistilBERT one with CLS pooling) through fastbert.encode and SentenceTransformer with fastbert inside.
+Normalize; DistilBERT and ModernBERT ones with CLS pooling) through fastbert.encode and SentenceTransformer with fastbert inside.
 Random weights, built with transformers' and sentence-transformers' own classes (no model hub here); fp32, CPU, the
 PyTorch path. Bar: 1e-5 on real tokens; cosine >= 0.99999 for embeddings."""
 import copy
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import optional, perturb_
+from helpers import has_modernbert, modernbert_config, optional, perturb_
 
 import fastbert
 
@@ -39,13 +39,16 @@ def config(family, **extra):
     if family == "distilbert":
         return transformers.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=100,
                                              max_position_embeddings=32, attn_implementation="eager", **extra)
+    if family == "modernbert":  # 3 layers (full, sliding, sliding), a window of +-2: rows of 10 cross it
+        return modernbert_config(hidden=64, heads=4, layers=3, intermediate=100, max_len=32, **extra)
     return transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=100, max_position_embeddings=34, **extra)
 
 
 HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM",
          "ForMultipleChoice")
-CLASS = {"distilbert": "DistilBert", "mpnet": "MPNet"}
+CLASS = {"distilbert": "DistilBert", "mpnet": "MPNet",
+         **({"modernbert": "ModernBert"} if has_modernbert() else {})}
 
 
 def head_model(family, head):
@@ -142,6 +145,7 @@ def tokenizer(family, minilm_path):
     if family == "mpnet":
         return transformers.MPNetTokenizer(vocab={w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>",
                                                                              *words, "<mask>"])})
+    # (ModernBERT's own BPE vocabulary is not on this machine: BERT's WordPiece without token types stands in)
     return transformers.DistilBertTokenizer(vocab={w: i for i, w in enumerate(words)})
 
 
@@ -159,6 +163,10 @@ def st_folder(family, minilm_path, root):
         cfg = transformers.MPNetConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=2,
                                        num_attention_heads=4, intermediate_size=100, max_position_embeddings=514)
         cls = transformers.MPNetModel
+    elif family == "modernbert":
+        cfg = modernbert_config(hidden=hidden, heads=4, layers=3, intermediate=100, max_len=512, window=8)
+        cfg.vocab_size, cfg.attn_implementation = len(tok), "sdpa"
+        cls = transformers.ModernBertModel
     else:
         cfg = transformers.DistilBertConfig(vocab_size=len(tok), dim=hidden, n_layers=2, n_heads=4, hidden_dim=100,
                                             max_position_embeddings=512)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import transformers
-from helpers import fused_rows_alias_parts, perturb_
+from helpers import fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
 
 import fastbert
 from fastbert import twins
@@ -154,7 +154,7 @@ def test_sentence_transformer_with_lora(order, minilm_path):
     assert (want - plain).abs().max() > 1e-3
 
 
-# DistilBERT and MPNet (PEFT has no default targets for them): their own query and value names, the same checks
+# DistilBERT, MPNet and ModernBERT (PEFT has no default targets for them): their own names, the same checks
 NEW_FAMILIES = {
     "distilbert": lambda: transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
         vocab_size=50, dim=32, n_layers=2, n_heads=2, hidden_dim=40, max_position_embeddings=16, num_labels=3,
@@ -163,6 +163,9 @@ NEW_FAMILIES = {
         vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40,
         max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
 }
+if has_modernbert():  # its fused Wqkv and its gated MLP's Wi: the adapted paths of the pre-norm layer
+    NEW_FAMILIES["modernbert"] = lambda: transformers.ModernBertForSequenceClassification(modernbert_config(
+        hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50, num_labels=3))
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -170,7 +173,7 @@ NEW_FAMILIES = {
 def test_query_value_of_other_families_equal_stock_peft(family, order):
     torch.manual_seed(0)
     hf = perturb_(NEW_FAMILIES[family](), weight_std=0.05).eval()
-    targets = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"]}[family]
+    targets = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"], "modernbert": ["Wqkv", "Wi"]}[family]
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="SEQ_CLS")
     stock = randomize_adapters_(peft.get_peft_model(copy.deepcopy(hf), config))
     if order == "peft-then-optimize":

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import fused_rows_alias_parts, perturb_
+from helpers import fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
 
 import fastbert
 
@@ -33,6 +33,10 @@ FAMILIES = {
     "mpnet": (lambda: transformers.MPNetConfig(**{k: v for k, v in SMALL.items() if k != "type_vocab_size"}),
               transformers.MPNetForMaskedLM),
 }
+if has_modernbert():  # layer 0 full attention, layer 1 a window of +-2 keys
+    FAMILIES["modernbert"] = (lambda: modernbert_config(hidden=32, heads=2, layers=2, intermediate=40, max_len=16,
+                                                        vocab_size=50),
+                              transformers.ModernBertForMaskedLM)
 
 
 def hf_head(family, head=None, seed=0, **config):
