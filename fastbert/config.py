@@ -43,10 +43,14 @@ _OPTIONAL = {"pad_token_id", "position_embedding_type", "embedding_size", "is_de
              "type_vocab_size", "relative_attention_num_buckets"}
 
 
-def check_fields(values: dict, where: str = "config", family: families.Family = families.BERT) -> None:
+def check_fields(values: dict, where: str = "config", family: families.Family = families.BERT,
+                 absent_ok: bool = False) -> None:
     """Each field the model reads has the right type and range; raises ValueError naming `where` and the field as
-    the family's config spells it. `values`: a config.json's contents (or a config's attributes), by those names."""
+    the family's config spells it. `values`: a config.json's contents (or a config's attributes), by those names.
+    absent_ok: a field missing from `values` is left to the config class's default (checked once it is built)."""
     for name, (kind, bound) in _FIELD_RULES.items():
+        if absent_ok and family.raw_name(name) not in values and name not in family.fixed:
+            continue
         value = family.fixed.get(name, values.get(family.raw_name(name)))
         if value is None and name in _OPTIONAL:
             continue
@@ -127,7 +131,7 @@ def from_dict(values: dict, where: str = "config"):
     if not isinstance(values, dict):
         raise ValueError(f"{where} must hold a JSON object, got {type(values).__name__}")
     model_type = check_model_type(values.get("model_type", "bert"), where)  # hand-written configs often omit it
-    check_fields(values, where, families.MODEL_TYPES[model_type][0])
+    check_fields(values, where, families.MODEL_TYPES[model_type][0], absent_ok=True)
     values = {k: v for k, v in values.items() if k != "model_type"}
     config = AutoConfig.for_model(model_type, **values)
     check_supported(config, where)

@@ -3,7 +3,7 @@ import numpy as np
 import onnxruntime  # noqa: E402  (a test dependency: setup.py's test extras)
 import pytest
 import torch
-from helpers import random_arch_model, random_hf_bert
+from helpers import has_modernbert, random_arch_model, random_hf_bert
 
 import fastbert
 
@@ -64,10 +64,11 @@ def test_refuses_other_objects(tmp_path):
         fastbert.export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
 
 
-@pytest.mark.parametrize("arch", ["distilbert", "mpnet"])
+@pytest.mark.parametrize("arch", ["distilbert", "mpnet", pytest.param("modernbert", marks=pytest.mark.skipif(
+    not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)"))])
 def test_families_without_token_types(tmp_path, arch):
-    """DistilBERT and MPNet export with input_ids and attention_mask only (they have no token types); MPNet's
-    relative bias table is part of the graph. HF's numbers on real tokens, at lengths the export never saw."""
+    """DistilBERT, MPNet and ModernBERT export with input_ids and attention_mask only (they have no token types);
+    MPNet's relative bias table, ModernBERT's rotary tables and sliding window are part of the graph. HF's numbers on real tokens, at lengths the export never saw."""
     hf = random_arch_model(arch)
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")
     path = fastbert.export_onnx(fb, tmp_path / f"{arch}.onnx")

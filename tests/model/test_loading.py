@@ -221,10 +221,10 @@ def test_other_architectures_are_refused_by_model_type(tmp_path):
     with pytest.raises(NotImplementedError, match=r"model_type='albert'"):
         fastbert.BertModel.from_hf(albert)
     import json
-    (tmp_path / "modernbert").mkdir()  # the config alone decides: refused before any weight is read
-    (tmp_path / "modernbert" / "config.json").write_text(json.dumps({"model_type": "modernbert", "hidden_size": 32}))
-    with pytest.raises(NotImplementedError, match=r"model_type='modernbert' is not implemented by fastbert"):
-        fastbert.AutoModel.from_pretrained(str(tmp_path / "modernbert"))
+    (tmp_path / "deberta-v2").mkdir()  # the config alone decides: refused before any weight is read
+    (tmp_path / "deberta-v2" / "config.json").write_text(json.dumps({"model_type": "deberta-v2", "hidden_size": 32}))
+    with pytest.raises(NotImplementedError, match=r"model_type='deberta-v2' is not implemented by fastbert"):
+        fastbert.AutoModel.from_pretrained(str(tmp_path / "deberta-v2"))
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -298,3 +298,27 @@ def test_bad_dtype_names(hf_folder, dtype):
 def test_missing_local_folder_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such folder"):
         fastbert.BertModel.from_pretrained(str(tmp_path / "nothing-here"))
+
+
+MODERNBERT_CONFIG = {"model_type": "modernbert", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "intermediate_size": 40, "max_position_embeddings": 16,
+                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "cls_token_id": 1, "sep_token_id": 1}
+
+
+def test_modernbert_needs_a_transformers_that_has_it(tmp_path):
+    """transformers before 4.48 has no ModernBERT: loading one says so in one clear error (under the installed
+    transformers if it is that old, else with its version set back); a transformers that has it builds the model."""
+    (tmp_path / "config.json").write_text(json.dumps(MODERNBERT_CONFIG))
+    if hasattr(transformers, "ModernBertModel"):
+        assert fastbert.BertModel(str(tmp_path)).family.name == "modernbert"
+        patch = pytest.MonkeyPatch()
+        patch.setattr(transformers, "__version__", "4.47.1")
+    else:
+        patch = None
+    try:
+        with pytest.raises(NotImplementedError, match=r"model_type='modernbert' needs transformers >= 4\.48\.0 .*"
+                                                      r"transformers 4\.4[17]\.\d+ is installed"):
+            fastbert.BertModel.from_pretrained(str(tmp_path))
+    finally:
+        if patch is not None:
+            patch.undo()
