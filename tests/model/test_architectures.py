@@ -1,23 +1,20 @@
 """Every family fastbert runs against each architecture's own transformers class, random weights, fp32, on both
-backends ("torch": the twins; "triton": the kernels, through Triton's interpreter on CPU).
-
-RoBERTa / XLM-RoBERTa / CamemBERT count positions from padding_idx + 1 over the non-padding tokens (a padding_idx
-token inside a sentence stays at padding_idx); ELECTRA's embeddings are narrower than its layers, widened by a
-projection; BERT-architecture embedding models (BGE, E5, GTE) have no pooler; DistilBERT has no token types, no
-pooler and HF's module names of its own; MPNet counts positions like RoBERTa (padding_idx 1) and adds a relative
-position bias to every attention score; ModernBERT is pre-norm with a final norm, rotary q/k, a sliding window on
-its local layers and a gated MLP, with and without its optional biases. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and
-the pooler.
-"""
+backends ("torch": the twins; "triton": the kernels, through Triton's interpreter on CPU). RoBERTa / XLM-RoBERTa /
+CamemBERT count positions from padding_idx + 1 over the non-padding tokens (a padding_idx token inside a sentence
+stays at padding_idx); ELECTRA's embeddings are narrower than its layers, widened by a projection; BERT-architecture
+embedding models (BGE, E5, GTE) have no pooler; DistilBERT has no token types, no pooler and HF's module names of
+its own; MPNet counts positions like RoBERTa (padding_idx 1) and adds a relative position bias to every attention
+score; ModernBERT is pre-norm with a final norm, rotary q/k, a sliding window on its local layers and a gated MLP,
+with and without its optional biases. Bar: max |fastbert - HF| <= 1e-5 on real tokens, every hidden state, and the
+pooler."""
 import copy
 
 import pytest
 import torch
 import transformers
 from helpers import ARCH_VOCAB as VOCAB
-from helpers import DEVICE, assert_close_on, type_kwargs
+from helpers import DEVICE, assert_close_on, has_modernbert, type_kwargs
 from helpers import arch_inputs as inputs
-from helpers import has_modernbert
 from helpers import random_arch_model as random_hf
 
 import fastbert
