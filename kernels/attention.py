@@ -349,11 +349,12 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rotary_tables(rotary) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of a rotary argument: a (cos, sin) pair or an object with .cos and .sin (fastbert's Rotary)."""
-    if hasattr(rotary, "cos") and hasattr(rotary, "sin"):
-        return rotary.cos, rotary.sin
-    cos, sin = rotary
-    return cos, sin
+    """(cos, sin) of a rotary argument: a (cos, sin) pair (fastbert's Rotary is one) or an object with .cos and
+    .sin."""
+    if isinstance(rotary, (tuple, list)):
+        cos, sin = rotary
+        return cos, sin
+    return rotary.cos, rotary.sin
 
 
 def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
@@ -508,11 +509,11 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be None or a non-negative int, got {window!r}")
     if rotary is not None:
-        try:
-            cos, sin = rotary_tables(rotary)
-        except (TypeError, ValueError):
+        pair = isinstance(rotary, (tuple, list)) and len(rotary) == 2
+        if not pair and (isinstance(rotary, torch.Tensor) or not hasattr(rotary, "cos") or not hasattr(rotary, "sin")):
             raise TypeError(f"rotary must be None, a (cos, sin) pair or an object with .cos and .sin, got "
-                            f"{type(rotary).__name__}") from None
+                            f"{type(rotary).__name__}")
+        cos, sin = rotary_tables(rotary)
         for name, table in (("cos", cos), ("sin", sin)):
             if not isinstance(table, torch.Tensor):
                 raise TypeError(f"rotary {name} must be a torch.Tensor, got {type(table).__name__}")
