@@ -42,7 +42,7 @@ half read again through permuted column offsets, cos/sin gathered per token). Wh
 the `rotary=` parameter (no new op, qkv stays the GEMM's view); rotating once elsewhere means a pass that reads and
 writes q and k (4 x T x H x 2 bytes) or rotary inside the QKV GEMM's epilogue.
 Prediction (not measured yet; bench/ should check it): each K element is rotated once per query block that visits
-it, ~(BLOCK_N + 2w) / BLOCK_M + 1 times in a local layer (2-4 at w = 64 with the 128x64 and 64x64 tiles) and
+it, ~(BLOCK_N + 2w) / BLOCK_M + 1 times in a local layer (at w = 64: 2-3 with the 128x64 tile, 3-4 with 64x32) and
 cdiv(L, BLOCK_M) times in a global layer (4 at L = 512, 64 at L = 8192 with 128 queries). Every visit also runs that
 block's two dots, so the rotation costs the same share of an iteration in both: 4 FLOP per K element on CUDA cores
 against 4 * BLOCK_M on tensor cores, plus the partner and cos/sin loads (all heads share the tables: L2 hits).
@@ -253,7 +253,8 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg
                          maxnreg=maxnreg)
 
 
-def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee") -> list[triton.Config]:
+def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee",
+                      rotary: bool = False) -> list[triton.Config]:
     """The tiles worth trying for one dtype / head dim / fp32 input precision. Each compiles for sm_90 and sm_80,
     masked and unmasked, without register spills on Triton 3.6 and 3.9 (cuobjdump STACK 0; tests/tooling/test_aot.py
     checks it via aot_specs()).
@@ -267,6 +268,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     (torch's default, allow_tf32 off) runs tl.dot on FMAs, which hold whole hd-long operand rows per thread: every
     128-query tile and 64x64 spill at hd 64/128; 64x32 with 8 warps fits up to hd 32, 64x16 with 4 warps at hd 64,
     32x16 with 4 warps at hd 128 (ptxas's own register budget there; 255 spills).
+    rotary (fp16/bf16, hd 64): 64x32 as the short-sequence tile; 64x64 with the window spilled 8 bytes on sm_80
+    under Triton 3.6 (REG 255).
     """
     if dtype == torch.float32:  # the FMA tiles at hd 64/128 need more than 255 registers' worth: ptxas's own budget
         if input_precision == "ieee" and head_dim > 64:
@@ -276,7 +279,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
         return [_config(64, 32, 8, 2)]
     # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
     big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 else 255)
-    return [big, _config(64, 64, 4, 2) if head_dim <= 64 else _config(64, 32, 4, 2)]
+    narrow = head_dim > 64 or (rotary and head_dim == 64)
+    return [big, _config(64, 32, 4, 2) if narrow else _config(64, 64, 4, 2)]
 
 
 def _key(config: triton.Config) -> tuple:
@@ -297,7 +301,7 @@ def _prune(configs, named_args, **kwargs):
     """Keep the configs of this call's dtype and head dim; drop 128-query tiles for sequences of <= 64 tokens
     (half of such a tile would be masked-off work, and it halves the program count)."""
     dtype, head_dim, precision = named_args["qkv_ptr"].dtype, kwargs["HEAD_DIM"], kwargs["INPUT_PRECISION"]
-    wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision)}
+    wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision, kwargs.get("HAS_ROTARY", False))}
     kept = [c for c in configs if _key(c) in wanted]
     short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(64, named_args["seq_bucket"])]
     return short or kept
@@ -405,7 +409,7 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
         if config is None and utils.untuned_in_capture(_attention_fwd, args, meta):
-            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"])[0]
+            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary)[0]
         if config is None:
             _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
         else:
@@ -597,7 +601,7 @@ def _aot_specs() -> list[dict]:
         for precision in precisions:
             for head_dim in TRITON_HEAD_DIMS:
                 for has_mask, has_bias, has_window, has_rotary in _VARIANTS:
-                    for config in attention_configs(dtype, head_dim, precision):
+                    for config in attention_configs(dtype, head_dim, precision, has_rotary):
                         bm, bn, warps, stages, maxnreg = _key(config)
                         name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
                                         [f"hd{head_dim}", "mask" if has_mask else "nomask"] +

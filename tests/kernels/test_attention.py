@@ -313,10 +313,23 @@ EXPECTED_TILES = {
 }
 
 
+# rotary q/k at hd 64 in fp16/bf16: 64x32 as the short-sequence tile (64x64 spilled on sm_80 under Triton 3.6)
+EXPECTED_ROTARY_TILES_HD64 = [(128, 64, 8, 2, 255), (64, 32, 4, 2, 255)]
+
+
 @pytest.mark.parametrize("dtype,precision,head_dim", list(EXPECTED_TILES), ids=str)
 def test_attention_configs_are_the_documented_tiles(dtype, precision, head_dim):
     got = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision)]
     assert got == EXPECTED_TILES[dtype, precision, head_dim]
+    rotary = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision, True)]
+    assert rotary == (EXPECTED_ROTARY_TILES_HD64 if head_dim == 64 and dtype != torch.float32 else got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_prune_keeps_the_rotary_tiles(dtype):
+    kept = attention_module._prune(attention_module._all_configs(), {"qkv_ptr": torch.empty(0, dtype=dtype),
+                                   "seq_bucket": 512}, HEAD_DIM=64, INPUT_PRECISION="ieee", HAS_ROTARY=True)
+    assert sorted(attention_module._key(c) for c in kept) == sorted(EXPECTED_ROTARY_TILES_HD64)
 
 
 @pytest.mark.parametrize("seq_bucket", [8, 64, 128, 512])
@@ -362,8 +375,12 @@ def test_aot_specs_well_formed():
 
     assert covered(False) == expected((16, 32, 64, 128))
     assert covered(True) == expected((64,))
-    for window, rotary in ((True, False), (True, True), (False, True)):
-        assert covered(False, window, rotary) == expected((32, 64), (torch.float16, torch.bfloat16))
+    half = (torch.float16, torch.bfloat16)
+    assert covered(False, True, False) == expected((32, 64), half)
+    rotary_hd64 = sorted(str((tags[dtype], "ieee", 64, mask) + tile) for dtype in half for mask in (True, False)
+                         for tile in EXPECTED_ROTARY_TILES_HD64)
+    for window in (True, False):
+        assert covered(False, window, True) == sorted(expected((32,), half) + rotary_hd64)
     for spec in specs:  # the variants off: their arguments are the constant 1 the launcher passes
         constexprs = spec["constexprs"]
         assert constexprs["HAS_WINDOW"] or constexprs["window"] == 1, spec["name"]
