@@ -20,6 +20,7 @@ import torch
 
 from .files import write_atomically
 from .layout import TokenLayout, token_bucket  # noqa: F401  (token_bucket: the buckets the table is keyed on)
+from .twins import rotary_tables
 from .version import __version__
 
 
@@ -35,6 +36,8 @@ class Shapes:
     activation: str
     ragged: bool = True  # attention: sequences of different lengths (the twin then loops over them on the host)
     bias_reach: int = 0  # attention: a per-distance bias table [nh, 2R - 1] of this reach R (MPNet), or 0 for none
+    window: int | None = None  # attention: a sliding window of +-w keys (ModernBERT's local layers), or None
+    rotary: bool = False  # attention: q and k rotated by per-token cos/sin tables (ModernBERT)
 
 
 def default_timer(fn) -> float:
@@ -119,7 +122,11 @@ def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
     layout = "ragged" if shapes.ragged else "dense"
     key = f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
     # a bias table: the kernel gathers it into every score tile, the twin forms a [1, nh, L, L] mask per sequence
-    return key + (f"|bias{shapes.bias_reach}" if shapes.bias_reach else "")
+    key += f"|bias{shapes.bias_reach}" if shapes.bias_reach else ""
+    # a window: the kernel skips the key blocks outside it, the twin runs a band of keys per chunk of queries;
+    # rotary: both rotate q and k first (the kernel once per visited key block)
+    key += f"|window{shapes.window}" if shapes.window is not None else ""
+    return key + ("|rotary" if shapes.rotary else "")
 
 
 def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin):
@@ -145,9 +152,16 @@ def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin
         layout = measured_layout(T, shapes.max_seqlen, shapes.ragged, device)
         qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)
         args = (qkv, layout, shapes.head_dim ** -0.5)
+        extra = {}
         if shapes.bias_reach:
-            table = rand(shapes.heads, 2 * shapes.bias_reach - 1).float()
-            return (lambda: kernel(*args, bias=table)), (lambda: twin(*args, bias=table))
+            extra["bias"] = rand(shapes.heads, 2 * shapes.bias_reach - 1).float()
+        if shapes.window is not None:
+            extra["window"] = shapes.window
+        if shapes.rotary:  # the tables of each token's position in its sequence, as the model builds them
+            positions = torch.cat([torch.arange(n, device=device) for n in layout.lengths])
+            half = torch.arange(0, shapes.head_dim, 2, device=device).float() / shapes.head_dim
+            extra["rotary"] = rotary_tables(positions, 1.0 / (10000.0 ** half))
+        return (lambda: kernel(*args, **extra)), (lambda: twin(*args, **extra))
     return (lambda: kernel(*args)), (lambda: twin(*args))
 
 

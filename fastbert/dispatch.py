@@ -237,13 +237,15 @@ def _qkv_projection_triton(x, weight, bias, num_heads, checked=False):
     return (kernel.qkv_projection if checked else kernel.launch)(x, weight, bias, num_heads)
 
 
-def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, checked=False):
+def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, window=None, rotary=None,
+                      checked=False):
     kernel = _kernel("attention")
     run = kernel.attention if checked else kernel.launch
     if isinstance(attn, TokenLayout):
-        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias), None
+        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary), None
     cu_seqlens = kernel.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
-    return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, bias=bias), None
+    return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, bias=bias, window=window,
+               rotary=rotary), None
 
 
 def _bias_gelu_triton(x, weight, bias, activation="gelu", checked=False):

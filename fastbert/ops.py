@@ -64,18 +64,21 @@ def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -
 
 
 def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
-              backend: str = "torch", bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              backend: str = "torch", bias: torch.Tensor | None = None, window: int | None = None,
+              rotary=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attn`: a TokenLayout (packed, padding-free) or an AttentionMask (padded rows). `bias`: None or a float32
-    table [nh, 2L - 1] of a score bias that depends on (head, j - i) only (twins.relative_bias)."""
+    table [nh, 2L - 1] of a score bias that depends on (head, j - i) only (twins.relative_bias). `window`: None or w
+    (keys with |i - j| <= w only). `rotary`: None or twins.Rotary (q and k rotated by per-token cos/sin)."""
     padded = None
     if return_probs:
         padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-    twin = lambda: attention_torch(qkv, attn, scale, dropout_p, return_probs, bias)  # noqa: E731
+    twin = lambda: attention_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary)  # noqa: E731
     if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
-        return _call("attention", backend, qkv, lambda: _attention_triton(qkv, attn, scale, bias=bias, checked=True),
-                     twin)
+        kernel = lambda: _attention_triton(qkv, attn, scale, bias=bias, window=window, rotary=rotary,  # noqa: E731
+                                           checked=True)
+        return _call("attention", backend, qkv, kernel, twin)
     return twin()
 
 

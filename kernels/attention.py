@@ -28,6 +28,26 @@ Relative bias (optional). B[h, i, j] = table[h, clamp(j - i + L - 1, 0, 2L - 2)]
 when sequences are packed, so one small table serves the whole batch. The kernel gathers a [BLOCK_M, BLOCK_N] tile of
 it (one head's row is 4 KB at L = 512) and adds it to the scores in registers; nothing S x S is ever formed.
 
+Sliding window (optional, ModernBERT's local layers). Query i sees key j only when |i - j| <= w (positions in the
+sequence; in the row, padding included, with key_valid). A query block visits only the key blocks that meet
+[first query - w, last query + w]: blocks wholly outside are skipped, not masked, so a local layer costs
+~T x (BLOCK_M + 2w) scores per head; keys of visited blocks outside the band get -inf. With key_valid, a padded query
+whose window holds padding only is uniform over that padding (HF's finfo.min mask gives that); a fully padded row
+ignores the window (uniform over all S keys, as without one).
+
+Rotary (optional, ModernBERT). q and k are rotated by rotate-half with per-token cos/sin tables [T, hd/2] (float32,
+one row per token: HF's apply_rotary_pos_emb), in fp32, rounded back to the input dtype before tl.dot, as the twin
+rounds them. The Q tile is rotated once when loaded; each K tile every time a query block loads it (its partner
+half read again through permuted column offsets, cos/sin gathered per token). Why here: DESIGN.md gives attention
+the `rotary=` parameter (no new op, qkv stays the GEMM's view); rotating once elsewhere means a pass that reads and
+writes q and k (4 x T x H x 2 bytes) or rotary inside the QKV GEMM's epilogue.
+Prediction (not measured yet; bench/ should check it): each K element is rotated once per query block that visits
+it, ~(BLOCK_N + 2w) / BLOCK_M + 1 times in a local layer (at w = 64: 2-3 with the 128x64 tile, 3-4 with 64x32) and
+cdiv(L, BLOCK_M) times in a global layer (4 at L = 512, 64 at L = 8192 with 128 queries). Every visit also runs that
+block's two dots, so the rotation costs the same share of an iteration in both: 4 FLOP per K element on CUDA cores
+against 4 * BLOCK_M on tensor cores, plus the partner and cos/sin loads (all heads share the tables: L2 hits).
+Predicted: rotary adds well under a fifth to the kernel's time, local or global.
+
 Layout. qkv is [T, 3, nh, hd]: the natural view of the QKV GEMM's [T, 3H] output, read through its strides (only hd
 must be unit-stride), so no transpose or .contiguous() copy is made. The output is [T, nh*hd], exactly what the
 attention output dense reads.
@@ -47,6 +67,14 @@ from .utils import input_precision, loop_bound
 
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 LOG2E = tl.constexpr(_LOG2E)  # the same factor on the bias table's values, inside the kernel
+MASKED = tl.constexpr(-1.0e30)  # the running max's start, finite (see the kernel); a padded key's score in a window
+
+
+@triton.jit
+def _rotate(x, x_partner, cos, sin, sign):
+    """HF's apply_rotary_pos_emb on one tile: x * cos + rotate_half(x) * sin in fp32, rounded back to x's dtype
+    (what the twin feeds its QK^T). `x_partner` holds column (d + hd/2) % hd, `sign` is -1 for d < hd/2."""
+    return (x.to(tl.float32) * cos + (sign * x_partner.to(tl.float32)) * sin).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -61,15 +89,18 @@ def _attention_fwd_kernel(
     kv_end_ptr,  # [n] int32, 1 + index of the row's last real key, 0 = fully padded row; read only when HAS_MASK
     out_ptr,  # [T, nh*hd], hd unit-stride
     bias_ptr,  # [nh, 2L - 1] fp32, unit-stride columns: B[h, i, j] = bias[h, clamp(j - i + L - 1)]; when HAS_BIAS
+    cos_ptr, sin_ptr,  # [T, hd/2] fp32, unit-stride columns: one row per token (packed T or B*S); when HAS_ROTARY
     # sizes
     max_seqlen,  # the longest sequence: the grid gives every sequence cdiv(max_seqlen, BLOCK_M) query blocks
     qk_scale,  # softmax scale * log2(e)
     bias_reach,  # L - 1: the table's largest distance (its column of distance 0)
+    window,  # w: query i sees key j only when |i - j| <= w (positions in the sequence); read only when HAS_WINDOW
     # strides (in elements)
     stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, q/k/v selector, head
     stride_mask_b, stride_mask_s,
     stride_out_t,
     stride_bias_h,
+    stride_rot_t,  # the row stride of cos and sin (one stride for both)
     seq_bucket,  # next_power_of_2(max_seqlen): only an autotune key (a new length reuses the tuned config), not read
     # meta-parameters
     HEAD_DIM: tl.constexpr,
@@ -78,6 +109,8 @@ def _attention_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,  # "tf32" or "ieee" for fp32 inputs (torch's allow_tf32); fp16/bf16 ignore it
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per loop iteration
+    HAS_WINDOW: tl.constexpr = False,  # a sliding window: key blocks wholly outside it are not visited
+    HAS_ROTARY: tl.constexpr = False,  # rotate q and k (rotate-half) by the per-token cos/sin before QK^T
 ):
     # Grid: (query blocks x sequences, heads), query blocks fastest, so the programs that run together share one
     # sequence's and one head's K/V. Sequences ride on grid x (up to 2^31 - 1), not y/z (65535).
@@ -105,6 +138,8 @@ def _attention_fwd_kernel(
         # a zero query (every score exactly 0). (Written with tl.where on scalars, not `block & scalar_bool`,
         # which Triton 3.9's interpreter turns into an int32 mask it then refuses.)
         n_end = tl.where(kv_end == 0, seq_len, kv_end)
+        if HAS_WINDOW:  # a padded query past the last real key still sees its window's padding (below)
+            n_end = seq_len
         q_end = tl.where(kv_end == 0, 0, seq_len)
         bias_gain = tl.where(kv_end == 0, 0.0, LOG2E)  # HF's finfo.min swamps the bias there too: scores stay equal
     else:
@@ -116,6 +151,18 @@ def _attention_fwd_kernel(
 
     # The Q tile is loaded once and stays in registers for the whole key loop.
     q = tl.load(seq_base + offs_m[:, None] * stride_qkv_t + offs_d[None, :], mask=q_mask[:, None], other=0.0)
+    if HAS_ROTARY:
+        # rotate-half: column d pairs with (d + hd/2) % hd, negated for d < hd/2; cos/sin repeat over both halves
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_partner = (offs_d + HALF) % HEAD_DIM
+        sign = tl.where(offs_d < HALF, -1.0, 1.0)
+        offs_freq = offs_d % HALF
+        rot_base = seq_start * stride_rot_t
+        q_partner = tl.load(seq_base + offs_m[:, None] * stride_qkv_t + offs_partner[None, :],
+                            mask=q_mask[:, None], other=0.0)
+        q_rot = rot_base + offs_m[:, None] * stride_rot_t + offs_freq[None, :]
+        q = _rotate(q, q_partner, tl.load(cos_ptr + q_rot, mask=q_mask[:, None], other=0.0),
+                    tl.load(sin_ptr + q_rot, mask=q_mask[:, None], other=0.0), sign[None, :])
     k_base = seq_base + stride_qkv_which  # K^T tile [HEAD_DIM, BLOCK_N] is read straight from the [T, ...] layout
     v_base = seq_base + 2 * stride_qkv_which
     if HAS_BIAS:
@@ -124,27 +171,58 @@ def _attention_fwd_kernel(
 
     # Online softmax state, fp32, in the log2 domain. m starts finite (not -inf) so that a block whose keys are all
     # masked (scores -inf) gives alpha = exp2(m - m_new) = 1 and p = exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # Key blocks at or past n_end (the row's last real key, or the sequence's end) are never visited.
-    for start_n in range(0, loop_bound(n_end), BLOCK_N):
+    lo = 0
+    hi = n_end
+    if HAS_WINDOW:
+        # Only the key blocks that meet [first query - w, last query + w] are visited (a local layer costs
+        # ~T x (BLOCK_M + 2w) scores per head, not T x S). A fully padded row keeps HF's uniform answer over all S
+        # keys: no window there.
+        if HAS_MASK:
+            win = tl.where(kv_end == 0, max_seqlen, window)
+        else:
+            win = window
+        q_first = pid_m * BLOCK_M
+        lo = tl.maximum(q_first - win, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(hi, q_first + BLOCK_M + win)
+    for start_n in range(loop_bound(lo), loop_bound(hi), BLOCK_N):
         offs_n = start_n + offs_nb
         in_range = offs_n < n_end
         k = tl.load(k_base + offs_n[None, :] * stride_qkv_t + offs_d[:, None], mask=in_range[None, :], other=0.0)
+        if HAS_ROTARY:  # each K^T tile rotated as it is loaded (see the module docstring for the cost)
+            k_partner = tl.load(k_base + offs_n[None, :] * stride_qkv_t + offs_partner[:, None],
+                                mask=in_range[None, :], other=0.0)
+            k_rot = rot_base + offs_n[None, :] * stride_rot_t + offs_freq[:, None]
+            k = _rotate(k, k_partner, tl.load(cos_ptr + k_rot, mask=in_range[None, :], other=0.0),
+                        tl.load(sin_ptr + k_rot, mask=in_range[None, :], other=0.0), sign[:, None])
         scores = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], fp32
         if HAS_BIAS:  # distances past the table read its end columns; every index is in bounds, no load mask
             col = tl.minimum(tl.maximum(bias_col[:, None] + offs_n[None, :], 0), 2 * bias_reach)
             scores += tl.load(bias_row + col) * bias_gain
-        if HAS_MASK:
-            # Only keys before kv_end are read; the rest (all keys of a fully padded row) default to valid.
-            key_valid = tl.load(key_valid_ptr + seq * stride_mask_b + offs_n * stride_mask_s,
-                                mask=offs_n < kv_end, other=1)
-            keep = (key_valid != 0) & in_range
+        if HAS_WINDOW:
+            near = tl.abs(offs_n[None, :] - offs_m[:, None]) <= win
+            if HAS_MASK:
+                # A padded query's window may hold padding only. HF's finfo.min mask makes it uniform over the
+                # padded keys in its window: padded keys score MASKED (= m_i's start, so p = exp2(0) = 1 while no
+                # real key has been seen, 0 once one has), where -inf would give 0 / 0. Keys from kv_end on are
+                # padding, not read.
+                key_valid = tl.load(key_valid_ptr + seq * stride_mask_b + offs_n * stride_mask_s,
+                                    mask=offs_n < kv_end, other=0)
+                scores = tl.where((key_valid != 0)[None, :], scores, MASKED)
+            scores = tl.where(in_range[None, :] & near, scores, float("-inf"))
         else:
-            keep = in_range
-        scores = tl.where(keep[None, :], scores, float("-inf"))
+            if HAS_MASK:
+                # Only keys before kv_end are read; the rest (all keys of a fully padded row) default to valid.
+                key_valid = tl.load(key_valid_ptr + seq * stride_mask_b + offs_n * stride_mask_s,
+                                    mask=offs_n < kv_end, other=1)
+                keep = (key_valid != 0) & in_range
+            else:
+                keep = in_range
+            scores = tl.where(keep[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
@@ -175,7 +253,8 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg
                          maxnreg=maxnreg)
 
 
-def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee") -> list[triton.Config]:
+def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee",
+                      rotary: bool = False) -> list[triton.Config]:
     """The tiles worth trying for one dtype / head dim / fp32 input precision. Each compiles for sm_90 and sm_80,
     masked and unmasked, without register spills on Triton 3.6 and 3.9 (cuobjdump STACK 0; tests/tooling/test_aot.py
     checks it via aot_specs()).
@@ -189,6 +268,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     (torch's default, allow_tf32 off) runs tl.dot on FMAs, which hold whole hd-long operand rows per thread: every
     128-query tile and 64x64 spill at hd 64/128; 64x32 with 8 warps fits up to hd 32, 64x16 with 4 warps at hd 64,
     32x16 with 4 warps at hd 128 (ptxas's own register budget there; 255 spills).
+    rotary (fp16/bf16, hd 64): 64x32 as the short-sequence tile; 64x64 with the window spilled 8 bytes on sm_80
+    under Triton 3.6 (REG 255).
     """
     if dtype == torch.float32:  # the FMA tiles at hd 64/128 need more than 255 registers' worth: ptxas's own budget
         if input_precision == "ieee" and head_dim > 64:
@@ -198,7 +279,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
         return [_config(64, 32, 8, 2)]
     # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
     big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 else 255)
-    return [big, _config(64, 64, 4, 2) if head_dim <= 64 else _config(64, 32, 4, 2)]
+    narrow = head_dim > 64 or (rotary and head_dim == 64)
+    return [big, _config(64, 32, 4, 2) if narrow else _config(64, 64, 4, 2)]
 
 
 def _key(config: triton.Config) -> tuple:
@@ -219,15 +301,17 @@ def _prune(configs, named_args, **kwargs):
     """Keep the configs of this call's dtype and head dim; drop 128-query tiles for sequences of <= 64 tokens
     (half of such a tile would be masked-off work, and it halves the program count)."""
     dtype, head_dim, precision = named_args["qkv_ptr"].dtype, kwargs["HEAD_DIM"], kwargs["INPUT_PRECISION"]
-    wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision)}
+    wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision, kwargs.get("HAS_ROTARY", False))}
     kept = [c for c in configs if _key(c) in wanted]
     short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(64, named_args["seq_bucket"])]
     return short or kept
 
 
 # The autotuner adds the tensor dtypes to the key itself. seq_bucket (a power of two) rather than seq_len, so a new
-# length re-uses the tuned config; the mask variant shares its unmasked twin's choice.
-_attention_fwd = utils.autotune(_attention_fwd_kernel, _all_configs(), ["HEAD_DIM", "INPUT_PRECISION", "seq_bucket"],
+# length re-uses the tuned config; the mask variant shares its unmasked twin's choice. A window (and its width: the
+# keys a query block visits) and rotary change the work per key block, so they tune apart.
+_attention_fwd = utils.autotune(_attention_fwd_kernel, _all_configs(),
+                                ["HEAD_DIM", "INPUT_PRECISION", "seq_bucket", "HAS_WINDOW", "window", "HAS_ROTARY"],
                                 _prune)
 
 # Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
@@ -268,9 +352,19 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
+def rotary_tables(rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of a rotary argument: a (cos, sin) pair (fastbert's Rotary is one) or an object with .cos and
+    .sin."""
+    if isinstance(rotary, (tuple, list)):
+        cos, sin = rotary
+        return cos, sin
+    return rotary.cos, rotary.sin
+
+
 def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
            key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: triton.Config | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+           config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
+           rotary=None) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
     forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
     first config of attention_configs() for its dtype and head dim (benchmarking would sync). Runs on qkv's device."""
@@ -292,19 +386,30 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         bias_reach, stride_bias_h = (bias.shape[1] - 1) // 2, bias.stride(0)
     else:  # never read; a typed placeholder and 1s, so the unbiased kernel matches its AOT spec
         bias, bias_reach, stride_bias_h = _placeholder(qkv.device, torch.float32), 1, 1
-    args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias,
-            max_seqlen, float(scale) * _LOG2E, bias_reach,
+    # A window that reaches every key of the longest sequence is no window (the twin skips it the same way).
+    has_window = window is not None and window < max_seqlen - 1
+    if not has_window:
+        window = 1  # never read; 1 as in the AOT spec
+    has_rotary = rotary is not None
+    if has_rotary:
+        cos, sin = rotary_tables(rotary)
+        stride_rot_t = cos.stride(0)
+    else:  # never read
+        cos = sin = _placeholder(qkv.device, torch.float32)
+        stride_rot_t = 1
+    args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias, cos, sin,
+            max_seqlen, float(scale) * _LOG2E, bias_reach, int(window),
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             stride_mask_b, stride_mask_s,
-            out.stride(0), stride_bias_h,
+            out.stride(0), stride_bias_h, stride_rot_t,
             triton.next_power_of_2(max_seqlen))
     meta = dict(HEAD_DIM=head_dim, HAS_MASK=key_valid is not None, HAS_BIAS=has_bias,
-                INPUT_PRECISION=input_precision(qkv.dtype))
+                INPUT_PRECISION=input_precision(qkv.dtype), HAS_WINDOW=has_window, HAS_ROTARY=has_rotary)
     if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
         if config is None and utils.untuned_in_capture(_attention_fwd, args, meta):
-            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"])[0]
+            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary)[0]
         if config is None:
             _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
         else:
@@ -317,7 +422,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
-              config: triton.Config | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+              config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
+              rotary=None) -> torch.Tensor:
     """softmax(q k^T * scale + B) v per sequence, for packed qkv [T, 3, nh, hd] -> out [T, nh*hd].
 
     cu_seqlens: [n + 1] int32 (on qkv's device): 0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = T; sequence i is tokens
@@ -330,6 +436,10 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
     bias:       None (B = 0), or a float32 table [nh, 2L - 1] (unit-stride columns, on qkv's device) of a bias that
                 depends on (head, j - i) only: B[h, i, j] = bias[h, j - i + L - 1], i and j positions in the sequence
                 (in the row, with key_valid), distances beyond +-(L - 1) clamped to the end columns.
+    window:     None, or an int w >= 0: query i sees key j only when |i - j| <= w (positions in the sequence, in the
+                row with key_valid; a fully padded row still attends to all S keys).
+    rotary:     None, or (cos, sin) (a pair, or an object with .cos and .sin): float32 [T, hd/2] each, one row per
+                token, unit-stride columns, the same strides; q and k are rotated (rotate-half) before q k^T.
     """
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
@@ -400,6 +510,30 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
         if bias.stride(-1) != 1:
             raise ValueError(f"bias's last dim must be unit-stride, got strides {tuple(bias.stride())}")
 
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be None or a non-negative int, got {window!r}")
+    if rotary is not None:
+        pair = isinstance(rotary, (tuple, list)) and len(rotary) == 2
+        if not pair and (isinstance(rotary, torch.Tensor) or not hasattr(rotary, "cos") or not hasattr(rotary, "sin")):
+            raise TypeError(f"rotary must be None, a (cos, sin) pair or an object with .cos and .sin, got "
+                            f"{type(rotary).__name__}")
+        cos, sin = rotary_tables(rotary)
+        for name, table in (("cos", cos), ("sin", sin)):
+            if not isinstance(table, torch.Tensor):
+                raise TypeError(f"rotary {name} must be a torch.Tensor, got {type(table).__name__}")
+            if table.dtype != torch.float32:
+                raise TypeError(f"rotary {name}.dtype={table.dtype}; the rotary tables must be torch.float32")
+            if tuple(table.shape) != (T, head_dim // 2):
+                raise ValueError(f"rotary {name} has shape {tuple(table.shape)}, expected (T, head_dim / 2)=({T}, "
+                                 f"{head_dim // 2})")
+            if table.device != device:
+                raise ValueError(f"rotary {name} is on {table.device} but qkv is on {device}")
+            if table.stride(-1) != 1:
+                raise ValueError(f"rotary {name}'s last dim must be unit-stride, got strides {tuple(table.stride())}")
+        if cos.stride() != sin.stride():
+            raise ValueError(f"rotary cos and sin must have the same strides, got {tuple(cos.stride())} and "
+                             f"{tuple(sin.stride())}")
+
     hidden = num_heads * head_dim
     if out is not None:
         if not isinstance(out, torch.Tensor):
@@ -412,7 +546,7 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
             raise ValueError(f"out is on {out.device} but qkv is on {device}")
         if out.stride(-1) != 1:
             raise ValueError(f"out's last dim must be unit-stride, got strides {tuple(out.stride())}")
-    return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config, bias)
+    return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config, bias, window, rotary)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -431,18 +565,32 @@ def aot_specs() -> list[dict]:
     - max_seqlen, the key_valid row stride (= S) and the bias table's reach and row stride (L - 1, 2L - 1) are
       arbitrary at run time: no hint.
     """
-    return [spec for spec in _aot_specs() if not spec["constexprs"].get("HAS_BIAS")
-            or spec["constexprs"]["HEAD_DIM"] in BIAS_AOT_HEAD_DIMS]
+    return [spec for spec in _aot_specs() if _in_suite(spec["constexprs"], spec["signature"]["qkv_ptr"])]
+
+
+def _in_suite(constexprs: dict, qkv_type: str) -> bool:
+    if constexprs["HAS_BIAS"] and constexprs["HEAD_DIM"] not in BIAS_AOT_HEAD_DIMS:
+        return False
+    if constexprs["HAS_WINDOW"] or constexprs["HAS_ROTARY"]:
+        return constexprs["HEAD_DIM"] in WINDOW_AOT_HEAD_DIMS and qkv_type in ("*fp16", "*bf16")
+    return True
 
 
 # The families with a relative bias (MPNet, DeBERTa-v3; ALiBi models) run hd 64; the others are compiled by hand
 # with `python tests/tooling/aot_compile.py fastbert.kernels.attention --specs-fn all_aot_specs`
 # (the suite keeps to 60).
 BIAS_AOT_HEAD_DIMS = (64,)
+# ModernBERT-base/large run hd 64 (window and rotary); hd 32 for the small models. fp16/bf16: the fast path.
+WINDOW_AOT_HEAD_DIMS = (32, 64)
+# (HAS_MASK, HAS_BIAS, HAS_WINDOW, HAS_ROTARY): BERT's, the relative-bias families', ModernBERT's local layers (window
+# and rotary; window alone) and global layers (rotary alone)
+_VARIANTS = [(mask, bias, False, False) for bias in (False, True) for mask in (True, False)] + \
+    [(mask, False, window, rotary) for window, rotary in ((True, False), (True, True), (False, True))
+     for mask in (True, False)]
 
 
 def all_aot_specs() -> list[dict]:
-    """Every variant the launcher can run, the bias variants at every head dim included (96 kernels)."""
+    """Every variant the launcher can run, at every dtype and head dim."""
     return _aot_specs()
 
 
@@ -452,14 +600,19 @@ def _aot_specs() -> list[dict]:
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
         for precision in precisions:
             for head_dim in TRITON_HEAD_DIMS:
-                for has_mask, has_bias in ((True, False), (False, False), (True, True), (False, True)):
-                    for config in attention_configs(dtype, head_dim, precision):
+                for has_mask, has_bias, has_window, has_rotary in _VARIANTS:
+                    for config in attention_configs(dtype, head_dim, precision, has_rotary):
                         bm, bn, warps, stages, maxnreg = _key(config)
                         name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
                                         [f"hd{head_dim}", "mask" if has_mask else "nomask"] +
-                                        (["bias"] if has_bias else []) +
+                                        (["bias"] if has_bias else []) + (["window"] if has_window else []) +
+                                        (["rotary"] if has_rotary else []) +
                                         [f"{bm}x{bn}-w{warps}-s{stages}" + (f"-r{maxnreg}" if maxnreg else "")])
                         bias_args = {"bias_reach": "i32", "stride_bias_h": "i32"} if has_bias else {}
+                        # window: ModernBERT's 64 gets the JIT's divisibility-16 hint (the default here); so does
+                        # the rotary tables' row stride hd/2 at hd >= 32
+                        window_args = {"window": "i32"} if has_window else {}
+                        rotary_args = {"stride_rot_t": "i32"} if has_rotary else {}
                         specs.append({
                             "name": name,
                             "fn": _attention_fwd_kernel,
@@ -468,12 +621,16 @@ def _aot_specs() -> list[dict]:
                                 "kv_end_ptr": "*i32", "out_ptr": f"*{tag}", "bias_ptr": "*fp32", "max_seqlen": "i32",
                                 "qk_scale": "fp32", "stride_qkv_t": "i32", "stride_qkv_which": "i32",
                                 "stride_qkv_h": "i32", "stride_mask_b": "i32", "stride_out_t": "i32",
-                                "seq_bucket": "i32", **bias_args,
+                                "seq_bucket": "i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **bias_args,
+                                **window_args, **rotary_args,
                             },
                             "constexprs": {"stride_mask_s": 1, "HEAD_DIM": head_dim,
                                            "HAS_MASK": has_mask, "HAS_BIAS": has_bias, "INPUT_PRECISION": precision,
+                                           "HAS_WINDOW": has_window, "HAS_ROTARY": has_rotary,
                                            "BLOCK_M": bm, "BLOCK_N": bn,
-                                           **({} if has_bias else {"bias_reach": 1, "stride_bias_h": 1})},
+                                           **({} if has_bias else {"bias_reach": 1, "stride_bias_h": 1}),
+                                           **({} if has_window else {"window": 1}),
+                                           **({} if has_rotary else {"stride_rot_t": 1})},
                             "hints": {"max_seqlen": None, "stride_mask_b": None, "seq_bucket": None,
                                       **{arg: None for arg in bias_args}},
                             "num_warps": warps,

@@ -313,10 +313,23 @@ EXPECTED_TILES = {
 }
 
 
+# rotary q/k at hd 64 in fp16/bf16: 64x32 as the short-sequence tile (64x64 spilled on sm_80 under Triton 3.6)
+EXPECTED_ROTARY_TILES_HD64 = [(128, 64, 8, 2, 255), (64, 32, 4, 2, 255)]
+
+
 @pytest.mark.parametrize("dtype,precision,head_dim", list(EXPECTED_TILES), ids=str)
 def test_attention_configs_are_the_documented_tiles(dtype, precision, head_dim):
     got = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision)]
     assert got == EXPECTED_TILES[dtype, precision, head_dim]
+    rotary = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision, True)]
+    assert rotary == (EXPECTED_ROTARY_TILES_HD64 if head_dim == 64 and dtype != torch.float32 else got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_prune_keeps_the_rotary_tiles(dtype):
+    kept = attention_module._prune(attention_module._all_configs(), {"qkv_ptr": torch.empty(0, dtype=dtype),
+                                   "seq_bucket": 512}, HEAD_DIM=64, INPUT_PRECISION="ieee", HAS_ROTARY=True)
+    assert sorted(attention_module._key(c) for c in kept) == sorted(EXPECTED_ROTARY_TILES_HD64)
 
 
 @pytest.mark.parametrize("seq_bucket", [8, 64, 128, 512])
@@ -336,10 +349,11 @@ def test_prune_keeps_the_call_s_tiles(dtype, precision, head_dim, seq_bucket):
 def test_aot_specs_well_formed():
     """Spec format (tests/tooling/test_aot.py compiles them): unique names, every kernel argument typed or constant, and
     exactly the documented tiles for each (dtype, precision, head dim) and mask variant: 48 kernels without a bias,
-    and the same tiles at head dim 64 (MPNet-base, DeBERTa-v3-base) with one: 12 more."""
+    the same tiles at head dim 64 (MPNet-base, DeBERTa-v3-base) with one: 12 more, and ModernBERT's window,
+    window + rotary and rotary variants in fp16/bf16 at head dims 32 and 64: 48 more."""
     specs = attention_module.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(names) == len(set(names)) == 60
+    assert len(names) == len(set(names)) == 108
     arg_names = set(attention_module._attention_fwd_kernel.arg_names)  # JITFunction or, here, InterpretedFunction
     for spec in specs:
         assert not set(spec["signature"]) & set(spec["constexprs"]), spec["name"]
@@ -347,18 +361,30 @@ def test_aot_specs_well_formed():
         assert set(spec["hints"]) <= set(spec["signature"]), spec["name"]
     tags = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 
-    def covered(with_bias):
+    def covered(with_bias, window=False, rotary=False):
         return sorted(str((s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
                            s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"],
                            s["num_warps"], s["num_stages"], s.get("maxnreg"))) for s in specs
-                      if bool(s["constexprs"].get("HAS_BIAS")) == with_bias)
+                      if (s["constexprs"]["HAS_BIAS"], s["constexprs"]["HAS_WINDOW"], s["constexprs"]["HAS_ROTARY"])
+                      == (with_bias, window, rotary))
 
-    def expected(head_dims):
+    def expected(head_dims, dtypes=tuple(tags)):
         return sorted(str((tags[dtype], precision, hd, mask) + tile) for (dtype, precision, hd), tiles in
-                      EXPECTED_TILES.items() if hd in head_dims for mask in (True, False) for tile in tiles)
+                      EXPECTED_TILES.items() if hd in head_dims and dtype in dtypes
+                      for mask in (True, False) for tile in tiles)
 
     assert covered(False) == expected((16, 32, 64, 128))
     assert covered(True) == expected((64,))
+    half = (torch.float16, torch.bfloat16)
+    assert covered(False, True, False) == expected((32, 64), half)
+    rotary_hd64 = sorted(str((tags[dtype], "ieee", 64, mask) + tile) for dtype in half for mask in (True, False)
+                         for tile in EXPECTED_ROTARY_TILES_HD64)
+    for window in (True, False):
+        assert covered(False, window, True) == sorted(expected((32,), half) + rotary_hd64)
+    for spec in specs:  # the variants off: their arguments are the constant 1 the launcher passes
+        constexprs = spec["constexprs"]
+        assert constexprs["HAS_WINDOW"] or constexprs["window"] == 1, spec["name"]
+        assert constexprs["HAS_ROTARY"] or constexprs["stride_rot_t"] == 1, spec["name"]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -332,3 +332,40 @@ def test_attention_with_a_relative_bias_is_measured_with_one(measured_here):
     assert biases and all(b == (2, 2 * 129 - 1) for b in biases), biases  # timed and run with the model's table
     real = MASK.bool()
     assert (out.last_hidden_state - ref.last_hidden_state)[real].abs().max() <= 1e-5
+
+
+def test_windowed_rotary_attention_is_measured_as_that_variant(measured_here, monkeypatch):
+    """ModernBERT's local layers: "auto" times kernel and twin with the window and rotary tables of the layout it
+    measures on, and keys the result apart from the same shapes without them (and from each alone)."""
+    timer = FakeTimer([1.0, 2.0])  # kernel, then twin
+    auto.choices_for(torch.device("cpu"), timer)
+    seen = {"kernel": [], "twin": []}
+
+    def spy(name, original):
+        def run(qkv, attn, *args, window=None, rotary=None, **kwargs):
+            seen[name].append((window, None if rotary is None else (tuple(rotary.cos.shape), rotary.cos.dtype,
+                                                                    rotary, attn)))
+            return original(qkv, attn, *args, window=window, rotary=rotary, **kwargs)
+        return run
+
+    monkeypatch.setattr(dispatch, "_attention_triton", spy("kernel", dispatch._attention_triton))
+    monkeypatch.setattr(twins, "attention_torch", spy("twin", twins.attention_torch))
+    shapes = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3, rotary=True)
+    situation = dispatch.Situation(("auto",) * 4, torch.device("cpu"), torch.float32, 16, False, 0.0, 0.0, None,
+                                   shapes)
+    assert dispatch._measured("attention", situation) is True
+    assert timer.calls == 2
+    (key,) = [k for k in auto.choices_for(torch.device("cpu")).table if k.startswith("attention|")]
+    assert key.endswith("|ragged|window3|rotary"), key
+    for name in ("kernel", "twin"):
+        ((window, (shape, dtype, rotary, layout)),) = seen[name]
+        assert window == 3 and shape == (layout.num_tokens, 8) and dtype == torch.float32
+        starts = layout.cu_seqlens[:-1].long()
+        # each sequence's tables start at position 0: cos 1, sin 0 in its first row
+        assert torch.equal(rotary.cos[starts], torch.ones(len(starts), 8))
+        assert torch.equal(rotary.sin[starts], torch.zeros(len(starts), 8))
+    plain = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True)
+    keys = {auto.op_key("attention", torch.float32, s) for s in
+            (plain, shapes, auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3),
+             auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, rotary=True))}
+    assert len(keys) == 4
