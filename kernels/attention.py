@@ -417,7 +417,23 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
             _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                                         num_stages=config.num_stages,
                                         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
+    if key_valid is not None and has_window:
+        _uniform_where_the_window_is_empty(qkv, key_valid, int(window), out)
     return out
+
+
+def _uniform_where_the_window_is_empty(qkv, key_valid, window, out):
+    """Padded rows: a query whose window holds no real key gets HF eager's answer, the mean of its row's S values.
+    (HF's one mask puts finfo.min on every key of such a query, so the softmax is uniform over all S; the kernel
+    only visits the window's blocks.) A few [B, S] tensor ops, no host read: fine inside a CUDA graph."""
+    B, S = key_valid.shape
+    T, _, nh, hd = qkv.shape
+    counts = torch.nn.functional.pad(key_valid.to(torch.int32).cumsum(1), (1, 0))  # [B, S + 1]
+    i = torch.arange(S, device=qkv.device)
+    empty = (counts[:, (i + window + 1).clamp(max=S)] - counts[:, (i - window).clamp(min=0)]) == 0  # [B, S]
+    mean = qkv[:, 2].view(B, S, nh, hd).float().mean(dim=1).to(out.dtype)  # [B, nh, hd]
+    rows = out.view(B, S, nh, hd)
+    rows.copy_(torch.where(empty[:, :, None, None], mean[:, None], rows))
 
 
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,

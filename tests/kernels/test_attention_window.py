@@ -44,19 +44,20 @@ def rotate64(x, cos, sin):
 
 
 def attend64(q, k, v, scale, window, key_real=None):
-    """One sequence [L, nh, hd] in float64 -> [L, nh*hd]: -inf outside the band |i - j| <= window; finfo.min on
-    padded keys (key_real False) inside it, so a query whose band holds padding only is uniform over that padding;
-    a row without any real key is uniform over all its keys (HF eager's fully padded row)."""
+    """One sequence [L, nh, hd] in float64 -> [L, nh*hd]: HF eager's one mask, keys outside the band |i - j| <=
+    window or padded (key_real False) excluded; a query left with no key at all (a padded query whose band holds
+    padding only, every query of a fully padded row) is uniform over all L keys, as HF's finfo.min on every key
+    makes it."""
     L, nh, hd = q.shape
     scores = torch.einsum("ihd,jhd->hij", q, k) * scale
+    allowed = torch.ones(L, L, dtype=torch.bool, device=q.device)
     if key_real is not None:
-        if not key_real.any():
-            return v.mean(dim=0, keepdim=True).expand(L, nh, hd).reshape(L, nh * hd)
-        scores = scores.masked_fill(~key_real[None, None, :], torch.finfo(torch.float64).min)
+        allowed &= key_real[None, :]
     if window is not None:
         i = torch.arange(L, device=q.device)
-        band = (i[None, :] - i[:, None]).abs() <= window
-        scores = scores.masked_fill(~band[None], float("-inf"))
+        allowed &= (i[None, :] - i[:, None]).abs() <= window
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    scores = scores.masked_fill(~allowed.any(dim=-1)[None, :, None], 0.0)  # no key allowed: all equal, uniform
     return torch.einsum("hij,jhd->ihd", torch.softmax(scores, dim=-1), v).reshape(L, nh * hd)
 
 
