@@ -101,9 +101,12 @@ HEADLINE = (("bert-base", "32x128", ("hf-sdpa", "hf-compile", "fastbert-triton",
             ("bert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
             ("bert-base", "1x128", ("hf-sdpa", "fastbert-graphs", "fastbert-triton")),
             ("distilbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
-            ("mpnet-base", "32xvar16-512", ("hf-eager", "fastbert-triton", "fastbert-graphs")))
-TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16"}
-TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-base": "tiny-mpnet"}
+            ("mpnet-base", "32xvar16-512", ("hf-eager", "fastbert-triton", "fastbert-graphs")),
+            ("modernbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
+            ("modernbert-base", "8x8192", ("hf-sdpa", "fastbert-triton")))
+TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16", "8x8192": "4x32"}
+TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-base": "tiny-mpnet",
+              "modernbert-base": "tiny-modernbert"}
 CASE_CAP = {"hf-sdpa": 45, "hf-eager": 45, "hf-compile": 120, "fastbert-triton": 60, "fastbert-graphs": 60}
 CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
 

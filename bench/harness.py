@@ -73,8 +73,10 @@ def graph_bucket(tokens: int) -> int:
     return min(power, -(-tokens // 256) * 256)
 
 
-CUDA_MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base")
-TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet")  # --bench-tiny: each family's code path at tiny sizes
+CUDA_MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base")
+TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet", "tiny-modernbert")  # --bench-tiny: each family's path, tiny
+# Cells only some models run on CUDA: ModernBERT's long context (8 x 8,192, its local layers' windows at full length)
+MODEL_CUDA_CELLS = {"modernbert-base": (_fixed(8, 8192),)}
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")
 CPU_DTYPES = ("fp32",)
@@ -104,8 +106,8 @@ def model_cases(tiny: bool, cuda_available: bool) -> list[ModelCase]:
         device = "cuda" if cuda_available else "cpu"
         dtype = "fp16" if cuda_available else "fp32"
         return [ModelCase(m, c, dtype, v, device) for m in TINY_MODELS for c in TINY_CELLS for v in VARIANTS]
-    cases = [ModelCase(m, c, d, v, "cuda")
-             for m in CUDA_MODELS for c in CUDA_CELLS for d in CUDA_DTYPES for v in VARIANTS]
+    cases = [ModelCase(m, c, d, v, "cuda") for m in CUDA_MODELS for c in CUDA_CELLS + MODEL_CUDA_CELLS.get(m, ())
+             for d in CUDA_DTYPES for v in VARIANTS]
     cases += [ModelCase(m, c, d, v, "cpu") for m in CPU_MODELS for c in CPU_CELLS for d in CPU_DTYPES for v in VARIANTS
               if v not in ("fastbert-triton", "fastbert-graphs")]  # CUDA kernels (the interpreter is a test tool)
     return cases
@@ -144,6 +146,10 @@ def hf_config(model: str):
     if model == "tiny-mpnet":
         return transformers.MPNetConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         intermediate_size=128, max_position_embeddings=66)
+    if model == "tiny-modernbert":  # 3 layers (full, local, local), a window of +-8: the tiny cells cross it
+        return transformers.ModernBertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=3,
+                                             num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+                                             local_attention=16, **_MODERNBERT_IDS)
     if model == "host":  # compute is negligible: what is measured is the cost of a forward on the host
         return transformers.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=12, num_attention_heads=2,
                                        intermediate_size=64)
@@ -155,12 +161,25 @@ def hf_config(model: str):
         return transformers.MPNetConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                         intermediate_size=3072, max_position_embeddings=514,
                                         relative_attention_num_buckets=32)
+    if model == "modernbert-base":  # answerdotai/ModernBERT-base's shape: the config's defaults (22 layers, 768 wide,
+        # 12 heads, MLP 1152, every third layer global, windows of +-64, 8,192 positions)
+        return transformers.ModernBertConfig(**_MODERNBERT_IDS)
     raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
 
 
-MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", *TINY_MODELS, "host")
+# pad id 0 (the random ids start at 1000), the specials inside any vocabulary: ModernBERT's positions do not depend
+# on the pad id, so this changes nothing it computes
+_MODERNBERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base", *TINY_MODELS, "host")
 # transformers' encoder class for each model_type the bank builds
-HF_CLASSES = {"bert": "BertModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel"}
+HF_CLASSES = {"bert": "BertModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
+              "modernbert": "ModernBertModel"}
+
+
+def reference_attention(model: str) -> str:
+    """HF's implementation the fp32 reference runs: eager, except for ModernBERT, whose eager scores at 8,192 tokens
+    would be 3 GB per head-batch and layer; its sdpa in fp32 is the reference there."""
+    return "sdpa" if "modernbert" in model else "eager"
 
 
 def hf_attention(model: str) -> tuple[str, ...]:
@@ -239,11 +258,11 @@ class ModelBank:
         return self._get(("batch", model, cell, device), lambda: make_batch(self.master(model).config, cell, device))
 
     def reference(self, model: str, cell: Cell, device: str) -> "Outputs":
-        """HF eager in fp32 on the same device (TF32 off: torch's default), real tokens only."""
+        """HF eager (ModernBERT: sdpa) in fp32 on the same device (TF32 off: torch's default), real tokens only."""
         def make():
             b = self.batch(model, cell, device)
             with torch.inference_mode():
-                out = self.hf(model, "eager", torch.float32, device)(**b.inputs)
+                out = self.hf(model, reference_attention(model), torch.float32, device)(**b.inputs)
             return Outputs.of(out, b)
 
         return self._get(("ref", model, cell, device), make)
@@ -255,7 +274,7 @@ class ModelBank:
             b, ref = self.batch(model, cell, device), self.reference(model, cell, device)
             errors = []
             for impl in hf_attention(model):
-                if impl == "eager" and dtype == torch.float32:
+                if impl == reference_attention(model) and dtype == torch.float32:
                     continue  # that is the reference itself: error 0 by construction
                 with torch.inference_mode():
                     out = self.hf(model, impl, dtype, device)(**b.inputs)

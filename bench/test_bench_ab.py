@@ -16,6 +16,9 @@ Cells (the CPU goals of padding-free execution):
   distilbert-base 32xvar16-512, mpnet-base 32xvar16-512
                          the same ragged batch through the two other families of base size (random weights, the
                          shapes of distilbert-base-uncased and all-mpnet-base-v2), against HF sdpa and HF eager
+  modernbert-base 16xvar64-2048, 4x8192
+                         ModernBERT-base's shape against HF sdpa (its reference too: eager cannot hold 8,192^2
+                         scores): 16 rows of 64..2,048 tokens (goal >= 2.5x), and 4 full rows of 8,192
 """
 import statistics
 import time
@@ -33,6 +36,10 @@ CASES = {  # id: (model, cell, rounds, warm-up rounds)
     # seconds on 2 cores, so these few rounds keep each case near 3 minutes
     "distilbert-base-32xvar16-512": ("distilbert-base", harness._varlen(32, 16, 512), 5, 0),
     "mpnet-base-32xvar16-512": ("mpnet-base", harness._varlen(32, 16, 512), 3, 0),
+    # ModernBERT-base: a round of both takes minutes on 2 cores (HF pads 16 rows to 2,048 and computes every local
+    # layer's full 2,048 x 2,048 scores under its mask; 4 x 8,192 the same at 8,192)
+    "modernbert-base-16xvar64-2048": ("modernbert-base", harness._varlen(16, 64, 2048), 2, 0),
+    "modernbert-base-4x8192": ("modernbert-base", harness._fixed(4, 8192), 1, 0),
 }
 
 
@@ -52,8 +59,8 @@ def test_ab_fastbert_torch_vs_hf_cpu(bank, benchmark, case):
         pytest.skip(str(e))
     with torch.inference_mode():
         for name, m in variants.items():  # check before timing
-            if m is bank.hf(model, "eager", torch.float32, "cpu"):
-                continue  # HF eager fp32 is the reference itself (MPNet's baseline): nothing to check
+            if m is bank.hf(model, harness.reference_attention(model), torch.float32, "cpu"):
+                continue  # the fp32 reference itself (MPNet's and ModernBERT's baseline): nothing to check
             error = harness.max_error(harness.Outputs.of(m(**batch.inputs), batch), reference)
             assert error <= bound, f"{name}: max |out - HF eager fp32| = {error:.3g} > {bound:.3g}; not timing it"
 

@@ -134,9 +134,17 @@ def test_base_family_configs_have_the_published_shapes():
             mpnet.intermediate_size, mpnet.max_position_embeddings, mpnet.relative_attention_num_buckets,
             mpnet.pad_token_id) == ("MPNetConfig", 768, 12, 12, 3072, 514, 32, 1)
     assert harness.hf_variant("mpnet-base") == "hf-eager" and harness.hf_variant("distilbert-base") == "hf-sdpa"
+    modern = harness.hf_config("modernbert-base")  # answerdotai/ModernBERT-base
+    assert (type(modern).__name__, modern.hidden_size, modern.num_hidden_layers, modern.num_attention_heads,
+            modern.intermediate_size, modern.max_position_embeddings, modern.local_attention,
+            modern.layer_types[:4]) == ("ModernBertConfig", 768, 22, 12, 1152, 8192, 128,
+                                        ["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    assert harness.hf_variant("modernbert-base") == "hf-sdpa"
+    assert harness.reference_attention("modernbert-base") == "sdpa"
 
 
-@pytest.mark.parametrize("model, hf_class", [("tiny-distilbert", "DistilBertModel"), ("tiny-mpnet", "MPNetModel")])
+@pytest.mark.parametrize("model, hf_class", [("tiny-distilbert", "DistilBertModel"), ("tiny-mpnet", "MPNetModel"),
+                                             ("tiny-modernbert", "ModernBertModel")])
 def test_bank_builds_families_with_transformers_classes(bank, model, hf_class):
     """HF's own class for the master and every HF variant; MPNet's missing sdpa is a skip reason naming the class,
     never a silent eager; fastbert built from HF's best variant matches HF eager fp32 on the tiny ragged cell."""
@@ -163,7 +171,11 @@ HEADLINE_ORDER = ["headline/32x128/hf-sdpa", "headline/32x128/hf-compile", "head
                   "headline/distilbert-base/32xvar16-512/fastbert-triton",
                   "headline/distilbert-base/32xvar16-512/fastbert-graphs",
                   "headline/mpnet-base/32xvar16-512/hf-eager", "headline/mpnet-base/32xvar16-512/fastbert-triton",
-                  "headline/mpnet-base/32xvar16-512/fastbert-graphs"]
+                  "headline/mpnet-base/32xvar16-512/fastbert-graphs",
+                  "headline/modernbert-base/32xvar16-512/hf-sdpa",
+                  "headline/modernbert-base/32xvar16-512/fastbert-triton",
+                  "headline/modernbert-base/32xvar16-512/fastbert-graphs",
+                  "headline/modernbert-base/8x8192/hf-sdpa", "headline/modernbert-base/8x8192/fastbert-triton"]
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
@@ -180,7 +192,8 @@ def test_gpu_check_plan_order(dry_run):
     headline = [s for s in steps if s.stage == "2"]
     assert [s.name for s in headline] == HEADLINE_ORDER
     assert names.index(HEADLINE_ORDER[-1]) + 1 == names.index("ops")  # nothing else before the headline ends
-    cells = {c.name for c in (harness.TINY_CELLS if dry_run else harness.CUDA_CELLS)}
+    cells = {c.name for c in (harness.TINY_CELLS if dry_run else harness.CUDA_CELLS
+                              + sum(harness.MODEL_CUDA_CELLS.values(), ()))}
     for step in headline:
         args = step.cmd
         assert os.path.exists(os.path.join(gpu_check.REPO, args[args.index("pytest") + 1]))
