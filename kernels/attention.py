@@ -32,8 +32,9 @@ Sliding window (optional, ModernBERT's local layers). Query i sees key j only wh
 sequence; in the row, padding included, with key_valid). A query block visits only the key blocks that meet
 [first query - w, last query + w]: blocks wholly outside are skipped, not masked, so a local layer costs
 ~T x (BLOCK_M + 2w) scores per head; keys of visited blocks outside the band get -inf. With key_valid, a padded query
-whose window holds padding only is uniform over that padding (HF's finfo.min mask gives that); a fully padded row
-ignores the window (uniform over all S keys, as without one).
+whose window holds padding only gets HF eager's answer, uniform over all S keys of its row (HF's one finfo.min mask
+covers every key there): the kernel keeps such a query finite, and `launch` then writes its row's mean value; a fully
+padded row ignores the window (uniform over all S keys, as without one).
 
 Rotary (optional, ModernBERT). q and k are rotated by rotate-half with per-token cos/sin tables [T, hd/2] (float32,
 one row per token: HF's apply_rotary_pos_emb), in fp32, rounded back to the input dtype before tl.dot, as the twin
@@ -206,9 +207,9 @@ def _attention_fwd_kernel(
         if HAS_WINDOW:
             near = tl.abs(offs_n[None, :] - offs_m[:, None]) <= win
             if HAS_MASK:
-                # A padded query's window may hold padding only. HF's finfo.min mask makes it uniform over the
-                # padded keys in its window: padded keys score MASKED (= m_i's start, so p = exp2(0) = 1 while no
-                # real key has been seen, 0 once one has), where -inf would give 0 / 0. Keys from kv_end on are
+                # A padded query's window may hold padding only: padded keys score MASKED (= m_i's start, so
+                # p = exp2(0) = 1 while no real key has been seen, 0 once one has), where -inf would give 0 / 0.
+                # Such a query's row is then overwritten with HF's uniform answer (launch). Keys from kv_end on are
                 # padding, not read.
                 key_valid = tl.load(key_valid_ptr + seq * stride_mask_b + offs_n * stride_mask_s,
                                     mask=offs_n < kv_end, other=0)
