@@ -654,7 +654,8 @@ for tokens, longest in sizes:
         model(ids)  # runs (and tunes) the kernels the forward resolved to
 report["auto_table"] = auto.choices_for(torch.device(device)).table
 report["auto_table_path"] = auto.choices_for(torch.device(device)).path
-tuners = {"attention": attention._attention_fwd, **{f"gemm-{k[0]}-{k[1]}": t for k, t in gemm._AUTOTUNED.items()}}
+tuners = {"attention": attention._attention_fwd,
+          **{"gemm-" + "-".join(map(str, k)): t for k, t in gemm._AUTOTUNED.items()}}
 report["autotuned"] = {name: {str(k): str(v) for k, v in getattr(t, "cache", {}).items()} for name, t in tuners.items()}
 json.dump(report, open(sys.argv[1], "w"), indent=1, default=str)
 for key, resolved in report["resolved"].items():

@@ -38,6 +38,8 @@ class Shapes:
     bias_reach: int = 0  # attention: a per-distance bias table [nh, 2R - 1] of this reach R (MPNet), or 0 for none
     window: int | None = None  # attention: a sliding window of +-w keys (ModernBERT's local layers), or None
     rotary: bool = False  # attention: q and k rotated by per-token cos/sin tables (ModernBERT)
+    gated: bool = False  # bias_gelu: the gated MLP (W_in [2I, H], act(a) * g; ModernBERT)
+    pre_norm: bool = False  # residual_layernorm: the pre-norm form (returns s and LN(s); ModernBERT)
 
 
 def default_timer(fn) -> float:
@@ -114,10 +116,12 @@ def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
     dt = str(dtype).replace("torch.", "")
     if op == "qkv_projection":
         return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|N{3 * shapes.hidden}"
-    if op == "bias_gelu":
-        return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|{shapes.activation}"
-    if op == "residual_layernorm":
-        return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
+    if op == "bias_gelu":  # gated: twice the GEMM's columns, and an epilogue the twin runs as three more passes
+        key = f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|{shapes.activation}"
+        return key + ("|gated" if shapes.gated else "")
+    if op == "residual_layernorm":  # pre-norm: the kernel writes a second [T, H] output
+        key = f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
+        return key + ("|prenorm" if shapes.pre_norm else "")
     # the twin is one sdpa on a dense batch, a host loop on a ragged one
     layout = "ragged" if shapes.ragged else "dense"
     key = f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
@@ -141,13 +145,20 @@ def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin
     if op == "qkv_projection":
         args = (rand(T, H), rand(3 * H, H, scale=H ** -0.5), rand(3 * H), shapes.heads)
     elif op == "bias_gelu":
-        args = (rand(T, H), rand(I, H, scale=H ** -0.5), rand(I), shapes.activation)
+        N = 2 * I if shapes.gated else I
+        args = (rand(T, H), rand(N, H, scale=H ** -0.5), rand(N), shapes.activation)
+        if shapes.gated:
+            return (lambda: kernel(*args, gated=True)), (lambda: twin(*args, gated=True))
     elif op == "residual_layernorm":  # a layer calls it twice: after attention (K = H) and after the FFN (K = I)
         x = rand(T, H)
-        ones, zeros = torch.ones(H, device=device, dtype=dtype), torch.zeros(H, device=device, dtype=dtype)
-        first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, zeros, 1e-12)
-        second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, zeros, 1e-12)
-        return (lambda: (kernel(*first), kernel(*second))), (lambda: (twin(*first), twin(*second)))
+        ones = torch.ones(H, device=device, dtype=dtype)
+        # pre-norm is timed as ModernBERT runs it: a LayerNorm without bias
+        beta = None if shapes.pre_norm else torch.zeros(H, device=device, dtype=dtype)
+        first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, beta, 1e-12)
+        second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, beta, 1e-12)
+        form = {"pre_norm": True} if shapes.pre_norm else {}
+        return ((lambda: (kernel(*first, **form), kernel(*second, **form))),
+                (lambda: (twin(*first, **form), twin(*second, **form))))
     else:
         layout = measured_layout(T, shapes.max_seqlen, shapes.ragged, device)
         qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)

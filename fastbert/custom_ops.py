@@ -1,7 +1,8 @@
 """The four ops as torch custom ops, so that torch.compile and torch.export see one op each.
 
 A traced forward (torch.compile, torch.export) records `fastbert::qkv_projection`, `fastbert::attention`,
-`fastbert::bias_gelu` and `fastbert::residual_layernorm` as single nodes with fake (shape-only) implementations,
+`fastbert::bias_gelu` and `fastbert::residual_layernorm` (its pre-norm form: `fastbert::residual_layernorm_pre`,
+which returns the new residual stream and its LayerNorm) as single nodes with fake (shape-only) implementations,
 instead of the Python of a Triton launcher, which a tracer cannot follow. When the graph runs, each node runs the
 Triton kernel (CUDA) or the PyTorch twin (CPU, or when the forward resolved that op to its twin).
 
@@ -82,19 +83,21 @@ def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, backend, bias=None, window=
 
 @torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
 def bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
-              backend: str) -> torch.Tensor:
-    return _run("bias_gelu", backend, x, lambda: _kernel("bias_gelu").launch(x, weight, bias, activation),
-                lambda: twins.bias_gelu_torch(x, weight, bias, activation))
+              backend: str, gated: bool = False) -> torch.Tensor:
+    """act(x @ W^T + b) [T, N]; gated: W [2I, H] and act(a) * g [T, I]."""
+    return _run("bias_gelu", backend, x, lambda: _kernel("bias_gelu").launch(x, weight, bias, activation, gated),
+                lambda: twins.bias_gelu_torch(x, weight, bias, activation, gated))
 
 
 @bias_gelu.register_fake
-def _(x, weight, bias, activation, backend):
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _(x, weight, bias, activation, backend, gated=False):
+    return x.new_empty(x.shape[0], weight.shape[0] // (2 if gated else 1))
 
 
 @torch.library.custom_op("fastbert::residual_layernorm", mutates_args=())
 def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+                       ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
+                       backend: str) -> torch.Tensor:
     return _run("residual_layernorm", backend, y,
                 lambda: _kernel("residual_layernorm").launch(y, weight, bias, residual, ln_weight, ln_bias, eps),
                 lambda: twins.residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps))
@@ -103,6 +106,23 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 @residual_layernorm.register_fake
 def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend):
     return residual.new_empty(residual.shape)
+
+
+# The pre-norm form is its own op: it returns two tensors (the new residual stream s and LN(s)), both fresh.
+@torch.library.custom_op("fastbert::residual_layernorm_pre", mutates_args=())
+def residual_layernorm_pre(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                           ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
+                           backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run("residual_layernorm", backend, y,
+                lambda: _kernel("residual_layernorm").launch(y, weight, bias, residual, ln_weight, ln_bias, eps,
+                                                             pre_norm=True),
+                lambda: twins.residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps,
+                                                       pre_norm=True))
+
+
+@residual_layernorm_pre.register_fake
+def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend):
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
 # ---- the op callables a traced forward's plan holds (the layer's signatures) -----------------------------------------
@@ -126,10 +146,14 @@ def traced_ops(use: dict) -> dict:
         return torch.ops.fastbert.attention(qkv, cu_seqlens, max_seqlen, scale, key_valid, use["attention"],
                                             bias, -1 if window is None else window, cos, sin), None
 
-    def run_bias_gelu(x, weight, bias, activation="gelu"):
-        return torch.ops.fastbert.bias_gelu(x, weight, bias, activation, use["bias_gelu"])
+    def run_bias_gelu(x, weight, bias, activation="gelu", gated=False):
+        return torch.ops.fastbert.bias_gelu(x, weight, bias, activation, use["bias_gelu"], gated)
 
-    def run_residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0):
+    def run_residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False):
+        # dropout_p is 0 here: a traced forward records the custom ops for inference only (dispatch.plan)
+        if pre_norm:
+            return torch.ops.fastbert.residual_layernorm_pre(y, weight, bias, residual, ln_weight, ln_bias, eps,
+                                                             use["residual_layernorm"])
         return torch.ops.fastbert.residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps,
                                                      use["residual_layernorm"])
 

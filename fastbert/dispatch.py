@@ -248,11 +248,13 @@ def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=
                rotary=rotary), None
 
 
-def _bias_gelu_triton(x, weight, bias, activation="gelu", checked=False):
+def _bias_gelu_triton(x, weight, bias, activation="gelu", gated=False, checked=False):
     kernel = _kernel("bias_gelu")
-    return (kernel.bias_gelu if checked else kernel.launch)(x, weight, bias, activation)
+    return (kernel.bias_gelu if checked else kernel.launch)(x, weight, bias, activation, gated)
 
 
-def _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, checked=False):
+def _residual_layernorm_triton(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False,
+                               checked=False):
     kernel = _kernel("residual_layernorm")
-    return (kernel.residual_layernorm if checked else kernel.launch)(y, weight, bias, residual, ln_weight, ln_bias, eps)
+    return (kernel.residual_layernorm if checked else kernel.launch)(y, weight, bias, residual, ln_weight, ln_bias, eps,
+                                                                     pre_norm)

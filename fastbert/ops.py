@@ -82,18 +82,23 @@ def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: 
     return twin()
 
 
-def bias_gelu(x, weight, bias, activation: str = "gelu", *, backend: str = "torch") -> torch.Tensor:
-    twin = lambda: bias_gelu_torch(x, weight, bias, activation)  # noqa: E731
+def bias_gelu(x, weight, bias, activation: str = "gelu", *, gated: bool = False,
+              backend: str = "torch") -> torch.Tensor:
+    """act(x @ W^T + b); gated: W [2I, H] (HF's Wi) and act(a) * g [T, I] (twins.bias_gelu_torch)."""
+    twin = lambda: bias_gelu_torch(x, weight, bias, activation, gated)  # noqa: E731
     if _use_kernel("bias_gelu", backend, x, weight, bias):
-        return _call("bias_gelu", backend, x, lambda: _bias_gelu_triton(x, weight, bias, activation, checked=True),
-                     twin)
+        return _call("bias_gelu", backend, x,
+                     lambda: _bias_gelu_triton(x, weight, bias, activation, gated, checked=True), twin)
     return twin()
 
 
 def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float, *, dropout_p: float = 0.0,
-                       backend: str = "torch") -> torch.Tensor:
-    twin = lambda: residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p)  # noqa: E731
+                       pre_norm: bool = False, backend: str = "torch"):
+    """LN(y @ W^T + b + residual) [T, H]; pre_norm: (s, LN(s)) for s = y @ W^T + b + residual; ln_bias may be None
+    (twins.residual_layernorm_torch)."""
+    twin = lambda: residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p,  # noqa: E731
+                                            pre_norm)
     if _use_kernel("residual_layernorm", backend, y, weight, bias, residual, ln_weight, ln_bias, dropout=dropout_p):
         return _call("residual_layernorm", backend, y, lambda: _residual_layernorm_triton(
-            y, weight, bias, residual, ln_weight, ln_bias, eps, checked=True), twin)
+            y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=pre_norm, checked=True), twin)
     return twin()

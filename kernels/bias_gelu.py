@@ -10,6 +10,10 @@ Activations (`fastbert.ops.ACTIVATIONS` maps HF's hidden_act to these):
     "gelu_tanh"  0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))  == F.gelu(h, approximate="tanh"), HF "gelu_new" /
                  "gelu_pytorch_tanh"; computed as x * sigmoid(2u), the same function without a tanh call
     "relu"       max(h, 0)
+
+Gated (GeGLU, ModernBERT's MLP in): weight is HF's Wi [2I, H] (the input half, then the gate half), bias [2I] or
+None, and the result act(a) * g [T, I] for [a, g] = x @ W^T + b, from two fp32 accumulators over the two halves read
+in place, rounded once: the [T, 2I] pre-activation never reaches memory either (kernels/gemm.py's header).
 """
 from __future__ import annotations
 
@@ -20,32 +24,42 @@ from .gemm import ACTIVATIONS, check_device, check_dtypes, check_linear, check_o
 OP = "bias_gelu"
 
 
+GATED_AOT_ACTIVATIONS = ("gelu", "gelu_tanh")  # GeGLU's (ModernBERT: "gelu"); the launcher takes relu gated too
+
+
 def bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] (unit-stride last dim; rows may be strided), weight [I, H], bias [I] or None -> act(x W^T + b) [T, I].
+    gated: weight [2I, H], bias [2I] or None -> act(a) * g [T, I] (see the header).
 
     out: optional [T, I] tensor (unit-stride last dim) to write into; it is returned. Every argument is checked,
     with an error naming the bad value; `launch` is the same call without the checks.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"{OP}: activation={activation!r} is not one of {ACTIVATIONS}")
+    if not isinstance(gated, bool):
+        raise TypeError(f"{OP}: gated must be a bool; got gated={gated!r}")
     check_dtypes(OP, x=x, weight=weight, bias=bias)
-    T, I, _ = check_linear(OP, x, weight, bias)
+    T, N, _ = check_linear(OP, x, weight, bias)
+    if gated and N % 2:
+        raise ValueError(f"{OP}: gated needs weight.shape[0] even (HF's Wi: [2 * intermediate, hidden], the input "
+                         f"half then the gate half); got weight.shape={tuple(weight.shape)}")
+    I = N // 2 if gated else N
     device = check_device(OP, x=x, weight=weight, bias=bias, out=out)
     if out is not None:
         check_out(OP, out, (T, I), x.dtype, device)
-    return launch(x, weight, bias, activation, out)
+    return launch(x, weight, bias, activation, gated, out)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """`bias_gelu` for arguments the caller has validated (the model does it once per forward): allocate, launch."""
     if out is None:
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    return gemm(x, weight, bias, out, activation=activation)
+        out = torch.empty((x.shape[0], weight.shape[0] // (2 if gated else 1)), dtype=x.dtype, device=x.device)
+    return gemm(x, weight, bias, out, activation=activation, gated=gated)
 
 
 def aot_specs() -> list:
-    """Every kernel x dtype x config x activation (gelu, gelu_tanh, relu) x {bias, no bias}, on the archs each runs
-    on."""
-    return gemm_aot_specs(OP, ACTIVATIONS)
+    """Every kernel x dtype x config x activation (gelu, gelu_tanh, relu) x {bias, no bias}, and the gated epilogue
+    for gelu and gelu_tanh in fp16/bf16 with its tiles, on the archs each runs on."""
+    return gemm_aot_specs(OP, ACTIVATIONS, GATED_AOT_ACTIVATIONS)

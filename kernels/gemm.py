@@ -21,6 +21,16 @@ Small T (BERT at 1x128): the GEMM streams W (BERT-base QKV: 3.5 MB), so the conf
 132 SMs, every program streaming its own panel). Split-K would reach more SMs but needs a second pass (or atomics)
 before a nonlinear epilogue; at ~1-2 us per GEMM the extra launch would cost what it saves.
 
+The gated epilogue (GATED, GeGLU: ModernBERT's MLP in). W is HF's Wi [2N, K], the input half in rows 0..N-1 and the
+gate half in rows N..2N-1, and the output is act(a) * g [M, N] for [a, g] = A @ W^T + b. The [M, 2N] pre-activation
+never reaches memory: the program of output columns [n0, n0 + BLOCK_N) runs two accumulators over the same A tiles,
+one over W rows n0.. and one over rows N + n0.., read in place. So W keeps HF's layout and its one copy (interleaving
+a/g rows at load time would need a second copy or a relayout of the parameter); the FLOPs are the plain GEMM's over
+2N columns. Both kernels take it (the TMA one through a second descriptor at the gate half, whose clipping at N rows
+is then exact). A gated tile holds two accumulators and streams two W panels per K step, so its configs are the
+plain lists with BLOCK_N halved (`gated_configs`): registers and shared memory stay where the plain tiles had them.
+The TMA kernel's gated epilogue needed no other change, so no layout is refused to it.
+
 fp32 honours torch.backends.cuda.matmul.allow_tf32 (tl.dot's input_precision "tf32", else "ieee"); 16-bit types
 always pass "ieee" so the flag never causes a second compile.
 """
@@ -98,6 +108,14 @@ def _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.c
 
 
 @triton.jit
+def _gated_epilogue(acc, acc_g, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """act(acc + b[:N]) * (acc_g + b[N:]) on the two fp32 accumulator tiles (the input and the gate half)."""
+    a = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
+    g = _epilogue(acc_g, bias_ptr + N, offs_n, N, HAS_BIAS, None)
+    return a * g
+
+
+@triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # Grouped ordering: GROUP_M row-blocks walk down one column panel of W together, so the panel is reused from L2.
     num_pid_in_group = GROUP_M * num_pid_n
@@ -114,7 +132,8 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 # --------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def gemm_kernel(
-    # pointers: A [M, K] (unit last stride), W [N, K] (any strides), bias [N] (contiguous), C [M, N] (unit last stride)
+    # pointers: A [M, K] (unit last stride), W [N, K] (any strides; [2N, K] when GATED), bias [N] ([2N] when GATED,
+    # contiguous), C [M, N] (unit last stride)
     a_ptr, w_ptr, bias_ptr, c_ptr,
     # sizes; M_BUCKET is unused by the code, it only feeds the autotune key (next power of two of M)
     M, N, K, M_BUCKET,
@@ -126,6 +145,7 @@ def gemm_kernel(
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (only matters for fp32 inputs)
     # tile shape
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr = False,  # act(a) * g over W's two halves (N output columns from 2N weight rows)
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -141,15 +161,25 @@ def gemm_kernel(
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn  # W^T tile [BLOCK_K, BLOCK_N]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:  # the gate half: W rows N + offs_wn, the same A tile
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        wg_ptrs = w_ptrs + N * stride_wn
     for k in range(0, loop_bound(tl.cdiv(K, BLOCK_K))):
         k_remaining = K - k * BLOCK_K  # only the last K step is partial; masked lanes load 0 and add nothing
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_remaining, other=0.0)
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
         acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+        if GATED:
+            wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_remaining, other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=INPUT_PRECISION)
+            wg_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
-    acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
+    if GATED:
+        acc = _gated_epilogue(acc, acc_g, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
+    else:
+        acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -157,7 +187,8 @@ def gemm_kernel(
 
 @triton.jit
 def gemm_tma_kernel(
-    # pointers: A [M, K], W [N, K], C [M, N], all with unit last stride and 16-byte aligned rows; bias [N]
+    # pointers: A [M, K], W [N, K] ([2N, K] when GATED), C [M, N], all with unit last stride and 16-byte aligned
+    # rows; bias [N] ([2N] when GATED)
     a_ptr, w_ptr, bias_ptr, c_ptr,
     # sizes (M_BUCKET only feeds the autotune key) and the number of programs the grid launched (<= SMs)
     M, N, K, M_BUCKET, NUM_PROGRAMS,
@@ -166,11 +197,15 @@ def gemm_tma_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,  # a producer warp group issues the TMA loads, the consumers run wgmma + epilogue
+    GATED: tl.constexpr = False,  # act(a) * g over W's two halves (N output columns from 2N weight rows)
 ):
     # TMA clips the edges: loads past M, N or K read zeros, stores past M or N are dropped. No masks, no wrap-around.
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    if GATED:  # the gate half as its own [N, K] tensor: TMA clips its rows at N, as the input half's
+        wg_desc = tl.make_tensor_descriptor(w_ptr + N * stride_wn, shape=[N, K], strides=[stride_wn, 1],
+                                            block_shape=[BLOCK_N, BLOCK_K])
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -187,14 +222,22 @@ def gemm_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in tl.range(loop_bound(k_tiles), warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([off_m, k * BLOCK_K])
             w = w_desc.load([off_n, k * BLOCK_K])
             acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                wg = wg_desc.load([off_n, k * BLOCK_K])
+                acc_g = tl.dot(a, wg.T, acc_g, input_precision=INPUT_PRECISION)
         tile_id_c += NUM_PROGRAMS
         pid_m_c, pid_n_c = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
+        if GATED:
+            acc = _gated_epilogue(acc, acc_g, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
+        else:
+            acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
         c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
 
 
@@ -229,9 +272,21 @@ def gemm_tma_configs(warp_specialize: bool = utils.WARP_SPECIALIZE) -> list:
     return configs
 
 
+def gated_configs(configs) -> list:
+    """The gated kernel's tiles: each plain tile with BLOCK_N halved, so that its two accumulators and two W panels
+    take the registers and shared memory one plain tile took (tests/tooling/test_aot.py: no spills). 32-column tiles
+    stay as they are, and a tile that halves onto the shape (BLOCK_M x 32, warps) of one of them is left out: that
+    tile serves it (the pointer kernel's 64x32x64 at 4 warps, which the 64x32x128 tile covers, spills 24 bytes on
+    sm_80 under Triton 3.6)."""
+    narrow = {(c[0], c[3], *c[5:]) for c in configs if c[1] <= 32}
+    halved = [c if c[1] <= 32 else (c[0], c[1] // 2, *c[2:]) for c in configs]
+    return list(dict.fromkeys(h for c, h in zip(configs, halved)
+                              if c[1] <= 32 or h[1] > 32 or (h[0], h[3], *h[5:]) not in narrow))
+
+
 INTERPRETER_CONFIG = (32, 128, 128, 4, 1)  # one fixed tile under TRITON_INTERPRET=1 (num_warps/stages are ignored)
 
-_AUTOTUNE_KEY = ["N", "K", "M_BUCKET", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"]  # + tensor dtypes, implicitly
+_AUTOTUNE_KEY = ["N", "K", "M_BUCKET", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION", "GATED"]  # + dtypes, implicitly
 
 
 def _meta(cfg) -> dict:
@@ -258,14 +313,22 @@ def _autotuned(fn, configs):
     return utils.autotune(fn, [_triton_config(c) for c in configs], _AUTOTUNE_KEY, prune_configs)
 
 
-# One Autotuner per (kernel, element size): each wraps the same JIT function.
-_AUTOTUNED = {("ptr", 2): _autotuned(gemm_kernel, gemm_configs(2)),
-              ("ptr", 4): _autotuned(gemm_kernel, gemm_configs(4)),
-              ("tma", 2): _autotuned(gemm_tma_kernel, gemm_tma_configs())}
+def kernel_configs(kernel: str, element_size: int, gated: bool = False) -> list:
+    """The autotune list of one (kernel, element size, gated) variant."""
+    configs = gemm_tma_configs() if kernel == "tma" else gemm_configs(element_size)
+    return gated_configs(configs) if gated else configs
+
+
+# One Autotuner per (kernel, element size, gated): each wraps the same JIT function, with that variant's tiles.
+_VARIANTS = [("ptr", 2), ("ptr", 4), ("tma", 2)]
+_AUTOTUNED = {(kernel, size, gated): _autotuned(gemm_tma_kernel if kernel == "tma" else gemm_kernel,
+                                                kernel_configs(kernel, size, gated))
+              for kernel, size in _VARIANTS for gated in (False, True)}
 # What a launch takes instead of benchmarking while a CUDA graph is captured (see `gemm`): the first config of each
 # default list, never a warp-specialized one (those come last, and only with the opt-in).
-CAPTURE_CONFIGS = {("ptr", 2): gemm_configs(2)[0], ("ptr", 4): gemm_configs(4)[0],
-                   ("tma", 2): gemm_tma_configs(warp_specialize=False)[0]}
+CAPTURE_CONFIGS = {(kernel, size, gated): (gated_configs if gated else list)(
+                       gemm_tma_configs(warp_specialize=False) if kernel == "tma" else gemm_configs(size))[0]
+                   for kernel, size in _VARIANTS for gated in (False, True)}
 
 
 def config_name(cfg) -> str:
@@ -396,18 +459,22 @@ def check_out(op: str, out: torch.Tensor, shape: tuple, dtype: torch.dtype, devi
 # The launcher (arguments already validated: by the op's public function, or once per forward by the model)
 # --------------------------------------------------------------------------------------------------------------------
 def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-         activation: str | None = None, *, config: tuple | None = None, kernel: str | None = None) -> torch.Tensor:
-    """out[M, N] = act(a[M, K] @ weight[N, K]^T + bias). Cheap asserts only. `kernel` ("tma" / "ptr") and `config`
+         activation: str | None = None, *, gated: bool = False, config: tuple | None = None,
+         kernel: str | None = None) -> torch.Tensor:
+    """out[M, N] = act(a[M, K] @ weight[N, K]^T + bias); gated: weight [2N, K], bias [2N] and out = act(a) * g for
+    [a, g] = a @ weight^T + bias (see the header). Cheap asserts only. `kernel` ("tma" / "ptr") and `config`
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) pin a kernel and a tile instead of the per-arch choice and the
     autotuner (the tests run every config of both kernels with them). Runs on a's device (a device guard). While a
     CUDA graph is captured, a key the autotuner has not tuned takes CAPTURE_CONFIGS (benchmarking would sync)."""
     assert activation is None or activation in ACTIVATIONS, activation
     assert a.dim() == 2 and weight.dim() == 2 and a.shape[1] == weight.shape[1], (a.shape, weight.shape)
-    assert out.shape == (a.shape[0], weight.shape[0]) and a.dtype == weight.dtype == out.dtype
+    assert out.shape == (a.shape[0], weight.shape[0] // (2 if gated else 1)), (out.shape, weight.shape, gated)
+    assert not gated or weight.shape[0] % 2 == 0, weight.shape
+    assert a.dtype == weight.dtype == out.dtype
     if utils.INTERPRET and a.dtype == torch.bfloat16:
         raise NotImplementedError(utils.INTERPRETER_BF16_DOT)
     M, K = a.shape
-    N = weight.shape[0]
+    N = out.shape[1]
     if M == 0 or N == 0:
         return out  # nothing to compute (a zero-size grid is not launchable)
     if kernel is None:
@@ -415,9 +482,11 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     if config is None and utils.INTERPRET:
         config = INTERPRETER_CONFIG
     bias_arg = bias if bias is not None else a  # bias_ptr is never read when HAS_BIAS is False
-    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=input_precision(a.dtype))
+    meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=input_precision(a.dtype),
+                GATED=bool(gated))
     m_bucket = max(16, triton.next_power_of_2(M))
-    tuner = _AUTOTUNED.get((kernel, a.element_size()))
+    variant = (kernel, a.element_size(), bool(gated))
+    tuner = _AUTOTUNED.get(variant)
 
     with utils.device_guard(a):
         if kernel == "tma":
@@ -427,7 +496,7 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
             args = [a, weight, bias_arg, out, M, N, K, m_bucket, num_programs(a.device, M, N, 1, 1),
                     a.stride(0), weight.stride(0), out.stride(0)]
             if config is None and utils.untuned_in_capture(tuner, args, meta):
-                config = CAPTURE_CONFIGS[("tma", 2)]
+                config = CAPTURE_CONFIGS[variant]
             if config is not None:
                 config = tuple(config) + (False,) * (6 - len(config))
                 args[8] = num_programs(a.device, M, N, config[0], config[1])
@@ -441,7 +510,7 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
         args = (a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1),
                 out.stride(0))
         if config is None and utils.untuned_in_capture(tuner, args, meta):
-            config = CAPTURE_CONFIGS[("ptr", a.element_size())]
+            config = CAPTURE_CONFIGS[variant]
         if config is not None:
             grid = (triton.cdiv(M, config[0]) * triton.cdiv(N, config[1]),)
             gemm_kernel[grid](*args, **meta, **_meta(config[:5]), num_warps=config[3], num_stages=config[4])
@@ -459,34 +528,41 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
 _PTR_SM90_16BIT = (128, 128, 64, 8, 3)
 
 
-def gemm_aot_specs(prefix: str, activations) -> list:
+def gemm_aot_specs(prefix: str, activations, gated_activations=()) -> list:
     """The kernels x dtypes x configs x activations x {bias, no bias} that run, named like
     "bias_gelu-fp16-gelu-tma-128x256x64-w8-s3" ("-nobias" after the activation without one), each with the archs it
-    runs on ("archs"). Pointers and the integers the JIT sees as multiples of 16 at BERT's sizes are compiled with
-    that divisibility (tests/tooling/aot_compile.py's default); "hints" {"M": None} takes it back for the token count,
-    which is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
+    runs on ("archs"). `gated_activations`: the gated (GeGLU) epilogue for these activations, fp16/bf16 only (the
+    dtypes ModernBERT runs in; fp32 gated tiles are not in the list), with the `gated_configs` tiles, named
+    "bias_gelu-bf16-gelu-gated-nobias-...". Pointers and the integers the JIT sees as multiples of 16 at BERT's sizes
+    are compiled with that divisibility (tests/tooling/aot_compile.py's default); "hints" {"M": None} takes it back
+    for the token count, which is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
     Without the divisibility loads turn scalar and the pointer kernel spills (REG 255 STACK 32 at 128x128 GELU)."""
     specs = []
     for dtype, short in DTYPES.items():
         ptr = "*" + short
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
         size = torch.empty((), dtype=dtype).element_size()
-        variants = [("ptr", cfg) for cfg in gemm_configs(size)]
+        variants = [("ptr", cfg, False) for cfg in gemm_configs(size)]
         if size == 2:
-            variants += [("tma", cfg) for cfg in gemm_tma_configs(warp_specialize=True)]
-        for kind, cfg in variants:
+            variants += [("tma", cfg, False) for cfg in gemm_tma_configs(warp_specialize=True)]
+            if gated_activations:
+                variants += [("ptr", cfg, True) for cfg in gated_configs(gemm_configs(size))]
+                variants += [("tma", cfg, True) for cfg in gated_configs(gemm_tma_configs(warp_specialize=True))]
+        for kind, cfg, gated in variants:
             warps, stages = cfg[3], cfg[4]
             if kind == "tma":
                 archs = (90,)
-            elif size == 2 and cfg != _PTR_SM90_16BIT:
+            elif size == 2 and cfg != (gated_configs([_PTR_SM90_16BIT])[0] if gated else _PTR_SM90_16BIT):
                 archs = (80,)
             else:
                 archs = (90, 80)
-            for activation, has_bias, precision in itertools.product(activations, (True, False), precisions):
-                parts = [prefix, short] + ([activation] if activation else []) + ([] if has_bias else ["nobias"]) \
-                        + ([precision] if dtype == torch.float32 else []) + [kind, config_name(cfg)]
+            for activation, has_bias, precision in itertools.product(gated_activations if gated else activations,
+                                                                     (True, False), precisions):
+                parts = [prefix, short] + ([activation] if activation else []) + (["gated"] if gated else []) \
+                        + ([] if has_bias else ["nobias"]) + ([precision] if dtype == torch.float32 else []) \
+                        + [kind, config_name(cfg)]
                 constexprs = {"HAS_BIAS": has_bias, "ACTIVATION": activation, "INPUT_PRECISION": precision,
-                              **_meta(cfg)}
+                              "GATED": gated, **_meta(cfg)}
                 signature = {"a_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "c_ptr": ptr,
                              "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
                              "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"}
@@ -503,4 +579,5 @@ def gemm_aot_specs(prefix: str, activations) -> list:
     return specs
 
 # No aot_specs() here: the core is compiled through the op modules that use it (qkv_projection: no activation;
-# bias_gelu: each activation; both with and without bias), which are exactly the variants that run.
+# bias_gelu: each activation, and the gated epilogue; both with and without bias), which are exactly the variants
+# that run.

@@ -38,6 +38,13 @@ torch's layer_norm (which for fp16/bf16 also keeps fp32 statistics and rounds on
 kernel skips one rounding (h + residual is not rounded before the norm). Row offsets are int64 (T * H can exceed
 2^31). The GEMM is torch.matmul without the bias, so it honours torch.backends.cuda.matmul.allow_tf32 like the
 twin's F.linear. Each program reads its rows before it stores them, so `out` may alias `residual` or h.
+
+Pre-norm (ModernBERT: x = x + sublayer(norm(x))): `pre_norm=True` returns (s, LN(s)) for s = h + bias + residual,
+the new residual stream and the next sublayer's input, both from the one row pass (PRE_NORM writes s as a second
+output). s is rounded to the input dtype when it is stored, and LN is computed from that rounded s, not from the
+fp32 sum: the twin does the same (its `h += residual` rounds), and the stream the later layers add to is the rounded
+s, so the LN a layer reads and the residual it adds back describe the same tensor (in fp32 the two are one).
+LayerNorm without bias (ModernBERT's norm_bias=False): ln_bias None, in either form (HAS_LN_BIAS).
 """
 from __future__ import annotations
 
@@ -65,23 +72,38 @@ def _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, cols, param_cols, mask,
 
 
 @triton.jit
-def _store_chunk(out_ptr, o_rows, centred, rstd, ln_w_ptr, ln_b_ptr, cols, param_cols, mask):
+def _stream_chunk(x, s_ptr, s_rows, cols, mask, PRE_NORM: tl.constexpr):
+    """Pre-norm: store the chunk of s (rounded to the stream's dtype) and go on with the rounded values."""
+    if PRE_NORM:
+        rounded = x.to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + s_rows + cols[None, :], rounded, mask=mask)
+        x = rounded.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_chunk(out_ptr, o_rows, centred, rstd, ln_w_ptr, ln_b_ptr, cols, param_cols, mask,
+                 HAS_LN_BIAS: tl.constexpr):
     gamma = tl.load(ln_w_ptr + param_cols).to(tl.float32)
-    beta = tl.load(ln_b_ptr + param_cols).to(tl.float32)
-    y = centred * rstd[:, None] * gamma[None, :] + beta[None, :]
+    y = centred * rstd[:, None] * gamma[None, :]
+    if HAS_LN_BIAS:
+        y += tl.load(ln_b_ptr + param_cols).to(tl.float32)[None, :]
     tl.store(out_ptr + o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def bias_residual_layernorm_kernel(
-    # pointers: h [T, H] (the GEMM output), bias [H], residual [T, H], LayerNorm gamma/beta [H], out [T, H]
-    h_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, out_ptr,
+    # pointers: h [T, H] (the GEMM output), bias [H], residual [T, H], LayerNorm gamma/beta [H], out [T, H],
+    # s [T, H] (pre-norm: the new residual stream)
+    h_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, out_ptr, s_ptr,
     # sizes and LayerNorm epsilon
     T, N, eps,
     # row strides in elements (every last dim is unit-stride)
-    stride_hm, stride_rm, stride_om,
+    stride_hm, stride_rm, stride_om, stride_sm,
     # meta-parameters
     HAS_BIAS: tl.constexpr,  # add bias[H] before the residual
+    HAS_LN_BIAS: tl.constexpr,  # add beta[H] after the scale (False: a LayerNorm without bias)
+    PRE_NORM: tl.constexpr,  # also store s = h + bias + residual (rounded; the norm is taken of the rounded s)
     ROWS: tl.constexpr,  # rows per program
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,  # a row is NUM_CHUNKS (1 or 3) chunks of CHUNK lanes
     EVEN: tl.constexpr,  # CHUNK * NUM_CHUNKS == N: no column mask (keeps the accesses 16-byte vectors)
@@ -93,6 +115,7 @@ def bias_residual_layernorm_kernel(
     h_rows = (rows * stride_hm)[:, None]
     r_rows = (rows * stride_rm)[:, None]
     o_rows = (rows * stride_om)[:, None]
+    s_rows = (rows * stride_sm)[:, None]
     c0 = tl.arange(0, CHUNK)
     if EVEN:
         m0 = row_ok[:, None]
@@ -103,14 +126,17 @@ def bias_residual_layernorm_kernel(
     # Chunks are separate variables (Triton tensors have power-of-two shapes, 768 = 3 x 256 is not one): the
     # constexpr branches unroll, and every chunk stays in registers between the passes.
     x0 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c0, p0, m0, HAS_BIAS)
+    x0 = _stream_chunk(x0, s_ptr, s_rows, c0, m0, PRE_NORM)
     if not EVEN:
         x0 = tl.where(m0, x0, 0.0)
     total = tl.sum(x0, axis=1)
     if NUM_CHUNKS == 3:
         c1 = c0 + CHUNK
         x1 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c1, c1, m0, HAS_BIAS)
+        x1 = _stream_chunk(x1, s_ptr, s_rows, c1, m0, PRE_NORM)
         c2 = c0 + 2 * CHUNK
         x2 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c2, c2, m0, HAS_BIAS)
+        x2 = _stream_chunk(x2, s_ptr, s_rows, c2, m0, PRE_NORM)
         total += tl.sum(x1, axis=1) + tl.sum(x2, axis=1)
     mean = total / N
 
@@ -125,10 +151,11 @@ def bias_residual_layernorm_kernel(
         sq += tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     rstd = 1.0 / tl.sqrt(sq / N + eps)  # biased variance, as LayerNorm
 
-    _store_chunk(out_ptr, o_rows, x0, rstd, ln_w_ptr, ln_b_ptr, c0, p0, m0)
+    _store_chunk(out_ptr, o_rows, x0, rstd, ln_w_ptr, ln_b_ptr, c0, p0, m0, HAS_LN_BIAS)
     if NUM_CHUNKS == 3:
-        _store_chunk(out_ptr, o_rows, x1, rstd, ln_w_ptr, ln_b_ptr, c1, c1, m0)
-        _store_chunk(out_ptr, o_rows, x2, rstd, ln_w_ptr, ln_b_ptr, c2, c2, m0)
+        _store_chunk(out_ptr, o_rows, x1, rstd, ln_w_ptr, ln_b_ptr, c1, c1, m0, HAS_LN_BIAS)
+        _store_chunk(out_ptr, o_rows, x2, rstd, ln_w_ptr, ln_b_ptr, c2, c2, m0, HAS_LN_BIAS)
+
 
 def row_config(hidden: int) -> tuple:
     """(ROWS, CHUNK, NUM_CHUNKS, num_warps) for rows of `hidden` elements: the row as 1 or 3 power-of-two chunks when
@@ -147,13 +174,20 @@ def row_config(hidden: int) -> tuple:
 
 
 def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """LN(y [T, K] @ weight[H, K]^T + bias[H] + residual[T, H]) with gamma=ln_weight, beta=ln_bias -> [T, H].
+                       ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+    """LN(y [T, K] @ weight[H, K]^T + bias[H] + residual[T, H]) with gamma=ln_weight, beta=ln_bias (None: no beta)
+    -> [T, H]. pre_norm: (s, LN(s)) for s = y @ weight^T + bias + residual, each [T, H] (see the header).
 
-    y may have any strides (cuBLAS reads it); residual and out need a unit-stride last dimension. out may be
-    `residual` itself (in-place update of the residual stream).
+    y may have any strides (cuBLAS reads it); residual, out and residual_out need a unit-stride last dimension. out
+    (the LayerNorm) may be `residual` itself in the post-norm form (in-place update of the residual stream);
+    residual_out (pre_norm only: where s goes) may be `residual` itself.
     """
+    if not isinstance(pre_norm, bool):
+        raise TypeError(f"{OP}: pre_norm must be a bool; got pre_norm={pre_norm!r}")
+    if residual_out is not None and not pre_norm:
+        raise ValueError(f"{OP}: residual_out is the pre-norm form's second output; the post-norm form "
+                         f"(pre_norm=False) returns the LayerNorm only (pass out=)")
     check_dtypes(OP, y=y, weight=weight, bias=bias, residual=residual, ln_weight=ln_weight, ln_bias=ln_bias)
     T, H, _ = check_linear(OP, y, weight, bias, x_name="y", unit_stride=False)
     if residual.dim() != 2 or tuple(residual.shape) != (T, H):
@@ -163,6 +197,8 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"{OP}: residual must have a unit-stride last dimension; "
                          f"got residual.stride()={residual.stride()}")
     for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is None and name == "ln_bias":
+            continue
         if t.dim() != 1 or t.shape[0] != H:
             raise ValueError(f"{OP}: {name}.shape={tuple(t.shape)} must be {(H,)} (the hidden size weight.shape[0])")
         if H > 1 and t.stride(0) != 1:
@@ -172,41 +208,72 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if H > MAX_HIDDEN:
         raise ValueError(f"{OP}: hidden size H={H} exceeds {MAX_HIDDEN}, the widest row one program holds")
     device = check_device(OP, y=y, weight=weight, bias=bias, residual=residual, ln_weight=ln_weight, ln_bias=ln_bias,
-                          out=out)
+                          out=out, residual_out=residual_out)
     if out is not None:
         check_out(OP, out, (T, H), y.dtype, device)
-    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, out)
+    if residual_out is not None:
+        check_out(OP, residual_out, (T, H), y.dtype, device)
+        if out is not None and _overlap(out, residual_out):
+            raise ValueError(f"{OP}: out and residual_out are the two outputs of the pre-norm form and must not "
+                             f"overlap; got out.data_ptr()={out.data_ptr()}, "
+                             f"residual_out.data_ptr()={residual_out.data_ptr()}")
+    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, out, residual_out)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' storage spans intersect (a cheap, conservative test)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    span = lambda t: (t.data_ptr(), t.data_ptr() + ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size())  # noqa: E731
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
 
 
 def launch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-           ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`residual_layernorm` for arguments the caller has validated (the model does it once per forward)."""
+           ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
+           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+    """`residual_layernorm` for arguments the caller has validated (the model does it once per forward). Without
+    outputs given, the post-norm form writes the LayerNorm into the GEMM's buffer; the pre-norm form writes s there
+    (the twin's `h += residual`) and the LayerNorm into a fresh tensor."""
     h = torch.matmul(y, weight.t())  # [T, H], cuBLAS (no bias: it is added in fp32 in the row kernel)
-    return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h)
+    if not pre_norm:
+        return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h)
+    return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out, pre_norm=True,
+                                   residual_out=residual_out if residual_out is not None else h)
 
 
 def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                            ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
+                            out: torch.Tensor | None = None, pre_norm: bool = False,
+                            residual_out: torch.Tensor | None = None):
     """The row pass alone: LN(h + bias + residual) for a GEMM output h [T, H], unit-stride rows, arguments
-    validated by the caller (cheap asserts only). The benchmarks call it to measure the row kernel's GB/s.
-    out may be h or residual itself."""
+    validated by the caller (cheap asserts only); pre_norm: (s, LN(s)) with s written to residual_out (a fresh
+    tensor when None). The benchmarks call it to measure the row kernel's GB/s. out may be h or residual itself;
+    residual_out too, but not out."""
     T, H = h.shape
-    assert residual.shape == h.shape and ln_weight.shape == ln_bias.shape == (H,), (h.shape, residual.shape)
+    assert residual.shape == h.shape and ln_weight.shape == (H,), (h.shape, residual.shape, ln_weight.shape)
+    assert ln_bias is None or ln_bias.shape == (H,), ln_bias.shape
     assert H <= 1 or h.stride(1) == residual.stride(1) == 1, (h.stride(), residual.stride())
     if out is None:
         out = torch.empty_like(h)
+    if pre_norm and residual_out is None:
+        residual_out = torch.empty_like(h)
+    assert residual_out is None or residual_out is not out, "the pre-norm form's two outputs must be two tensors"
+    result = (residual_out, out) if pre_norm else out
     if T == 0 or H == 0:
-        return out
+        return result
+    stream = residual_out if pre_norm else out  # s_ptr is never written unless PRE_NORM
     rows, chunk, num_chunks, num_warps = row_config(H)
     with utils.device_guard(h):  # Triton launches on the current device: make it h's
         bias_residual_layernorm_kernel[(triton.cdiv(T, rows),)](
-            h, bias if bias is not None else h, residual, ln_weight, ln_bias, out,
+            h, bias if bias is not None else h, residual, ln_weight, ln_bias if ln_bias is not None else ln_weight,
+            out, stream,
             T, H, float(eps),
-            h.stride(0), residual.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H,
+            h.stride(0), residual.stride(0), out.stride(0), stream.stride(0),
+            HAS_BIAS=bias is not None, HAS_LN_BIAS=ln_bias is not None, PRE_NORM=bool(pre_norm),
+            ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H,
             num_warps=num_warps)
-    return out
+    return result
 
 
 BERT_HIDDEN = (384, 768, 1024)  # MiniLM / BERT-base / BERT-large
@@ -222,28 +289,48 @@ def row_configs() -> dict:
     return configs
 
 
+# The pre-norm and LayerNorm-without-bias variants compiled ahead of time: ModernBERT's (pre-norm, no LN bias), the
+# pre-norm form with an LN bias, and the post-norm form without one, at BERT's and ModernBERT's widths (base 768,
+# large 1024; 384 for MiniLM-sized models). Other widths run the same code with the row_configs of `aot_specs`.
+NORM_VARIANTS = ((True, False), (True, True), (False, False))  # (pre_norm, has_ln_bias)
+
+
+def _spec(short: str, has_bias: bool, config: tuple, hidden: int, pre_norm: bool = False,
+          has_ln_bias: bool = True) -> dict:
+    rows, chunk, num_chunks, num_warps, even = config
+    ptr = "*" + short
+    hints = {"T": None}
+    if hidden % 16:
+        hints.update(N=None, stride_hm=None, stride_rm=None, stride_om=None, stride_sm=None)
+    variant = ("" if has_bias else "-nobias") + ("-prenorm" if pre_norm else "") + ("" if has_ln_bias else "-nolnbias")
+    return {
+        "name": f"{OP}-{short}{variant}-H{hidden}-{rows}x{num_chunks}x{chunk}-w{num_warps}{'' if even else '-masked'}",
+        "fn": bias_residual_layernorm_kernel,
+        "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
+                      "out_ptr": ptr, "s_ptr": ptr, "T": "i32", "N": "i32", "eps": "fp32",
+                      "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_sm": "i32"},
+        "constexprs": {"HAS_BIAS": has_bias, "HAS_LN_BIAS": has_ln_bias, "PRE_NORM": pre_norm, "ROWS": rows,
+                       "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even},
+        "num_warps": num_warps, "num_stages": 1, "hints": hints,
+    }
+
+
 def aot_specs() -> list:
-    """The row kernel for every dtype x {bias, no bias} x config of `row_configs()` (the masked EVEN=False ones
-    included), each named by the smallest width that gets it. Pointers are compiled as multiples of 16
-    (tests/tooling/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row strides too
-    when that width is a multiple of 16; "hints" takes it back for T (any token count) and for the other widths."""
+    """The post-norm row kernel (with an LN bias) for every dtype x {bias, no bias} x config of `row_configs()` (the
+    masked EVEN=False ones included), each named by the smallest width that gets it; then NORM_VARIANTS for every
+    dtype x {bias, no bias} at BERT_HIDDEN ("-prenorm", "-nolnbias" in the name). Pointers are compiled as multiples
+    of 16 (tests/tooling/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row
+    strides too when that width is a multiple of 16; "hints" takes it back for T (any token count) and for the other
+    widths."""
     specs = []
-    for dtype, short in DTYPES.items():
-        ptr = "*" + short
+    for short in DTYPES.values():
         for has_bias in (True, False):
-            for (rows, chunk, num_chunks, num_warps, even), hidden in row_configs().items():
-                hints = {"T": None}
-                if hidden % 16:
-                    hints.update(N=None, stride_hm=None, stride_rm=None, stride_om=None)
-                specs.append({
-                    "name": f"{OP}-{short}{'' if has_bias else '-nobias'}-H{hidden}-{rows}x{num_chunks}x{chunk}"
-                            f"-w{num_warps}{'' if even else '-masked'}",
-                    "fn": bias_residual_layernorm_kernel,
-                    "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
-                                  "out_ptr": ptr, "T": "i32", "N": "i32", "eps": "fp32",
-                                  "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32"},
-                    "constexprs": {"HAS_BIAS": has_bias, "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks,
-                                   "EVEN": even},
-                    "num_warps": num_warps, "num_stages": 1, "hints": hints,
-                })
+            for config, hidden in row_configs().items():
+                specs.append(_spec(short, has_bias, config, hidden))
+    for short in DTYPES.values():
+        for has_bias in (True, False):
+            for pre_norm, has_ln_bias in NORM_VARIANTS:
+                for hidden in BERT_HIDDEN:
+                    config = row_config(hidden) + (True,)
+                    specs.append(_spec(short, has_bias, config, hidden, pre_norm, has_ln_bias))
     return specs

@@ -40,6 +40,10 @@ from fastbert.numerics import error_bound, max_error
 BF16_GEMM_ON_CPU = pytest.mark.skipif(
     DEVICE == "cpu", reason="Triton's interpreter cannot run bf16 tl.dot (triton-lang/triton#11584); runs on CUDA")
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_GEMM_ON_CPU)]
+TMA_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=BF16_GEMM_ON_CPU)]
+TMA_ON_CUDA = pytest.mark.skipif(
+    DEVICE == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="the TMA kernel is built for sm_90 (wgmma + TMA); this GPU is not one")
 
 
 def make(shape, dtype, scale=1.0, seed=0):
@@ -185,6 +189,183 @@ def test_bias_gelu_matches_bert_intermediate(hidden_act):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# bias_gelu, gated (GeGLU): weight [2I, H] = HF's Wi (input half, then gate half), act(a) * g [T, I]
+# --------------------------------------------------------------------------------------------------------------------
+def gated64(x, w, b, activation):
+    """act(a) * g in fp64 from the same rounded inputs."""
+    a, g = F.linear(x.double(), w.double(), None if b is None else b.double()).chunk(2, dim=-1)
+    return act64(a, activation) * g
+
+
+GATED_CASES = [  # (T, H, I, x layout, bias): the interpreter's tile is 32 x 128, so I = 100 and 200 leave partial
+    (1, 64, 100, "contiguous", True),          # column blocks, T = 37 a partial row block, T = 1 a single token
+    (37, 64, 200, "contiguous", False),
+    (7, 384, 100, "strided_rows", True),
+    (13, 96, 40, "column_slice", False),
+]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,H,I,layout,has_bias", GATED_CASES,
+                         ids=[f"T{c[0]}-H{c[1]}-I{c[2]}-{c[3]}{'' if c[4] else '-nobias'}" for c in GATED_CASES])
+def test_bias_gelu_gated(T, H, I, layout, has_bias, dtype, activation):
+    if layout == "strided_rows":
+        x = strided_rows(T, H, dtype)
+    elif layout == "column_slice":
+        x = make((T, H + 32), dtype)[:, :H]
+    else:
+        x = make((T, H), dtype)
+    w = make((2 * I, H), dtype, scale=H ** -0.5, seed=1)
+    b = make((2 * I,), dtype, scale=0.5, seed=2) if has_bias else None
+    out = poisoned((T, I), dtype)
+
+    y = bias_gelu(x, w, b, activation, gated=True, out=out)
+
+    assert y.data_ptr() == out.data_ptr() and y.shape == (T, I)
+    twin = ops.bias_gelu_torch(x, w, b, activation, gated=True)
+    assert_kernel_matches(y, twin, gated64(x, w, b, activation), dtype)
+
+
+def test_bias_gelu_gated_relu_and_fresh_output():
+    """relu gated (the launcher takes every activation) and out=None: a fresh [T, I] tensor."""
+    x, w, b = make((13, 64), torch.float32), make((200, 64), torch.float32, 0.125, 1), make((200,), torch.float32)
+    y = bias_gelu(x, w, b, "relu", gated=True)
+    assert y.shape == (13, 100) and y.is_contiguous()
+    assert_kernel_matches(y, ops.bias_gelu_torch(x, w, b, "relu", gated=True), gated64(x, w, b, "relu"),
+                          torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gemm_gated_every_config(dtype):
+    """Every gated tile of the pointer kernel on M=131, N=100 (2N = 200 weight rows), K=200: partial in M, N and K."""
+    M, N, K = 131, 100, 200
+    a, w, b = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5, 1), make((2 * N,), dtype, 0.5, 2)
+    twin = ops.bias_gelu_torch(a, w, b, "gelu", gated=True)
+    ref64 = gated64(a, w, b, "gelu")
+    for cfg in gemm_core.gated_configs(gemm_core.gemm_configs(a.element_size())):
+        out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), "gelu", gated=True, config=cfg, kernel="ptr")
+        assert_kernel_matches(out, twin, ref64, dtype)
+
+
+@TMA_ON_CUDA
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_GEMM_ON_CPU)], ids=str)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+def test_gemm_tma_gated_every_config(dtype, has_bias):
+    """The persistent TMA kernel's gated tiles: the gate half through its own descriptor at row N, clipped at N rows
+    (M=131, N=104, K=200: 16-byte rows, partial tiles everywhere)."""
+    M, N, K = 131, 104, 200
+    a, w = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5, 1)
+    b = make((2 * N,), dtype, 0.5, 2) if has_bias else None
+    twin = ops.bias_gelu_torch(a, w, b, "gelu_tanh", gated=True)
+    ref64 = gated64(a, w, b, "gelu_tanh")
+    for cfg in gemm_core.gated_configs(gemm_core.gemm_tma_configs(warp_specialize=True)):
+        out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), "gelu_tanh", gated=True, config=cfg, kernel="tma")
+        assert_kernel_matches(out, twin, ref64, dtype)
+
+
+def test_gated_weight_strides():
+    """The gate half is found through the weight's strides: a transposed buffer (stride_wk = 2I) and a row slice of
+    a wider buffer (stride_wn > K)."""
+    M, N, K = 13, 100, 64
+    a, b = make((M, K), torch.float32), make((2 * N,), torch.float32, 0.5, 2)
+    transposed = make((K, 2 * N), torch.float32, K ** -0.5, 1).t()
+    row_slice = make((2 * N, K + 32), torch.float32, K ** -0.5, 1)[:, :K]
+    for w in (transposed, row_slice):
+        y = bias_gelu(a, w, b, "gelu", gated=True, out=poisoned((M, N), torch.float32))
+        assert_kernel_matches(y, ops.bias_gelu_torch(a, w, b, "gelu", gated=True), gated64(a, w, b, "gelu"),
+                              torch.float32)
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_gated_matches_modernbert_mlp(mlp_bias):
+    """The kernel, then Wo, is transformers' ModernBertMLP (GeGLU; random weights) in fp32."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    config = transformers.ModernBertConfig(hidden_size=64, intermediate_size=100, mlp_bias=mlp_bias,
+                                           hidden_activation="gelu")
+    torch.manual_seed(0)
+    module = ModernBertMLP(config).to(DEVICE).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.2)
+    x = make((13, 64), torch.float32)
+    with torch.no_grad():
+        want = module(x)
+        h = bias_gelu(x, module.Wi.weight, module.Wi.bias, ops.ACTIVATIONS[config.hidden_activation], gated=True,
+                      out=poisoned((13, 100), torch.float32))
+        got = F.linear(h, module.Wo.weight, module.Wo.bias)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() <= FP32_TOL
+
+
+def test_gated_configs_halve_the_columns():
+    """A gated tile holds two accumulators and reads two W panels: its list is the plain one with BLOCK_N halved
+    (32-column tiles kept, and none halved onto their shape), and the autotuners and capture configs of the gated
+    variants use it."""
+    assert gemm_core.gated_configs(gemm_core.gemm_configs(2)) == [
+        (128, 64, 64, 8, 3), (128, 32, 64, 8, 4), (64, 64, 64, 4, 4), (64, 32, 128, 4, 4), (128, 32, 64, 4, 4)]
+    assert gemm_core.gated_configs(gemm_core.gemm_configs(4)) == [
+        (128, 64, 32, 8, 3), (128, 32, 32, 8, 4), (64, 64, 32, 4, 4), (64, 32, 16, 4, 4)]
+    assert gemm_core.gated_configs(gemm_core.gemm_tma_configs(warp_specialize=True)) == [
+        (128, 128, 64, 8, 3, False), (256, 64, 64, 8, 3, False), (128, 64, 64, 8, 4, False),
+        (64, 64, 64, 4, 4, False), (128, 32, 64, 4, 4, False), (64, 32, 64, 4, 4, False),
+        (128, 64, 64, 4, 4, True), (128, 32, 64, 4, 4, True)]
+    assert "GATED" in gemm_core._AUTOTUNE_KEY
+    for (kernel, size, gated), tuner in gemm_core._AUTOTUNED.items():
+        want = gemm_core.kernel_configs(kernel, size, gated)
+        assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in tuner.configs] == \
+            [c[:3] for c in want]
+        assert gemm_core.CAPTURE_CONFIGS[(kernel, size, gated)] == [c for c in want if len(c) < 6 or not c[5]][0]
+
+
+def test_gated_launch_takes_the_gated_variant(monkeypatch):
+    """A gated launch files under its own autotuner and, in a capture, takes the gated capture tile (half the
+    columns), never the plain variant's."""
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    monkeypatch.setattr(kernel_utils, "capturing", lambda t: True)
+    fixed = []
+    real_run = gemm_core.gemm_kernel.run
+    monkeypatch.setattr(gemm_core.gemm_kernel, "run", lambda *args, **kwargs: (fixed.append(kwargs),
+                                                                               real_run(*args, **kwargs)))
+    a, w = make((5, 64), torch.float32), make((80, 64), torch.float32, 0.125, 1)
+    out = poisoned((5, 40), torch.float32)
+    with tf32_matmuls(False):
+        gemm_core.gemm(a, w, None, out, "gelu", gated=True)
+    assert len(fixed) == 1 and fixed[0]["GATED"] is True
+    blocks = (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"], fixed[0]["BLOCK_K"])
+    assert blocks == gemm_core.CAPTURE_CONFIGS[("ptr", 4, True)][:3] != gemm_core.CAPTURE_CONFIGS[("ptr", 4, False)][:3]
+    assert max_error(out, gated64(a, w, None, "gelu")) <= FP32_TOL
+
+
+def test_gated_zero_tokens():
+    x, w = make((0, 64), torch.float32), make((200, 64), torch.float32)
+    assert bias_gelu(x, w, None, gated=True).shape == (0, 100)
+
+
+def test_gated_through_dispatch():
+    x, w, b = make((7, 64), torch.float32), make((200, 64), torch.float32, 0.125, 1), make((200,), torch.float32)
+    got = ops.bias_gelu(x, w, b, "gelu_tanh", gated=True, backend="triton")
+    want = ops.bias_gelu(x, w, b, "gelu_tanh", gated=True, backend="torch")
+    assert got.shape == (7, 100) and max_error(got, want) <= FP32_TOL
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gated_custom_op(backend):
+    """fastbert::bias_gelu with gated=True, as a traced forward records it (traced_ops), on either backend; and
+    torch.library's own checks of its schema and fake shapes ([T, I] from W [2I, H])."""
+    from fastbert import custom_ops
+    x, w, b = make((7, 64), torch.float32), make((200, 64), torch.float32, 0.125, 1), make((200,), torch.float32)
+    run = custom_ops.traced_ops({op: backend for op in ("qkv_projection", "attention", "bias_gelu",
+                                                        "residual_layernorm")})["bias_gelu"]
+    got = run(x, w, b, "gelu", gated=True)
+    assert got.shape == (7, 100) and max_error(got, gated64(x, w, b, "gelu")) <= FP32_TOL
+    torch.library.opcheck(torch.ops.fastbert.bias_gelu.default, (x, w, b, "gelu", backend, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # The GEMM core: every autotune config's edge handling, swizzle groups, weight strides, TF32 switch
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -198,12 +379,6 @@ def test_gemm_every_config(dtype):
     for cfg in gemm_core.gemm_configs(a.element_size()):
         out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), "gelu", config=cfg, kernel="ptr")
         assert_kernel_matches(out, twin, ref64, dtype)
-
-
-TMA_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=BF16_GEMM_ON_CPU)]
-TMA_ON_CUDA = pytest.mark.skipif(
-    DEVICE == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-    reason="the TMA kernel is built for sm_90 (wgmma + TMA); this GPU is not one")
 
 
 @TMA_ON_CUDA
@@ -270,7 +445,7 @@ def test_autotuner_keeps_its_choice_across_processes(tmp_path):
             "x = torch.randn(64, 256, device='cuda', dtype=torch.float16)\n"
             "w = torch.randn(512, 256, device='cuda', dtype=torch.float16) * 0.06\n"
             "out = bias_gelu(x, w, torch.zeros(512, device='cuda', dtype=torch.float16), 'gelu')\n"
-            "TUNER = gemm._AUTOTUNED[('tma' if gemm.use_tma(x, w, out) else 'ptr', 2)]")
+            "TUNER = gemm._AUTOTUNED[('tma' if gemm.use_tma(x, w, out) else 'ptr', 2, False)]")
     first, second = tuning_in_fresh_processes(call, tmp_path)
     assert first["benchmarks"] > 0, first
     assert second == {"benchmarks": 0, "choice": first["choice"]}, (first, second)
@@ -288,7 +463,7 @@ def test_warp_specialization_is_opt_in():
     assert [c for c in opted if not c[5]] == default
     assert [c[:5] for c in opted if c[5]] == [(128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
     code = ("from fastbert.kernels import gemm; "
-            "print(sum(bool(c.kwargs['WARP_SPECIALIZE']) for c in gemm._AUTOTUNED[('tma', 2)].configs))")
+            "print(sum(bool(c.kwargs['WARP_SPECIALIZE']) for c in gemm._AUTOTUNED[('tma', 2, False)].configs))")
     base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTBERT_WARP_SPECIALIZE")}
     for value, expected in ((None, "0"), ("0", "0"), ("1", "2")):
         env = dict(base) if value is None else {**base, "FASTBERT_WARP_SPECIALIZE": value}
@@ -432,10 +607,14 @@ def test_qkv_projection_bad_inputs(case, exc, match):
     ("out_shape", ValueError, r"out.shape=\(7, 99\) must be \(7, 100\)"),
     ("out_device", ValueError, r"one device.*out on meta"),
     ("bias_strided", ValueError, r"bias must be contiguous"),
+    ("gated_odd_rows", ValueError, r"gated needs weight.shape\[0\] even .*got weight.shape=\(99, 384\)"),
+    ("gated_bias_half", ValueError, r"bias must be \[100\] \(weight.shape\[0\]\); got bias.shape=\(50,\)"),
+    ("gated_out_full_width", ValueError, r"out.shape=\(7, 100\) must be \(7, 50\)"),
+    ("gated_not_bool", TypeError, r"gated must be a bool; got gated='yes'"),
 ])
 def test_bias_gelu_bad_inputs(case, exc, match):
     x, w, b = make((7, 384), torch.float32), make((100, 384), torch.float32), make((100,), torch.float32)
-    activation, out = "gelu", None
+    activation, out, gated = "gelu", None, False
     if case == "activation":
         activation = "swish"
     elif case == "out_shape":
@@ -444,8 +623,16 @@ def test_bias_gelu_bad_inputs(case, exc, match):
         out = torch.empty((7, 100), device="meta")
     elif case == "bias_strided":
         b = make((200,), torch.float32)[::2]
+    elif case == "gated_odd_rows":
+        w, b, gated = w[:99], b[:99], True
+    elif case == "gated_bias_half":  # the gated bias covers both halves: [2I], not [I]
+        b, gated = b[:50], True
+    elif case == "gated_out_full_width":
+        out, gated = torch.empty((7, 100), device=DEVICE), True
+    elif case == "gated_not_bool":
+        gated = "yes"
     with pytest.raises(exc, match=match):
-        bias_gelu(x, w, b, activation, out=out)
+        bias_gelu(x, w, b, activation, gated=gated, out=out)
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
@@ -465,6 +652,11 @@ PTR_TILES_16BIT = ["128x128x64-w8-s3", "128x64x64-w8-s4", "64x128x64-w4-s4", "64
 PTR_TILES_FP32 = ["128x128x32-w8-s3", "128x64x32-w8-s4", "64x128x32-w4-s4", "64x64x32-w4-s4", "64x32x16-w4-s4"]
 TMA_TILES = ["128x256x64-w8-s3", "256x128x64-w8-s3", "128x128x64-w8-s4", "128x64x64-w4-s4", "64x128x64-w4-s4",
              "128x32x64-w4-s4", "64x32x64-w4-s4", "128x128x64-w4-s4-ws", "128x64x64-w4-s4-ws"]
+# The gated tiles: the 16-bit lists with BLOCK_N halved; a tile halving onto a 32-column tile's shape is left out
+# (the pointer kernel's 64x64x64-w4-s4 -> 64x32: 64x32x128-w4-s4 serves it; TMA's 128x64x64-w4-s4 -> 128x32x64-w4-s4).
+PTR_TILES_GATED = ["128x64x64-w8-s3", "128x32x64-w8-s4", "64x64x64-w4-s4", "64x32x128-w4-s4", "128x32x64-w4-s4"]
+TMA_TILES_GATED = ["128x128x64-w8-s3", "256x64x64-w8-s3", "128x64x64-w8-s4", "64x64x64-w4-s4", "128x32x64-w4-s4",
+                   "64x32x64-w4-s4", "128x64x64-w4-s4-ws", "128x32x64-w4-s4-ws"]
 
 
 def _expected_gemm_specs(prefix, activations):
@@ -485,17 +677,37 @@ def _expected_gemm_specs(prefix, activations):
     return expected
 
 
-@pytest.mark.parametrize("mod,activations", [(qkv_mod, [None]), (bias_gelu_mod, ["gelu", "gelu_tanh", "relu"])],
+def _expected_gated_specs(prefix, activations):
+    """{name: archs} of the gated epilogue: fp16/bf16, sm_90 TMA and the pointer kernel's fallback tile there (the
+    gated 128x64x64-w8-s3), sm_80 the pointer kernel."""
+    expected = {}
+    for act in activations:
+        for bias in ("", "-nobias"):
+            for dtype in ("fp16", "bf16"):
+                head = f"{prefix}-{dtype}-{act}-gated{bias}"
+                for tile in PTR_TILES_GATED:
+                    expected[f"{head}-ptr-{tile}"] = (90, 80) if tile == "128x64x64-w8-s3" else (80,)
+                for tile in TMA_TILES_GATED:
+                    expected[f"{head}-tma-{tile}"] = (90,)
+    return expected
+
+
+@pytest.mark.parametrize("mod,activations,gated", [(qkv_mod, [None], []),
+                                                   (bias_gelu_mod, ["gelu", "gelu_tanh", "relu"],
+                                                    ["gelu", "gelu_tanh"])],
                          ids=["qkv_projection", "bias_gelu"])
-def test_aot_specs_cover_every_config(mod, activations):
+def test_aot_specs_cover_every_config(mod, activations, gated):
     """Every dtype x tile x activation x {bias, no bias} the launchers can run, on the archs it runs on: 40 kernels
-    per (activation, bias) pair; the spec's constexprs are the ones its name says."""
+    per (activation, bias) pair, plus bias_gelu's gated epilogue (26 per gated activation and bias choice); the
+    spec's constexprs are the ones its name says."""
     specs = mod.aot_specs()
     names = [s["name"] for s in specs]
     assert len(names) == len(set(names))
     expected = _expected_gemm_specs(mod.OP, activations)
     assert len(expected) == 40 * 2 * len(activations)
-    assert {s["name"]: tuple(s["archs"]) for s in specs} == expected
+    expected_gated = _expected_gated_specs(mod.OP, gated)
+    assert len(expected_gated) == 26 * 2 * len(gated)
+    assert {s["name"]: tuple(s["archs"]) for s in specs} == {**expected, **expected_gated}
     for s in specs:
         tma = s["fn"] is gemm_core.gemm_tma_kernel
         assert tma or s["fn"] is gemm_core.gemm_kernel
@@ -510,6 +722,7 @@ def test_aot_specs_cover_every_config(mod, activations):
         bm, bn, bk = (int(v) for v in s["name"].split("-ptr-" if not tma else "-tma-")[1].split("-")[0].split("x"))
         assert (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) == (bm, bn, bk)
         assert s["warp_specialize"] == s["name"].endswith("-ws")
+        assert c["GATED"] == ("-gated" in s["name"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -784,11 +997,12 @@ def test_gemm_takes_its_fixed_config_in_a_capture_for_a_key_not_tuned(tuned, mon
     interpreter's fixed tile switched off."""
     monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     monkeypatch.setattr(kernel_utils, "capturing", lambda t: True)
-    tuner = gemm_core._AUTOTUNED[("ptr", 4)]
+    tuner = gemm_core._AUTOTUNED[("ptr", 4, False)]
     a, w = make((5, 64), torch.float32), make((40, 64), torch.float32, 0.125, 1)
     out = poisoned((5, 40), torch.float32)
     args = (a, w, a, out, 5, 40, 64, 16, a.stride(0), w.stride(0), w.stride(1), out.stride(0))
-    meta = dict(HAS_BIAS=False, ACTIVATION=None, INPUT_PRECISION=kernel_utils.input_precision(torch.float32))
+    meta = dict(HAS_BIAS=False, ACTIVATION=None, INPUT_PRECISION=kernel_utils.input_precision(torch.float32),
+                GATED=False)
     tuner_calls, fixed = [], []
     if tuned:
         monkeypatch.setitem(tuner.cache, kernel_utils.autotune_key(tuner, args, meta), tuner.configs[-1])
@@ -803,7 +1017,7 @@ def test_gemm_takes_its_fixed_config_in_a_capture_for_a_key_not_tuned(tuned, mon
     else:
         assert not tuner_calls and len(fixed) == 1
         blocks = (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"], fixed[0]["BLOCK_K"])
-        assert blocks == gemm_core.CAPTURE_CONFIGS[("ptr", 4)][:3]
+        assert blocks == gemm_core.CAPTURE_CONFIGS[("ptr", 4, False)][:3]
         assert (out.double() - F.linear(a.double(), w.double())).abs().max() < FP32_TOL
     assert not any(c[5] for c in gemm_core.CAPTURE_CONFIGS.values() if len(c) > 5)
 

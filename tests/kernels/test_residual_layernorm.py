@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton
-from helpers import DEVICE, FP32_TOL, assert_kernel_matches, poisoned
+from helpers import DEVICE, FP32_TOL, assert_kernel_matches, max_error, poisoned
 
 from fastbert import ops
 from fastbert.kernels import residual_layernorm as rln_mod
@@ -35,10 +35,11 @@ def inputs(T, K, H, dtype, bias=True):
     return y, w, b, res, gamma, beta
 
 
-def reference64(y, w, b, res, gamma, beta, eps):
+def reference64(y, w, b, res, gamma, beta, eps, pre_norm=False):
     d = lambda t: None if t is None else t.double()  # noqa: E731
     h = F.linear(d(y), d(w), d(b)) + d(res)
-    return F.layer_norm(h, (h.shape[-1],), d(gamma), d(beta), eps)
+    normed = F.layer_norm(h, (h.shape[-1],), d(gamma), d(beta), eps)
+    return (h, normed) if pre_norm else normed
 
 
 CASES = [  # (T, K, H): attention-out (K = H) and FFN-out (K = I) shapes, I = 1536 and a non-multiple of 64
@@ -166,6 +167,136 @@ def test_through_dispatch():
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Pre-norm (s, LN(s)) and LayerNorm without bias (ModernBERT)
+# --------------------------------------------------------------------------------------------------------------------
+PRE_NORM_CASES = [  # (T, K, H): T = 1; T = 37 a partial program at every width (8 rows per program at 384, 4 at 768);
+    (1, 384, 384),  # H = 100 one masked chunk; 1024 one chunk; I = 100 a K that is no multiple of 64
+    (37, 100, 384),
+    (13, 64, 768),
+    (7, 64, 100),
+    (5, 64, 1024),
+]
+
+
+@pytest.mark.parametrize("has_bias,has_ln_bias", [(False, False), (True, False), (True, True)],
+                         ids=["nobias-nolnbias", "bias-nolnbias", "bias-lnbias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,K,H", PRE_NORM_CASES, ids=[f"T{t}-K{k}-H{h}" for t, k, h in PRE_NORM_CASES])
+def test_pre_norm(T, K, H, dtype, has_bias, has_ln_bias):
+    """Both outputs against the twin and fp64: s (the new residual stream) and LN(s)."""
+    y, w, b, res, gamma, beta = inputs(T, K, H, dtype, bias=has_bias)
+    beta = beta if has_ln_bias else None
+    eps = 1e-5
+    s_out, ln_out = poisoned((T, H), dtype), poisoned((T, H), dtype)
+    s, normed = residual_layernorm(y, w, b, res, gamma, beta, eps, pre_norm=True, out=ln_out, residual_out=s_out)
+    assert s.data_ptr() == s_out.data_ptr() and normed.data_ptr() == ln_out.data_ptr()
+    twin_s, twin_normed = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, eps, pre_norm=True)
+    ref_s, ref_normed = reference64(y, w, b, res, gamma, beta, eps, pre_norm=True)
+    assert_kernel_matches(s, twin_s, ref_s, dtype)
+    assert_kernel_matches(normed, twin_normed, ref_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H", [384, 100])
+def test_post_norm_without_ln_bias(H, dtype):
+    T, K = 13, 64
+    y, w, b, res, gamma, _ = inputs(T, K, H, dtype)
+    got = residual_layernorm(y, w, b, res, gamma, None, 1e-5, out=poisoned((T, H), dtype))
+    twin = ops.residual_layernorm_torch(y, w, b, res, gamma, None, 1e-5)
+    assert_kernel_matches(got, twin, reference64(y, w, b, res, gamma, None, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_pre_norm_normalises_the_rounded_stream(dtype):
+    """In 16-bit types LN is taken of s as stored (rounded), as the twin's `h += residual` does: a residual near 64
+    with O(0.1) rows makes that rounding large against the row's spread, so LN of the unrounded sum is far off."""
+    T, K, H = 8, 64, 384
+    y, w, b, _, gamma, _ = inputs(T, K, H, dtype)
+    w = w * 0.1
+    res = make((T, H), dtype, scale=0.1, shift=64.0, seed=3)
+    s, normed = residual_layernorm(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
+    of_stored = F.layer_norm(s.double(), (H,), gamma.double(), None, 1e-5)
+    of_exact = reference64(y, w, b, res, gamma, None, 1e-5)
+    ulp = 2 ** -10 if dtype == torch.float16 else 2 ** -7
+    scale = of_stored.abs().max().item()
+    assert max_error(normed, of_stored) <= ulp * scale  # one rounding of LN(stored s)
+    assert max_error(normed, of_exact) > 10 * ulp * scale  # the other choice would be this far away
+
+
+def test_pre_norm_default_outputs_and_in_place_stream():
+    """Without outputs: s in the GEMM's buffer, LN(s) in a fresh one (two distinct tensors). residual_out=residual
+    updates the stream in place."""
+    T, K, H = 13, 384, 384
+    y, w, b, res, gamma, _ = inputs(T, K, H, torch.float32)
+    want_s, want_normed = ops.residual_layernorm_torch(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
+    s, normed = residual_layernorm(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
+    assert s.data_ptr() != normed.data_ptr() and s.is_contiguous() and normed.is_contiguous()
+    assert max_error(s, want_s) <= FP32_TOL and max_error(normed, want_normed) <= FP32_TOL
+    stream = res.clone()
+    s, normed = residual_layernorm(y, w, b, stream, gamma, None, 1e-5, pre_norm=True, residual_out=stream)
+    assert s.data_ptr() == stream.data_ptr()
+    assert max_error(stream, want_s) <= FP32_TOL and max_error(normed, want_normed) <= FP32_TOL
+    unchecked = rln_mod.launch(y, w, b, res, gamma, None, 1e-5, True)
+    assert all(torch.equal(a, c) for a, c in zip(unchecked, residual_layernorm(y, w, b, res, gamma, None, 1e-5,
+                                                                               pre_norm=True)))
+
+
+def test_pre_norm_nan_row_stays_in_its_row():
+    T, K, H = 13, 64, 768
+    y, w, b, res, gamma, _ = inputs(T, K, H, torch.float32)
+    bad = rln_mod.row_config(H)[0] + 1
+    res[bad, 5] = float("nan")
+    s, normed = residual_layernorm(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
+    assert torch.isnan(normed[bad]).all() and torch.isnan(s[bad, 5]) and torch.isfinite(s[bad, :5]).all()
+    keep = torch.arange(T) != bad
+    assert torch.isfinite(s[keep]).all() and torch.isfinite(normed[keep]).all()
+
+
+def test_pre_norm_zero_tokens():
+    y, w, b, res, gamma, _ = inputs(0, 384, 384, torch.float32)
+    s, normed = residual_layernorm(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
+    assert s.shape == normed.shape == (0, 384)
+
+
+def test_pre_norm_through_dispatch():
+    y, w, b, res, gamma, _ = inputs(7, 384, 384, torch.float32)
+    got = ops.residual_layernorm(y, w, b, res, gamma, None, 1e-5, pre_norm=True, backend="triton")
+    want = ops.residual_layernorm(y, w, b, res, gamma, None, 1e-5, pre_norm=True, backend="torch")
+    assert len(got) == len(want) == 2
+    assert all(max_error(g, t) <= FP32_TOL for g, t in zip(got, want))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pre_norm_custom_op(backend):
+    """A traced forward records the pre-norm form as fastbert::residual_layernorm_pre (two outputs) and the
+    post-norm form without LN bias as fastbert::residual_layernorm; torch.library checks both schemas and fakes."""
+    from fastbert import custom_ops
+    y, w, b, res, gamma, _ = inputs(7, 384, 384, torch.float32)
+    run = custom_ops.traced_ops({op: backend for op in ("qkv_projection", "attention", "bias_gelu",
+                                                        "residual_layernorm")})["residual_layernorm"]
+    s, normed = run(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
+    want_s, want_normed = reference64(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
+    assert max_error(s, want_s) <= FP32_TOL and max_error(normed, want_normed) <= FP32_TOL
+    post = run(y, w, b, res, gamma, None, 1e-5)
+    assert max_error(post, reference64(y, w, b, res, gamma, None, 1e-5)) <= FP32_TOL
+    for op in (torch.ops.fastbert.residual_layernorm_pre.default, torch.ops.fastbert.residual_layernorm.default):
+        torch.library.opcheck(op, (y, w, b, res, gamma, None, 1e-5, backend),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_traced_callables_take_the_twins_arguments():
+    """Each traced op callable has its twin's signature (the layer calls either with the same arguments)."""
+    import inspect
+
+    from fastbert import custom_ops, twins
+    traced = custom_ops.traced_ops(dict.fromkeys(ops.OPS, "torch"))
+    for op in ("bias_gelu", "residual_layernorm"):
+        def params(fn):
+            return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+        assert params(traced[op]) == params(getattr(twins, f"{op}_torch")), op
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Bad inputs
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case,exc,match", [
@@ -183,10 +314,15 @@ def test_through_dispatch():
     ("device_mismatch", ValueError, r"one device.*residual on meta"),
     ("out_shape", ValueError, r"out.shape=\(7, 385\) must be \(7, 384\)"),
     ("out_dtype", TypeError, r"out.dtype=torch.float64 must be"),
+    ("pre_norm_not_bool", TypeError, r"pre_norm must be a bool; got pre_norm=1"),
+    ("residual_out_post_norm", ValueError, r"residual_out is the pre-norm form's second output"),
+    ("residual_out_is_out", ValueError, r"out and residual_out .* must not overlap"),
+    ("residual_out_shape", ValueError, r"out.shape=\(7, 383\) must be \(7, 384\)"),
+    ("ln_bias_shape_pre_norm", ValueError, r"ln_bias.shape=\(383,\) must be \(384,\)"),
 ])
 def test_bad_inputs(case, exc, match):
     y, w, b, res, gamma, beta = inputs(7, 384, 384, torch.float32)
-    eps, out = 1e-12, None
+    eps, out, pre_norm, residual_out = 1e-12, None, False, None
     if case == "y_1d":
         y = y[0]
     elif case == "k_mismatch":
@@ -215,8 +351,19 @@ def test_bad_inputs(case, exc, match):
         out = torch.empty((7, 385), device=DEVICE)
     elif case == "out_dtype":
         out = torch.empty((7, 384), dtype=torch.float64, device=DEVICE)
+    elif case == "pre_norm_not_bool":
+        pre_norm = 1
+    elif case == "residual_out_post_norm":
+        residual_out = torch.empty((7, 384), device=DEVICE)
+    elif case == "residual_out_is_out":
+        pre_norm, out = True, torch.empty((7, 384), device=DEVICE)
+        residual_out = out
+    elif case == "residual_out_shape":
+        pre_norm, residual_out = True, torch.empty((7, 383), device=DEVICE)
+    elif case == "ln_bias_shape_pre_norm":
+        pre_norm, beta = True, beta[:-1]
     with pytest.raises(exc, match=match):
-        residual_layernorm(y, w, b, res, gamma, beta, eps, out=out)
+        residual_layernorm(y, w, b, res, gamma, beta, eps, pre_norm=pre_norm, out=out, residual_out=residual_out)
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
@@ -250,8 +397,9 @@ def test_kernel_refuses_other_chunk_counts():
     for num_chunks in (2, 4):
         with pytest.raises(Exception, match="NUM_CHUNKS must be 1 or 3"):
             rln_mod.bias_residual_layernorm_kernel[(1,)](
-                h, h, res, gamma, beta, out, T, H, 1e-5, H, H, H,
-                HAS_BIAS=False, ROWS=4, CHUNK=H // num_chunks, NUM_CHUNKS=num_chunks, EVEN=True)
+                h, h, res, gamma, beta, out, out, T, H, 1e-5, H, H, H, H,
+                HAS_BIAS=False, HAS_LN_BIAS=True, PRE_NORM=False, ROWS=4, CHUNK=H // num_chunks,
+                NUM_CHUNKS=num_chunks, EVEN=True)
 
 
 def test_row_config_fallback_and_limits():
@@ -264,14 +412,20 @@ def test_row_config_fallback_and_limits():
 
 
 def test_aot_specs():
-    """Every dtype x {bias, no bias} x kernel config row_config gives over 1..MAX_HIDDEN (40 of them, the masked
-    ones included), each with the config of the width it is named after."""
+    """The post-norm kernel for every dtype x {bias, no bias} x kernel config row_config gives over 1..MAX_HIDDEN (40
+    of them, the masked ones included), each with the config of the width it is named after; then the pre-norm and
+    no-LN-bias variants (ModernBERT's pre-norm without LN bias, pre-norm with one, post-norm without one) at 384,
+    768 and 1024, for every dtype x {bias, no bias}."""
     specs = rln_mod.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(set(names)) == len(names) == 3 * 2 * 40
+    assert len(set(names)) == len(names) == 3 * 2 * 40 + 3 * 2 * 3 * 3
     for must in ("residual_layernorm-fp16-H384-8x3x128-w4", "residual_layernorm-bf16-nobias-H768-4x3x256-w4",
                  "residual_layernorm-fp32-H1024-4x1x1024-w4", "residual_layernorm-fp16-H5-512x1x8-w4-masked",
-                 "residual_layernorm-fp16-nobias-H8193-1x1x16384-w16-masked"):
+                 "residual_layernorm-fp16-nobias-H8193-1x1x16384-w16-masked",
+                 "residual_layernorm-bf16-nobias-prenorm-nolnbias-H768-4x3x256-w4",
+                 "residual_layernorm-fp16-nobias-prenorm-nolnbias-H1024-4x1x1024-w4",
+                 "residual_layernorm-fp16-prenorm-H384-8x3x128-w4",
+                 "residual_layernorm-fp32-nolnbias-H1024-4x1x1024-w4"):
         assert must in names, must
     params = set(rln_mod.bias_residual_layernorm_kernel.arg_names)
     for s in specs:
@@ -282,5 +436,7 @@ def test_aot_specs():
         assert (c["ROWS"], c["CHUNK"], c["NUM_CHUNKS"], s["num_warps"]) == rln_mod.row_config(hidden)
         assert c["EVEN"] == (c["CHUNK"] * c["NUM_CHUNKS"] == hidden) == ("-masked" not in s["name"])
         assert c["HAS_BIAS"] == ("-nobias" not in s["name"])
-        unhinted = {"T"} if hidden % 16 == 0 else {"T", "N", "stride_hm", "stride_rm", "stride_om"}
+        assert c["PRE_NORM"] == ("-prenorm" in s["name"]) and c["HAS_LN_BIAS"] == ("-nolnbias" not in s["name"])
+        assert hidden in rln_mod.BERT_HIDDEN or (c["HAS_LN_BIAS"] and not c["PRE_NORM"])
+        unhinted = {"T"} if hidden % 16 == 0 else {"T", "N", "stride_hm", "stride_rm", "stride_om", "stride_sm"}
         assert s["hints"] == dict.fromkeys(unhinted)

@@ -77,6 +77,55 @@ def test_token_buckets_and_keys():
     assert auto.op_key("bias_gelu", torch.bfloat16, shapes) != auto.op_key("bias_gelu", torch.float16, shapes)
 
 
+def test_gated_and_pre_norm_are_keyed_as_their_own_variants():
+    """The gated MLP and the pre-norm form are timed apart from the BERT forms of the same shapes (key suffix)."""
+    bert = auto.Shapes(128, 768, 1152, 12, 64, 128, "gelu")
+    modern = auto.Shapes(128, 768, 1152, 12, 64, 128, "gelu", gated=True, pre_norm=True)
+    assert auto.op_key("bias_gelu", torch.bfloat16, bert) == "bias_gelu|bfloat16|T128|H768|I1152|gelu"
+    assert auto.op_key("bias_gelu", torch.bfloat16, modern) == "bias_gelu|bfloat16|T128|H768|I1152|gelu|gated"
+    assert auto.op_key("residual_layernorm", torch.bfloat16, bert) == "residual_layernorm|bfloat16|T128|H768|I1152"
+    assert auto.op_key("residual_layernorm", torch.bfloat16, modern) == \
+        "residual_layernorm|bfloat16|T128|H768|I1152|prenorm"
+    for op in ("qkv_projection", "attention"):  # the other ops do not depend on these axes
+        assert auto.op_key(op, torch.bfloat16, bert) == auto.op_key(op, torch.bfloat16, modern)
+
+
+def test_gated_and_pre_norm_are_measured_as_they_run(measured_here):
+    """The contenders "auto" times for the gated MLP take HF's Wi [2I, H] with gated=True, and for the pre-norm form
+    pre_norm=True (and no LN bias, as ModernBERT): kernel and twin then answer the same, and the choice is filed
+    under the variant's own key."""
+    shapes = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", gated=True, pre_norm=True)
+    device = torch.device("cpu")
+    seen = []
+
+    def recording(fn):
+        def run(*args, **kwargs):
+            seen.append((fn.__name__, tuple(args[1].shape), kwargs, args[5] if len(args) > 5 else None))
+            return fn(*args, **kwargs)
+        run.__name__ = fn.__name__
+        return run
+
+    choices = auto.choices_for(device, FakeTimer([1.0, 2.0, 1.0, 2.0]))
+    results = {}
+    for op, kernel, twin in (("bias_gelu", dispatch._bias_gelu_triton, twins.bias_gelu_torch),
+                             ("residual_layernorm", dispatch._residual_layernorm_triton,
+                              twins.residual_layernorm_torch)):
+        kernel_fn, twin_fn = auto.contenders(op, torch.float32, shapes, device, recording(kernel), recording(twin))
+        results[op] = kernel_fn(), twin_fn()
+        assert choices.choose(auto.op_key(op, torch.float32, shapes), kernel_fn, twin_fn) is True
+    (k_out, t_out) = results["bias_gelu"]
+    assert k_out.shape == t_out.shape == (16, 40) and (k_out - t_out).abs().max() <= 1e-5
+    for k_pair, t_pair in zip(*results["residual_layernorm"]):  # (after attention, after the MLP)
+        assert len(k_pair) == len(t_pair) == 2  # (s, LN(s))
+        assert all((k - t).abs().max() <= 1e-5 for k, t in zip(k_pair, t_pair))
+    gelu_calls = [(shape, kw) for name, shape, kw, _ in seen if "bias_gelu" in name]
+    assert gelu_calls and all(shape == (80, 32) and kw == {"gated": True} for shape, kw in gelu_calls)
+    norm_calls = [(kw, ln_bias) for name, _, kw, ln_bias in seen if "residual_layernorm" in name]
+    assert norm_calls and all(kw == {"pre_norm": True} and ln_bias is None for kw, ln_bias in norm_calls)
+    assert sorted(choices.table) == ["bias_gelu|float32|T16|H32|I40|gelu|gated",
+                                     "residual_layernorm|float32|T16|H32|I40|prenorm"]
+
+
 def test_the_model_runs_what_was_measured_faster(hf, measured_here):
     timer = FakeTimer(KERNEL_WINS_BUT_ATTENTION)
     auto.choices_for(torch.device("cpu"), timer)
