@@ -128,3 +128,48 @@ def test_training_step_gradients_equal_hfs():
     assert theirs.keys() == ours.keys()
     for name, p in theirs.items():
         assert (ours[name].grad - p.grad).abs().max() <= 1e-5 * max(1.0, p.grad.abs().max().item()), name
+
+
+# ---- the kernels (Triton's interpreter on CPU: tests/conftest.py sets TRITON_INTERPRET=1) ---------------------------
+def counting_kernels(monkeypatch):
+    """op -> the number of calls its Triton kernel served (dispatch's launchers, counted)."""
+    from fastbert import dispatch
+    calls = {}
+    for op in dispatch.OPS:
+        launcher = getattr(dispatch, f"_{op}_triton")
+
+        def counted(*args, _launch=launcher, _op=op, **kwargs):
+            calls[_op] = calls.get(_op, 0) + 1
+            return _launch(*args, **kwargs)
+        monkeypatch.setattr(dispatch, f"_{op}_triton", counted)
+    return calls
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_every_op_on_its_kernel(monkeypatch, left, padding_free):
+    """kernels="triton": the QKV GEMM, the windowed rotary attention, the pre-norm residual LayerNorm and the gated
+    epilogue all run as kernels, in every layer, and give HF's numbers (padded positions too with
+    padding_free=False)."""
+    hf = hf_model("eager", window=4, max_len=128)
+    fb = fastbert.BertModel.from_hf(hf, kernels="triton", padding_free=padding_free)
+    calls = counting_kernels(monkeypatch)
+    ids, mask = ragged([70, 5, 1, 33], left=left)
+    with torch.no_grad():
+        want, got = hf(ids, attention_mask=mask).last_hidden_state, fb(ids, attention_mask=mask).last_hidden_state
+    assert calls == {op: len(hf.layers) for op in ("qkv_projection", "attention", "bias_gelu", "residual_layernorm")}
+    assert max_error_on_real_tokens(got, want, mask) <= 1e-5
+    if not padding_free:
+        assert (got - want).abs().max() <= 1e-5
+
+
+def test_fp16_kernels_within_twice_hfs_own_fp16_error():
+    from fastbert.numerics import error_bound, max_error
+    hf = hf_model("eager", window=4, max_len=128)
+    ids, mask = ragged([70, 5, 33])
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).last_hidden_state
+        half = hf.half()
+        hf_error = max_error(half(ids, attention_mask=mask).last_hidden_state, want, mask.bool())
+        got = fastbert.BertModel.from_hf(half, kernels="triton")(ids, attention_mask=mask).last_hidden_state
+    assert max_error(got, want, mask.bool()) <= error_bound(torch.float16, hf_error)
