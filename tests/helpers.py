@@ -323,3 +323,54 @@ def assert_one_line_error(code, err, words):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in err, err
     assert words in lines[0], lines[0]
+
+
+# ---- sentence-transformers folders on the other families (random weights, no model hub) ----------------------------
+def _family_tokenizer(family, minilm_path):
+    """The family's own tokenizer class over BERT's uncased vocabulary (the bundled model's vocab.txt); for MPNet
+    with its specials around it, as all-mpnet-base-v2's vocabulary is laid out (<s> 0, <pad> 1, </s> 2, <unk> 3,
+    then BERT's, then <mask>: 30,527 entries)."""
+    import transformers
+    with open(os.path.join(minilm_path, "vocab.txt"), encoding="utf-8") as f:
+        words = f.read().splitlines()
+    if family == "mpnet":
+        return transformers.MPNetTokenizer(vocab={w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>",
+                                                                             *words, "<mask>"])})
+    # (ModernBERT's own BPE vocabulary is not on this machine: BERT's WordPiece without token types stands in)
+    return transformers.DistilBertTokenizer(vocab={w: i for i, w in enumerate(words)})
+
+
+def family_st_folder(family, minilm_path, root):
+    """A sentence-transformers folder: all-mpnet-base-v2's layout for MPNet (mean pooling, Normalize,
+    max_seq_length 384), CLS pooling without Normalize for DistilBERT and ModernBERT; random weights."""
+    import transformers
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    try:  # sentence-transformers 6 moved the modules
+        from sentence_transformers.sentence_transformer import modules as st_modules
+    except ImportError:
+        st_modules = st.models
+    tok = _family_tokenizer(family, minilm_path)
+    hidden = 64
+    if family == "mpnet":
+        cfg = transformers.MPNetConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=100, max_position_embeddings=514)
+        cls = transformers.MPNetModel
+    elif family == "modernbert":
+        cfg = modernbert_config(hidden=hidden, heads=4, layers=3, intermediate=100, max_len=512, window=8)
+        cfg.vocab_size, cfg.attn_implementation = len(tok), "sdpa"
+        cls = transformers.ModernBertModel
+    else:
+        cfg = transformers.DistilBertConfig(vocab_size=len(tok), dim=hidden, n_layers=2, n_heads=4, hidden_dim=100,
+                                            max_position_embeddings=512)
+        cls = transformers.DistilBertModel
+    torch.manual_seed(0)
+    hf_folder = root / "hf"
+    perturb_(cls(cfg), weight_std=0.05).save_pretrained(hf_folder)
+    tok.save_pretrained(hf_folder)
+    word = st_modules.Transformer(str(hf_folder), max_seq_length=384 if family == "mpnet" else 256)
+    modules = [word, st_modules.Pooling(hidden, "mean" if family == "mpnet" else "cls")]
+    if family == "mpnet":
+        modules.append(st_modules.Normalize())
+    folder = root / "st"
+    st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder

@@ -457,3 +457,18 @@ def test_cuda_on_a_cluster_without_gpus_is_refused():
 def test_shard_names_sort_in_corpus_order():
     names = [shards.shard_name(f, p, 3, 120_000) for f in range(3) for p in range(0, 120_000, 9_999)]
     assert names == sorted(names) and names[0] == "part-00000-000000.parquet"
+
+
+@pytest.mark.skipif(not hasattr(importlib.import_module("transformers"), "ModernBertModel"),
+                    reason="this transformers has no ModernBERT (4.48+)")
+def test_a_modernbert_folder_on_the_cluster(cluster, corpus_dir, minilm_path, tmp_path):
+    """encode_dataset serves any family fastbert runs: a sentence-transformers folder built on ModernBERT gives
+    single-process fastbert.encode's vectors, every row once."""
+    from helpers import family_st_folder
+    folder, texts, ids = corpus_dir
+    model = family_st_folder("modernbert", minilm_path, tmp_path / "model")
+    reference = fastbert.encode(str(model), texts, device="cpu", **CPU)
+    result = fastbert.encode_dataset(str(model), folder, tmp_path / "out", text_field="body", rows_per_shard=24,
+                                     workers=2, cpus_per_worker=1, progress=False, **CPU)
+    assert (result.rows, result.dimension) == (72, 64)
+    assert_same_embeddings(tmp_path / "out", reference, ids)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import has_modernbert, modernbert_config, optional, perturb_
+from helpers import family_st_folder, has_modernbert, modernbert_config, optional, perturb_
 
 import fastbert
 
@@ -136,54 +136,6 @@ def texts(minilm_path):
     return paragraphs[:12] + [card[:3000]]
 
 
-def tokenizer(family, minilm_path):
-    """The family's own tokenizer class over BERT's uncased vocabulary (the bundled model's vocab.txt); for MPNet
-    with its specials around it, as all-mpnet-base-v2's vocabulary is laid out (<s> 0, <pad> 1, </s> 2, <unk> 3,
-    then BERT's, then <mask>: 30,527 entries)."""
-    with open(os.path.join(minilm_path, "vocab.txt"), encoding="utf-8") as f:
-        words = f.read().splitlines()
-    if family == "mpnet":
-        return transformers.MPNetTokenizer(vocab={w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>",
-                                                                             *words, "<mask>"])})
-    # (ModernBERT's own BPE vocabulary is not on this machine: BERT's WordPiece without token types stands in)
-    return transformers.DistilBertTokenizer(vocab={w: i for i, w in enumerate(words)})
-
-
-def st_folder(family, minilm_path, root):
-    """A sentence-transformers folder: all-mpnet-base-v2's layout for MPNet (mean pooling, Normalize,
-    max_seq_length 384), CLS pooling without Normalize for DistilBERT; random weights."""
-    st = optional("sentence_transformers", "sentence-transformers is a test extra")
-    try:  # sentence-transformers 6 moved the modules
-        from sentence_transformers.sentence_transformer import modules as st_modules
-    except ImportError:
-        st_modules = st.models
-    tok = tokenizer(family, minilm_path)
-    hidden = 64
-    if family == "mpnet":
-        cfg = transformers.MPNetConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=2,
-                                       num_attention_heads=4, intermediate_size=100, max_position_embeddings=514)
-        cls = transformers.MPNetModel
-    elif family == "modernbert":
-        cfg = modernbert_config(hidden=hidden, heads=4, layers=3, intermediate=100, max_len=512, window=8)
-        cfg.vocab_size, cfg.attn_implementation = len(tok), "sdpa"
-        cls = transformers.ModernBertModel
-    else:
-        cfg = transformers.DistilBertConfig(vocab_size=len(tok), dim=hidden, n_layers=2, n_heads=4, hidden_dim=100,
-                                            max_position_embeddings=512)
-        cls = transformers.DistilBertModel
-    torch.manual_seed(0)
-    hf_folder = root / "hf"
-    perturb_(cls(cfg), weight_std=0.05).save_pretrained(hf_folder)
-    tok.save_pretrained(hf_folder)
-    word = st_modules.Transformer(str(hf_folder), max_seq_length=384 if family == "mpnet" else 256)
-    modules = [word, st_modules.Pooling(hidden, "mean" if family == "mpnet" else "cls")]
-    if family == "mpnet":
-        modules.append(st_modules.Normalize())
-    folder = root / "st"
-    st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
-    return folder
-
-
 def cosines(a, b):
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
@@ -192,7 +144,7 @@ def cosines(a, b):
 @pytest.mark.parametrize("family", CLASS)
 def test_sentence_transformers_folder_through_encode_and_optimize(family, minilm_path, texts, tmp_path):
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
-    folder = st_folder(family, minilm_path, tmp_path)
+    folder = family_st_folder(family, minilm_path, tmp_path)
     stock = st.SentenceTransformer(str(folder), device="cpu")
     assert type(stock[0].auto_model).__name__ == CLASS[family] + "Model"
     want = stock.encode(texts, batch_size=4)
@@ -207,3 +159,22 @@ def test_sentence_transformers_folder_through_encode_and_optimize(family, minilm
     again = st.SentenceTransformer(str(tmp_path / "again"), device="cpu").encode(texts, batch_size=4)
     assert cosines(again, want).min() >= 0.99999
     assert type(fastbert.restore(ours)[0].auto_model).__name__ == CLASS[family] + "Model"
+
+
+@pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
+def test_cli_encode_on_a_modernbert_folder(minilm_path, texts, tmp_path):
+    """`python -m fastbert encode` on a sentence-transformers folder built on ModernBERT: stock
+    sentence-transformers' vectors (normalised, as the CLI writes them)."""
+    import subprocess
+    import sys
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    folder = family_st_folder("modernbert", minilm_path, tmp_path)
+    lines = [t.replace("\n", " ") for t in texts]
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "fastbert", "encode", "--model", str(folder), "--input",
+                          str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.npy"), "--kernels", "torch"],
+                         env=dict(os.environ, TRITON_INTERPRET="0", HF_HUB_OFFLINE="1"), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    want = st.SentenceTransformer(str(folder), device="cpu").encode(lines, normalize_embeddings=True)
+    assert cosines(np.load(tmp_path / "out.npy"), want).min() >= 0.99999
