@@ -177,7 +177,8 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
     if rotary is not None:
         q, k, v = _rotated(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
     rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
-    if window is not None and S - 1 > window:
+    if window is not None and S - 1 > window and not mask.custom:  # (a custom 3-D/4-D mask is the whole mask: HF
+        # applies no window on top of one)
         # HF's one mask: finfo.min wherever the window or the padding excludes a key (once, not summed), so a padded
         # query whose window holds no real key attends uniformly to all S keys, as HF eager computes it
         low = torch.finfo(qkv.dtype).min

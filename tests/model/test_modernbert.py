@@ -173,3 +173,23 @@ def test_fp16_kernels_within_twice_hfs_own_fp16_error():
         hf_error = max_error(half(ids, attention_mask=mask).last_hidden_state, want, mask.bool())
         got = fastbert.BertModel.from_hf(half, kernels="triton")(ids, attention_mask=mask).last_hidden_state
     assert max_error(got, want, mask.bool()) <= error_bound(torch.float16, hf_error)
+
+
+def test_triton_refuses_what_only_the_padded_twin_serves(monkeypatch):
+    """output_attentions and a custom mask run the padded twin under "auto" (saying so once); "triton" refuses them,
+    naming why. A custom 4-D mask is the whole mask, as HF takes it: its sliding layers add no window to it."""
+    from fastbert import dispatch
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    hf = hf_model("eager", window=4, max_len=64)
+    ids, mask = ragged([30, 12])
+    allowed = (mask[:, None, :, None] * mask[:, None, None, :]).bool()  # [B, 1, S, S]
+    custom = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)  # additive, HF's form
+    for kwargs, words in (({"output_attentions": True}, "output_attentions=True needs the probabilities"),
+                          ({"attention_mask": custom}, "a custom 3-D/4-D attention mask")):
+        call = {"attention_mask": mask, **kwargs}
+        with torch.no_grad(), pytest.raises(RuntimeError, match=words):
+            fastbert.BertModel.from_hf(hf, kernels="triton")(ids, **call)
+        with torch.no_grad(), pytest.warns(UserWarning, match=words):
+            got = fastbert.BertModel.from_hf(hf, kernels="auto")(ids, **call).last_hidden_state
+            want = hf(ids, **call).last_hidden_state
+        assert max_error_on_real_tokens(got, want, mask) <= 1e-5
