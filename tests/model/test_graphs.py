@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import arch_inputs, main_in_process, random_arch_model, random_hf_bert
+from helpers import arch_inputs, has_modernbert, main_in_process, random_arch_model, random_hf_bert
 
 import fastbert
 from fastbert import dispatch, graphs
@@ -72,10 +72,12 @@ def test_only_the_buckets_used_are_captured(hf):
     assert set(runner.graphs) == {16, 64} and runner.stats.captures == 2
 
 
-@pytest.mark.parametrize("arch", ["distilbert", "mpnet"])
+@pytest.mark.parametrize("arch", ["distilbert", "mpnet", pytest.param("modernbert", marks=pytest.mark.skipif(
+    not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)"))])
 def test_families_without_token_types_replay(arch):
-    """DistilBERT and MPNet have no token types: the runner's token-type buffer stays zeros (their embeddings never
-    read it) and the replay matches the eager model, MPNet's relative bias and padding_idx positions included."""
+    """DistilBERT, MPNet and ModernBERT have no token types: the runner's token-type buffer stays zeros (their
+    embeddings never read it) and the replay matches the eager model, MPNet's relative bias and padding_idx positions
+    and ModernBERT's rotary tables (built inside the captured forward) and windows included."""
     fb = fastbert.BertModel.from_hf(random_arch_model(arch, hidden=64, heads=2), kernels=KERNELS).eval()
     runner = GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
     ids, types, mask = arch_inputs(fb, "right")
