@@ -193,3 +193,27 @@ def test_triton_refuses_what_only_the_padded_twin_serves(monkeypatch):
             got = fastbert.BertModel.from_hf(hf, kernels="auto")(ids, **call).last_hidden_state
             want = hf(ids, **call).last_hidden_state
         assert max_error_on_real_tokens(got, want, mask) <= 1e-5
+
+
+def test_torch_compile_fullgraph_and_export():
+    """A traced ModernBERT forward (padded rows, as every traced forward runs) gives the eager model's numbers; the
+    exported graph holds one fastbert op per op and layer, the pre-norm residual LayerNorm as its own op."""
+    hf = hf_model("eager", window=4, max_len=64)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
+    ids, mask = ragged([30, 12, 1])
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fb, fullgraph=True)
+        with torch.no_grad():
+            want = hf(ids, attention_mask=mask).last_hidden_state
+            assert max_error_on_real_tokens(compiled(ids, attention_mask=mask).last_hidden_state, want, mask) <= 1e-5
+            program = torch.export.export(fb, (ids, mask))
+            got = program.module()(ids, mask)
+    finally:
+        torch._dynamo.reset()
+    got = got["last_hidden_state"] if isinstance(got, dict) else got[0] if isinstance(got, tuple) else \
+        got.last_hidden_state
+    assert max_error_on_real_tokens(got, want, mask) <= 1e-5
+    targets = [str(n.target) for n in program.graph.nodes]
+    for op in ("qkv_projection", "attention", "bias_gelu", "residual_layernorm_pre"):
+        assert targets.count(f"fastbert.{op}.default") == len(hf.layers), op
