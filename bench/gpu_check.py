@@ -10,15 +10,17 @@ per kernel check and per benchmark case is appended (and flushed) to OUT_DIR/res
 rewritten after every step. The steps, most important first, under one deadline (--budget-s, 450 s):
   1. env: versions, nvidia-smi, measured ceilings (copy GB/s, bf16 GEMM TFLOP/s);
      smoke-kernels: each kernel family against its twin and fp64, bf16 and fp16, at a few shapes (the TMA and the
-     pointer GEMM with each epilogue, varlen attention, residual_layernorm); smoke-forward: a BERT-base-shaped
-     forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x HF's own error
+     pointer GEMM with each epilogue, varlen attention, residual_layernorm; then ModernBERT's forms, last so a cap
+     cuts only them: the pre-norm row kernel, windowed rotary attention, the gated epilogue); smoke-forward: a
+     BERT-base-shaped forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x HF's own error
   1b. configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin, fp16 and
      bf16 (four processes at once)
   2. headline, bf16, one process per case, HF first in every cell. BERT-base: 32x128 (hf-sdpa, hf-compile,
      fastbert-triton, fastbert-graphs); 32 ragged rows of 16..512 (hf-sdpa, fastbert-triton, fastbert-graphs with
      a graph bucket just above the real tokens, harness.graph_bucket); 1x128 (hf-sdpa, fastbert-graphs,
      fastbert-triton). Then the same ragged cell for DistilBERT (hf-sdpa first) and MPNet (hf-eager first: HF's
-     MPNet has no sdpa), base-sized random weights, steps headline/<model>/32xvar16-512/<variant>
+     MPNet has no sdpa), base-sized random weights, steps headline/<model>/32xvar16-512/<variant>; ModernBERT-base
+     last: 32xvar16-512 and 8x8192 (hf-sdpa first)
   3. ops: per-op figures, each fused GEMM next to a plain F.linear (cuBLAS)
   4. choices: the autotuner's configs and the "auto" table (kernel vs twin per op, measured on this GPU)
   5. memcheck: compute-sanitizer on one small forward; "skipped" where the sanitizer cannot attach to the device
@@ -52,7 +54,8 @@ if REPO not in sys.path:
 SCRIPT = os.path.abspath(__file__)
 PROBE = "import fastbert, fastbert.kernels; print(fastbert.__file__)"
 KERNEL_TESTS = ("tests/kernels/test_attention.py", "tests/kernels/test_gemm.py",
-                "tests/kernels/test_residual_layernorm.py", "tests/kernels/test_relative_bias.py")
+                "tests/kernels/test_residual_layernorm.py", "tests/kernels/test_relative_bias.py",
+                "tests/kernels/test_attention_window.py")
 MODEL_TESTS = ("tests/model/test_triton_model.py", "tests/model/test_packed.py", "tests/model/test_auto.py",
                "tests/model/test_fuzz.py")
 FAULT_ENV = "FASTBERT_GPU_CHECK_FAULT"
@@ -501,7 +504,7 @@ class KernelChecks:
             raise Skipped(utils.INTERPRETER_BF16_DOT)
 
     # ---- one check of each kind ------------------------------------------------------------------------------------
-    def gemm(self, dtype, kernel, activation, config, M, N, K):
+    def gemm(self, dtype, kernel, activation, config, M, N, K, gated=False):
         import torch.nn.functional as F
 
         from fastbert import twins
@@ -510,16 +513,24 @@ class KernelChecks:
         self.needs_dot(dtype)
         if kernel == "tma" and not (self.sm90 or self.interpret):
             raise Skipped("the TMA GEMM is built for sm_90; this GPU is not one")
-        a, w, b = self.make((M, K), dtype), self.make((N, K), dtype, K ** -0.5, seed=1), self.make((N,), dtype, 0.5,
-                                                                                                  seed=2)
+        rows = 2 * N if gated else N  # gated (ModernBERT's GeGLU): W holds the input half, then the gate half
+        a, w, b = self.make((M, K), dtype), self.make((rows, K), dtype, K ** -0.5, seed=1), self.make((rows,), dtype,
+                                                                                                     0.5, seed=2)
         h64 = F.linear(a.double(), w.double(), b.double())
-        ref64 = twins._activation_torch(h64, activation) if activation else h64
-        twin = twins.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
-        out = gemm_core.gemm(a, w, b, self.poisoned((M, N), dtype), activation, config=config, kernel=kernel)
-        return {**self.compare(out, twin, ref64), "shape": f"M{M} N{N} K{K}", "config": gemm_core.config_name(config)}
+        if gated:
+            half, gate = h64.chunk(2, dim=-1)
+            ref64 = twins._activation_torch(half, activation) * gate
+            twin = twins.bias_gelu_torch(a, w, b, activation, gated=True)
+        else:
+            ref64 = twins._activation_torch(h64, activation) if activation else h64
+            twin = twins.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
+        out = gemm_core.gemm(a, w, b, self.poisoned((M, N), dtype), activation, gated=gated, config=config,
+                             kernel=kernel)
+        return {**self.compare(out, twin, ref64), "shape": f"M{M} N{N} K{K}", "config": gemm_core.config_name(config),
+                "gated": gated}
 
-    def attention(self, dtype, lengths, num_heads, head_dim, config=None):
-        from fastbert import ops
+    def attention(self, dtype, lengths, num_heads, head_dim, config=None, window=None, rotary=False):
+        from fastbert import ops, twins
         from fastbert.kernels import attention as attention_module
         from fastbert.layout import TokenLayout
 
@@ -529,16 +540,23 @@ class KernelChecks:
         qkv = self.make((T, 3, num_heads, head_dim), dtype)
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
         layout = TokenLayout.from_cu_seqlens(cu.to(self.device), max(lengths), lengths)
+        tables = None
+        if rotary:  # ModernBERT's local theta, each token's position in its sequence
+            positions = torch.cat([torch.arange(n) for n in lengths])
+            inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+            tables = twins.rotary_tables(positions, inv_freq)
+        on_device = None if tables is None else twins.Rotary(tables.cos.to(self.device), tables.sin.to(self.device))
         out = attention_module.attention(qkv, layout.cu_seqlens, max(lengths), scale,
-                                         out=self.poisoned((T, num_heads * head_dim), dtype), config=config)
-        twin = ops.attention_varlen_torch(qkv, layout, scale)
+                                         out=self.poisoned((T, num_heads * head_dim), dtype), config=config,
+                                         window=window, rotary=on_device)
+        twin = ops.attention_varlen_torch(qkv, layout, scale, window=window, rotary=on_device)
         ref64 = ops.attention_varlen_torch(qkv.double().cpu(), TokenLayout.from_cu_seqlens(cu, max(lengths), lengths),
-                                           scale)
+                                           scale, window=window, rotary=tables)
         name = None if config is None else f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}-w{config.num_warps}"
         return {**self.compare(out, twin, ref64.to(self.device)), "lengths": lengths, "heads": num_heads,
-                "head_dim": head_dim, "config": name or "autotuned"}
+                "head_dim": head_dim, "config": name or "autotuned", "window": window, "rotary": rotary}
 
-    def residual_layernorm(self, dtype, T, K, H):
+    def residual_layernorm(self, dtype, T, K, H, pre_norm=False):
         import torch.nn.functional as F
 
         from fastbert import ops
@@ -548,12 +566,18 @@ class KernelChecks:
                                                                                                   seed=2)
         res = self.make((T, H), dtype, seed=3)
         gamma, beta = self.make((H,), dtype, 0.2, 1.0, seed=4), self.make((H,), dtype, 0.2, seed=5)
-        d = [t.double() for t in (y, w, b, res, gamma, beta)]
+        if pre_norm:  # ModernBERT's form: no bias anywhere, (s, LN(s)) back
+            b = beta = None
+        d = [None if t is None else t.double() for t in (y, w, b, res, gamma, beta)]
         h64 = F.linear(d[0], d[1], d[2]) + d[3]
         ref64 = F.layer_norm(h64, (H,), d[4], d[5], 1e-12)
-        out = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, out=self.poisoned((T, H), dtype))
-        twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12)
-        return {**self.compare(out, twin, ref64), "shape": f"T{T} K{K} H{H}"}
+        out = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, pre_norm=pre_norm, out=self.poisoned((T, H), dtype))
+        twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12, pre_norm=pre_norm)
+        if pre_norm:  # the normed output is the one whose error compounds; s is checked against its own twin
+            (s, out), (twin_s, twin) = out, twin
+            if not bool(self.torch.isfinite(s).all()) or (s.double() - twin_s.double()).abs().max().item() > 0.05:
+                return {"ok": False, "error": "the pre-norm stream s differs from the twin's", "shape": f"T{T} H{H}"}
+        return {**self.compare(out, twin, ref64), "shape": f"T{T} K{K} H{H}", "pre_norm": pre_norm}
 
     # ---- the lists -------------------------------------------------------------------------------------------------
     def smoke(self):
@@ -562,6 +586,7 @@ class KernelChecks:
         from fastbert.kernels import gemm as gemm_core
 
         tma_tile, ptr_tile = gemm_core.gemm_tma_configs()[2], gemm_core.gemm_configs(2)[0]
+        gated_tma, gated_ptr = gemm_core.gated_configs([tma_tile])[0], gemm_core.gated_configs([ptr_tile])[0]
         tiny = self.dry_run and self.device == "cpu"
         M, H, I = (13, 32, 48) if tiny else (203, 768, 3072)
         lengths, heads, hd = ([1, 7, 20], 2, 16) if tiny else ([1, 17, 128, 77, 300, 512], 12, 64)
@@ -575,6 +600,16 @@ class KernelChecks:
                     N = 3 * H if act is None else I
                     yield (f"gemm-{kernel}-{short}-{act or 'bias'}",
                            lambda d=dtype, k=kernel, t=tile, a=act, n=N: self.gemm(d, k, a, t, M, n, H))
+        # ModernBERT's forms, after BERT's: the pre-norm row kernel, windowed rotary attention, the gated epilogue
+        window = 3 if tiny else 64
+        for short in ("bf16", "fp16"):
+            dtype = self.dtypes[short]
+            yield f"residual_layernorm-prenorm-{short}", lambda d=dtype: self.residual_layernorm(d, M, H, H, True)
+            yield (f"attention-window-rotary-{short}",
+                   lambda d=dtype: self.attention(d, lengths, heads, hd, window=window, rotary=True))
+            for kernel, tile in (("tma", gated_tma), ("ptr", gated_ptr)):
+                yield (f"gemm-{kernel}-{short}-gelu-gated",
+                       lambda d=dtype, k=kernel, t=tile: self.gemm(d, k, "gelu", t, M, I // 2, H, gated=True))
 
     def every_config(self, family: str):
         """Every autotune config of a family on edges in M, N and K (131 x 104 x 200: partial tiles everywhere,
