@@ -437,6 +437,22 @@ def _uniform_where_the_window_is_empty(qkv, key_valid, window, out):
     rows.copy_(torch.where(empty[:, :, None, None], mean[:, None], rows))
 
 
+def _check_table(name: str, table, alternatives: str, what: str, device, shape_ok: bool, expected: str) -> None:
+    """A float32 side table of attention (the bias table, a rotary cos/sin): its type, dtype, shape (`shape_ok`,
+    described by `expected`), device and unit-stride last dimension, each a clear error naming `name`."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' ' + alternatives if alternatives else ''}, got "
+                        f"{type(table).__name__}")
+    if table.dtype != torch.float32:
+        raise TypeError(f"{name}.dtype={table.dtype}; {what} must be torch.float32")
+    if not shape_ok:
+        raise ValueError(f"{name} has shape {tuple(table.shape)}, expected {expected}")
+    if table.device != device:
+        raise ValueError(f"{name} is on {table.device} but qkv is on {device}")
+    if table.stride(-1) != 1:
+        raise ValueError(f"{name}'s last dim must be unit-stride, got strides {tuple(table.stride())}")
+
+
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
               config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
@@ -515,17 +531,10 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
                              f"tokens; got lengths {shortest}..{longest}")
 
     if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.dtype != torch.float32:
-            raise TypeError(f"bias.dtype={bias.dtype}; the bias table must be torch.float32")
-        if bias.dim() != 2 or bias.shape[0] != num_heads or bias.shape[1] % 2 != 1:
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected (num_heads, 2L - 1)=({num_heads}, an odd "
-                             f"width) for distances -(L - 1)..(L - 1)")
-        if bias.device != device:
-            raise ValueError(f"bias is on {bias.device} but qkv is on {device}")
-        if bias.stride(-1) != 1:
-            raise ValueError(f"bias's last dim must be unit-stride, got strides {tuple(bias.stride())}")
+        _check_table("bias", bias, "or None", "the bias table", device,
+                     isinstance(bias, torch.Tensor) and bias.dim() == 2 and bias.shape[0] == num_heads
+                     and bias.shape[1] % 2 == 1,
+                     f"(num_heads, 2L - 1)=({num_heads}, an odd width) for distances -(L - 1)..(L - 1)")
 
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be None or a non-negative int, got {window!r}")
@@ -535,18 +544,10 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
             raise TypeError(f"rotary must be None, a (cos, sin) pair or an object with .cos and .sin, got "
                             f"{type(rotary).__name__}")
         cos, sin = rotary_tables(rotary)
-        for name, table in (("cos", cos), ("sin", sin)):
-            if not isinstance(table, torch.Tensor):
-                raise TypeError(f"rotary {name} must be a torch.Tensor, got {type(table).__name__}")
-            if table.dtype != torch.float32:
-                raise TypeError(f"rotary {name}.dtype={table.dtype}; the rotary tables must be torch.float32")
-            if tuple(table.shape) != (T, head_dim // 2):
-                raise ValueError(f"rotary {name} has shape {tuple(table.shape)}, expected (T, head_dim / 2)=({T}, "
-                                 f"{head_dim // 2})")
-            if table.device != device:
-                raise ValueError(f"rotary {name} is on {table.device} but qkv is on {device}")
-            if table.stride(-1) != 1:
-                raise ValueError(f"rotary {name}'s last dim must be unit-stride, got strides {tuple(table.stride())}")
+        for name, table in (("rotary cos", cos), ("rotary sin", sin)):
+            _check_table(name, table, "", "the rotary tables", device,
+                         isinstance(table, torch.Tensor) and tuple(table.shape) == (T, head_dim // 2),
+                         f"(T, head_dim / 2)=({T}, {head_dim // 2})")
         if cos.stride() != sin.stride():
             raise ValueError(f"rotary cos and sin must have the same strides, got {tuple(cos.stride())} and "
                              f"{tuple(sin.stride())}")
