@@ -276,6 +276,8 @@ class ModelBank:
             for impl in hf_attention(model):
                 if impl == reference_attention(model) and dtype == torch.float32:
                     continue  # that is the reference itself: error 0 by construction
+                if impl == "eager" and reference_attention(model) != "eager":
+                    continue  # (ModernBERT) eager's scores at 8,192 tokens do not fit: it is never run
                 with torch.inference_mode():
                     out = self.hf(model, impl, dtype, device)(**b.inputs)
                 errors.append(max_error(Outputs.of(out, b), ref))
