@@ -125,6 +125,7 @@ class TokenEmbeddings(nn.Module):
     positions (each token's index in its sequence, or the caller's position_ids) rotate q and k in attention."""
 
     position_embeddings = token_type_embeddings = None
+    word_embeddings_name = "tok_embeddings"  # HF's name of the table (set_input_embeddings replaces it by name)
 
     def __init__(self, config, width: int, family: families.Family):
         super().__init__()
@@ -132,8 +133,6 @@ class TokenEmbeddings(nn.Module):
         self.norm = nn.LayerNorm(width, eps=family.get(config, "layer_norm_eps"), bias=config.norm_bias)
         self.drop = nn.Dropout(config.embedding_dropout)
         self.max_length = config.max_position_embeddings  # what it was trained for; longer input is not refused
-
-    word_embeddings_name = "tok_embeddings"  # HF's name of the table (set_input_embeddings replaces it by name)
 
     @property
     def word_embeddings(self) -> nn.Embedding:  # the name the rest of fastbert reads
