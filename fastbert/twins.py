@@ -30,6 +30,22 @@ from .mask import AttentionMask, tracing
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Train-mode dropout with F.dropout's semantics: each element kept with probability 1 - p and scaled by
+    1 / (1 - p), the same mask in backward, drawn from torch's default generator (torch.manual_seed fixes it); p = 0
+    returns x itself. On CPU in float32 the mask comes from torch.rand_like, measured faster there than F.dropout's
+    bernoulli_ (bench/RESULTS.md, "train-mode dropout"); elsewhere (CUDA, other dtypes: not measured) F.dropout."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got p={p!r}")
+    if p == 0.0:
+        return x
+    if p == 1.0 or x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.dropout(x, p)
+    # F.dropout's CPU math (x * noise, autograd saves only the noise) with uniform draws instead of bernoulli_
+    noise = torch.rand_like(x).ge_(p).mul_(1.0 / (1.0 - p))
+    return x * noise
+
+
 def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          num_heads: int) -> torch.Tensor:
     """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
