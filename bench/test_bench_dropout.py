@@ -1,7 +1,9 @@
 """Train-mode dropout on CPU, forward + backward, interleaved A/B: fastbert.twins.dropout against F.dropout, at the
 shapes a BERT-base LoRA step (bench/test_bench_lora.py) drops: hidden states [2167, 768] and one layer's attention
-probabilities [1, 12, L, L] of its 16 sequences (L in 16..256, the same lengths). Variants alternate round by round,
-the order flipping every round; the medians go to extra_info.
+probabilities [1, 12, L, L] of its 16 sequences (L in 16..256, the same lengths). Also one layer's attention with
+dropout on the probabilities: the twin (softmax, dropout and the products in torch) against one sdpa per sequence with
+dropout_p, the path sdpa takes on CPU being its math fallback. Variants alternate round by round, the order flipping
+every round; the medians go to extra_info.
 """
 import statistics
 import time
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from bench import harness
 from fastbert import twins
+from fastbert.layout import TokenLayout
 
 P = 0.1
 CELL = harness._varlen(16, 16, 256)
@@ -29,7 +32,25 @@ def _probs():
                 "fastbert": lambda: [twins.dropout(x, P) for x in xs]}
 
 
-CASES = {"hidden-2167x768": _hidden, "probs-1x12xLxL-16xvar16-256": _probs}
+def _attention():
+    lengths = CELL.lengths()
+    qkv = torch.randn(sum(lengths), 3, 12, 64, requires_grad=True)
+    layout = TokenLayout.from_cu_seqlens(torch.tensor([0] + lengths).cumsum(0).to(torch.int32), max(lengths),
+                                         lengths)
+
+    def sdpa():  # one sdpa per sequence with its own dropout: the math fallback on CPU
+        out = []
+        for piece in qkv.split(lengths):
+            q, k, v = piece.unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)
+            out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=P, scale=0.125)[0].transpose(0, 1))
+        return [torch.cat(out).view(qkv.shape[0], 768)]
+
+    return [qkv], {"sdpa dropout_p": sdpa,
+                   "fastbert": lambda: [twins.attention_varlen_torch(qkv, layout, 0.125, dropout_p=P)]}
+
+
+CASES = {"hidden-2167x768": _hidden, "probs-1x12xLxL-16xvar16-256": _probs,
+         "attention-layer-16xvar16-256": _attention}
 
 
 @pytest.mark.parametrize("case", list(CASES))

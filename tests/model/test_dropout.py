@@ -1,5 +1,5 @@
-"""Train-mode dropout of the PyTorch path (fastbert.twins.dropout): torch's semantics, the mask reused in backward,
-reproducible under torch.manual_seed."""
+"""Train-mode dropout of the PyTorch path (fastbert.twins.dropout) and the attention twin's dropout on the
+probabilities: torch's semantics, the mask reused in backward, reproducible under torch.manual_seed."""
 import math
 
 import pytest
@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import twins
+from fastbert.layout import TokenLayout
+from fastbert.mask import AttentionMask
 
 
 def _nonzero(*shape, seed=0):
@@ -83,3 +85,62 @@ def test_other_dtypes_are_torch_dropout():
     ref = F.dropout(x, 0.1)
     torch.manual_seed(5)
     assert torch.equal(twins.dropout(x, 0.1), ref)
+
+
+# ---- the attention twin with dropout on the probabilities -----------------------------------------------------
+def _reference_attention(q, k, v, scale, p, additive=None):
+    """fp64 softmax(q k^T * scale + additive) with the probabilities dropped by the mask the twin draws next from
+    the default generator (one [.., nq, nk] float32 uniform draw per call), then @ v."""
+    probs = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale
+                          + (0 if additive is None else additive.double()), dim=-1)
+    keep = torch.rand(probs.shape, dtype=torch.float32) >= p
+    return (probs * keep / (1 - p)) @ v.double()
+
+
+def test_varlen_attention_drops_the_probabilities_of_each_sequence():
+    lengths, nh, hd, scale, p = [5, 17, 1, 33], 3, 8, 8 ** -0.5, 0.2
+    qkv = torch.randn(sum(lengths), 3, nh, hd, requires_grad=True)
+    layout = TokenLayout.from_cu_seqlens(torch.tensor([0] + lengths).cumsum(0), max(lengths), lengths)
+    grad_out = torch.randn(sum(lengths), nh * hd)
+    torch.manual_seed(11)
+    ctx = twins.attention_varlen_torch(qkv, layout, scale, dropout_p=p)
+    ctx.backward(grad_out)
+    grad = qkv.grad
+    qkv64 = qkv.detach().double().requires_grad_()
+    torch.manual_seed(11)  # the twin's draws in its order: one per sequence
+    ref = []
+    for piece in qkv64.split(lengths):
+        q, k, v = piece.permute(1, 2, 0, 3)  # [nh, L, hd] each
+        ref.append(_reference_attention(q, k, v, scale, p).transpose(0, 1).reshape(piece.shape[0], nh * hd))
+    ref = torch.cat(ref)
+    ref.backward(grad_out.double())
+    assert (ctx.double() - ref).abs().max() <= 1e-5
+    assert (grad.double() - qkv64.grad).abs().max() <= 1e-4
+
+
+def test_padded_attention_drops_the_probabilities_after_the_mask():
+    B, S, nh, hd, scale, p = 2, 6, 2, 4, 0.5, 0.3
+    keep = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]  # [B, 1, 1, S]
+    mask = AttentionMask(batch_size=B, seq_len=S, key_valid=keep, additive=additive)
+    qkv = torch.randn(B * S, 3, nh, hd)
+    torch.manual_seed(2)
+    ctx, _ = twins.attention_padded_torch(qkv, mask, scale, dropout_p=p)
+    q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4)
+    torch.manual_seed(2)
+    ref = _reference_attention(q, k, v, scale, p, additive).transpose(1, 2).reshape(B * S, nh * hd)
+    assert (ctx.double() - ref).abs().max() <= 1e-5
+
+
+def test_windowed_attention_with_dropout_drops_within_the_window():
+    L, nh, hd, window, scale, p = 40, 2, 8, 3, 0.25, 0.5
+    qkv = torch.randn(L, 3, nh, hd)
+    layout = TokenLayout.from_cu_seqlens(torch.tensor([0, L]), L, [L])
+    torch.manual_seed(9)
+    ctx = twins.attention_varlen_torch(qkv, layout, scale, p, window=window)
+    q, k, v = qkv.permute(1, 2, 0, 3)
+    i = torch.arange(L)
+    band = torch.where((i[None, :] - i[:, None]).abs() <= window, 0.0, float("-inf"))  # [L, L]
+    torch.manual_seed(9)
+    ref = _reference_attention(q[None], k[None], v[None], scale, p, band)[0].transpose(0, 1).reshape(L, nh * hd)
+    assert (ctx.double() - ref).abs().max() <= 1e-5
