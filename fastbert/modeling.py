@@ -389,7 +389,7 @@ class BertLayer(GradientCheckpointingLayer):
             x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, ln2.bias, self.eps, p_attn_out,
                                           pre_norm=True)                                        # [T, H] each
         else:
-            x = x + nn.functional.dropout(out(ctx), p_attn_out, self.training)
+            x = x + twins.dropout(out(ctx), p_attn_out)  # p_attn_out is 0 in eval mode
             h = ln2(x)
         if plain(wi):
             g = run.bias_gelu(h, wi.weight, wi.bias, self.activation, gated=True)              # [T, I]
@@ -397,7 +397,7 @@ class BertLayer(GradientCheckpointingLayer):
             a, gate = wi(h).chunk(2, dim=-1)
             g = twins._activation_torch(a, self.activation) * gate
         if p_mlp > 0:
-            g = nn.functional.dropout(g, p_mlp)
+            g = twins.dropout(g, p_mlp)
         if plain(wo) and wo.bias is None:
             return torch.addmm(x, g, wo.weight.t()), probs  # one GEMM that adds the stream: x + g @ Wo^T
         return x + wo(g), probs
@@ -429,7 +429,7 @@ class BertLayer(GradientCheckpointingLayer):
             return run.residual_layernorm(y, dense.weight, dense.bias, residual, ln.weight, ln.bias, self.eps, p)
         h = dense(y)
         if p > 0:
-            h = nn.functional.dropout(h, p)
+            h = twins.dropout(h, p)
         return ln(h + residual)
 
     def weights(self, traced: bool | None = None) -> LayerWeights | None:

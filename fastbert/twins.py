@@ -30,6 +30,22 @@ from .mask import AttentionMask, tracing
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Train-mode dropout with F.dropout's semantics: each element kept with probability 1 - p and scaled by
+    1 / (1 - p), the same mask in backward, drawn from torch's default generator (torch.manual_seed fixes it); p = 0
+    returns x itself. On CPU in float32 the mask comes from torch.rand_like, measured faster there than F.dropout's
+    bernoulli_ (bench/RESULTS.md, "train-mode dropout"); elsewhere (CUDA, other dtypes: not measured) F.dropout."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got p={p!r}")
+    if p == 0.0:
+        return x
+    if p == 1.0 or x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.dropout(x, p)
+    # F.dropout's CPU math (x * noise, autograd saves only the noise) with uniform draws instead of bernoulli_
+    noise = torch.rand_like(x).ge_(p).mul_(1.0 / (1.0 - p))
+    return x * noise
+
+
 def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          num_heads: int) -> torch.Tensor:
     """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
@@ -104,21 +120,32 @@ def _score_mask(bias, window, num_queries, num_keys, dtype, device, query_start=
     return allowed if rel is None else rel.masked_fill(~allowed, float("-inf"))
 
 
+def _sdpa(q, k, v, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
+    """F.scaled_dot_product_attention, but with dropout on CPU in float32 the math written out: sdpa's CPU kernel
+    takes no dropout, so sdpa falls back to this same math with F.dropout's bernoulli_ mask, and `dropout`'s draws are
+    cheaper. A bool attn_mask is True where a key is seen; the twins' masks leave every query at least one key."""
+    if dropout_p == 0.0 or q.device.type != "cpu" or q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [.., nq, nk], fresh: in place is safe for autograd
+    if attn_mask is not None:
+        scores = scores.masked_fill_(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores.add_(attn_mask)
+    return torch.matmul(dropout(torch.softmax(scores, dim=-1), dropout_p), v)
+
+
 def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window):
     """q, k, v [b, nh, L, hd] of b sequences of one length L -> [b, nh, L, hd]. A window narrower than the sequence
     runs WINDOW_CHUNK query rows at a time against only the keys their window reaches."""
     L = q.shape[2]
     if window is None or L - 1 <= window:  # every key is within every query's window
         mask = _score_mask(bias, None, L, L, q.dtype, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None],
-                                              dropout_p=dropout_p, scale=scale)
+        return _sdpa(q, k, v, None if mask is None else mask[None], dropout_p, scale)
     out = []
     for start in range(0, L, WINDOW_CHUNK):
         stop = min(start + WINDOW_CHUNK, L)
         k0, k1 = max(0, start - window), min(L, stop + window)
         mask = _score_mask(bias, window, stop - start, k1 - k0, q.dtype, q.device, start, k0)
-        out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, k0:k1], v[:, :, k0:k1],
-                                                  attn_mask=mask, dropout_p=dropout_p, scale=scale))
+        out.append(_sdpa(q[:, :, start:stop], k[:, :, k0:k1], v[:, :, k0:k1], mask, dropout_p, scale))
     return torch.cat(out, dim=2)
 
 
@@ -192,18 +219,17 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         if mask.additive is not None:
             scores = scores + mask.additive
         probs = torch.softmax(scores, dim=-1)
-        ctx = torch.matmul(F.dropout(probs, dropout_p) if dropout_p > 0 else probs, v)
+        ctx = torch.matmul(dropout(probs, dropout_p), v)
     else:
         probs = None
         if rel is not None and mask.additive is not None and mask.additive.shape[-2] == 1 and not tracing():
             # key mask [B, 1, 1, S] + bias [1, nh, S, S]: one row at a time, so no [B, nh, S, S] sum is formed (a
             # traced graph keeps the batch dynamic instead: one broadcast sum)
-            ctx = torch.cat([F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
-                                                            attn_mask=rel + mask.additive[b:b + 1],
-                                                            dropout_p=dropout_p, scale=scale) for b in range(B)])
+            ctx = torch.cat([_sdpa(q[b:b + 1], k[b:b + 1], v[b:b + 1], rel + mask.additive[b:b + 1], dropout_p, scale)
+                             for b in range(B)])
         else:
             attn_mask = mask.additive if rel is None else rel if mask.additive is None else rel + mask.additive
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+            ctx = _sdpa(q, k, v, attn_mask, dropout_p, scale)
     if mask.empty_rows is not None:
         # Fully padded rows: HF eager's uniform attention over all S keys, stated outright. Adding finfo.min only
         # equalises the scores when it swamps them; sdpa adds fp16's -65504 in fp32, where it does not.
@@ -243,7 +269,7 @@ def residual_layernorm_torch(y: torch.Tensor, weight: torch.Tensor, bias: torch.
     and the next sublayer's input. ln_bias None: a LayerNorm without bias."""
     h = F.linear(y, weight, bias)
     if dropout_p > 0:
-        h = F.dropout(h, dropout_p)
+        h = dropout(h, dropout_p)
     h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation
     normed = torch.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)  # skips F.layer_norm's Python wrapper
     return (h, normed) if pre_norm else normed
