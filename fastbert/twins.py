@@ -106,8 +106,9 @@ def relative_bias(table: torch.Tensor, num_queries: int, num_keys: int, dtype: t
 
 
 # Query rows per sdpa call of a windowed sequence: each call sees its rows' keys +-window, so a local layer costs
-# ~L * (WINDOW_CHUNK + 2w) scores, not L^2, and the calls stay few.
-WINDOW_CHUNK = 256
+# ~L * (WINDOW_CHUNK + 2w) scores, not L^2. 64 rows: at w = 64 (ModernBERT) 17.4 ms a 1,719-token sequence and 12
+# heads of 64, against 18.0 ms at 128 rows and 23.3 ms at 256 (CPU, 2 threads; full attention there: 62.6 ms).
+WINDOW_CHUNK = 64
 
 
 def _score_mask(bias, window, num_queries, num_keys, dtype, device, query_start=0, key_start=0):
