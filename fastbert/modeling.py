@@ -582,6 +582,9 @@ class BertModel(TransformersModelMixin, nn.Module):
             self.add_module(family.layers, BertEncoder(config, family))  # HF's: encoder (DistilBERT: transformer)
             self.final_norm = None
         self.__dict__["_inv_freq"] = {}  # (layer type, device) -> rotary inv_freq (ModernBERT), made on first use
+        # the local layers' half-window (ModernBERT), which "auto" times attention with; None without local layers
+        self._local_window = next((layer.window for layer in self.layers
+                                   if family.pre_norm and layer.window is not None), None)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self._kernels = {op: "auto" for op in OPS}
@@ -797,11 +800,10 @@ class BertModel(TransformersModelMixin, nn.Module):
                 and not self.training and tokens:
             # ModernBERT: attention is timed as its local layers run it (two of every three), rotary and windowed;
             # its global layers take the same choice
-            windows = [layer.window for layer in self.layers if layer.family.pre_norm and layer.window is not None]
             shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                  cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
                                  ragged, RELATIVE_REACH if self.family.relative_bias else 0,
-                                 window=windows[0] if windows else None, rotary=self.family.pre_norm,
+                                 window=self._local_window, rotary=self.family.pre_norm,
                                  gated=self.family.pre_norm, pre_norm=self.family.pre_norm)
         p_attn, p_attn_out, p_ffn = layer_dropouts(self.family, cfg) if self.training else _NO_DROPOUT
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
