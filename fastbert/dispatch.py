@@ -133,13 +133,15 @@ def reasons(situation: Situation) -> dict:
 class Ops(NamedTuple):
     """The four ops of one forward, each the kernel or the twin; every callable takes the same arguments whichever
     backend it runs (see the layer's forward). `triton`: the ops that run their kernel. `traced`: the forward is
-    being recorded (torch.jit.trace, torch.compile, export), asked once here rather than in every layer."""
+    being recorded (torch.jit.trace, torch.compile, export); `grad`: it records autograd (Situation.needs_grad).
+    Both are asked once here rather than in every layer."""
     qkv_projection: Callable
     attention: Callable
     bias_gelu: Callable
     residual_layernorm: Callable
     triton: frozenset
     traced: bool = False
+    grad: bool = False
 
 
 # While a forward is traced for inference, the four ops are recorded as torch custom ops (fastbert/custom_ops.py),
@@ -179,7 +181,7 @@ def plan(situation: Situation) -> Ops:
                    # probabilities and custom masks: the twin
                    traced["attention"] if situation.padded is None else twins.attention_torch,
                    traced["bias_gelu"], traced["residual_layernorm"],
-                   triton=frozenset(op for op, on in use.items() if on), traced=True)
+                   triton=frozenset(op for op, on in use.items() if on), traced=True, grad=situation.needs_grad)
     g = globals()
 
     def chosen(op):
@@ -191,7 +193,8 @@ def plan(situation: Situation) -> Ops:
         table_key = None if situation.shapes is None else _auto().op_key(op, situation.dtype, situation.shapes)
         return net_callable(op, kernel, twin, situation.device, table_key)
 
-    return Ops(*(chosen(op) for op in OPS), triton=frozenset(op for op, on in use.items() if on), traced=tracing())
+    return Ops(*(chosen(op) for op in OPS), triton=frozenset(op for op, on in use.items() if on), traced=tracing(),
+               grad=situation.needs_grad)
 
 
 _TWINS = {"qkv_projection": "qkv_projection_torch", "attention": "attention_torch", "bias_gelu": "bias_gelu_torch",

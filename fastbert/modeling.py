@@ -194,21 +194,24 @@ class BertSelfAttention(nn.Module):
                 part.data = _alias(rows)
         self._fused = holder["_fastbert_fused"] = (weight, bias, _pointers(parts))
 
-    def fused(self, parts: tuple | None = None, traced: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused(self, parts: tuple | None = None, traced: bool | None = None,
+              grad: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_qkv [3H, H], b_qkv [3H]) for this forward. Where autograd needs the parts, or a trace records the
         forward, the parts concatenated (a copy: gradients reach HF's own parameters, and the trace reads them);
-        otherwise the fused tensors themselves. `parts` / `traced`: what the caller has read already (the layer's
-        forward: `parts()` and the plan's `traced`)."""
+        otherwise the fused tensors themselves. `parts` / `traced` / `grad`: what the caller knows already (the
+        layer's forward: `parts()`, and its plan's `traced` and `grad`)."""
         parts = self.parts() if parts is None else parts
-        if torch.is_grad_enabled() and any(p.requires_grad for p in parts) or (
-                tracing() if traced is None else traced):
+        grad = torch.is_grad_enabled() if grad is None else grad
+        if grad and any(p.requires_grad for p in parts) or (tracing() if traced is None else traced):
             return torch.cat(parts[:3]), torch.cat(parts[3:])
-        return self._packed(parts)
+        fused = self._fused
+        if fused is None or fused[2] != tuple(map(_DATA_PTR, parts)):  # `.data =`, a replaced module, ...
+            self.pack()
+            fused = self._fused
+        return fused[0], fused[1]
 
     def _packed(self, parts) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._fused is None or self._fused[2] != _pointers(parts):  # `.data =`, a replaced module, ...
-            self.pack()
-        return self._fused[0], self._fused[1]
+        return self.fused(parts, traced=False, grad=False)
 
     @property
     def qkv_weight(self) -> torch.Tensor:
@@ -231,8 +234,11 @@ class BertSelfAttention(nn.Module):
         return self
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+
+
 def _pointers(parts) -> tuple:
-    return tuple(map(torch.Tensor.data_ptr, parts))  # (no generator frame per part: this runs every layer, every call)
+    return tuple(map(_DATA_PTR, parts))  # (no generator frame per part)
 
 
 def _alias(rows: torch.Tensor) -> torch.Tensor:
@@ -356,7 +362,7 @@ class BertLayer(GradientCheckpointingLayer):
         if self.family.pre_norm:
             return self._forward_pre_norm(x, attn, run, output_attentions, positions)
         bias = positions
-        w, eps = self.weights(run.traced), self.eps
+        w, eps = self.weights(run), self.eps
         p_attn, p_attn_out, p_ffn_out = self.dropouts() if self.training else _NO_DROPOUT
         if w is None:  # an adapter (PEFT) wraps one of the layer's linears
             return self._forward_adapted(x, attn, run, output_attentions, bias, p_attn, p_attn_out, p_ffn_out)
@@ -432,9 +438,9 @@ class BertLayer(GradientCheckpointingLayer):
             h = twins.dropout(h, p)
         return ln(h + residual)
 
-    def weights(self, traced: bool | None = None) -> LayerWeights | None:
-        """The layer's current parameters (read through the module dicts, see `module`). None when an adapter wraps
-        one of the linears (BertLayer._forward_adapted)."""
+    def weights(self, run) -> LayerWeights | None:
+        """The layer's current parameters for a forward of plan `run` (dispatch.Ops), read through the module dicts
+        (see `module`). None when an adapter wraps one of the linears (BertLayer._forward_adapted)."""
         s = self._slots
         (sa, nq), (_, nk), (_, nv) = s["query"], s["key"], s["value"]
         qkv_parts = sa._modules
@@ -444,7 +450,8 @@ class BertLayer(GradientCheckpointingLayer):
         if not (type(q) is type(k) is type(v) is type(attn_out) is type(ffn_in) is type(ffn_out) is nn.Linear):
             return None
         q, k, v = q._parameters, k._parameters, v._parameters
-        qkv, qkv_bias = sa.fused((q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]), traced)
+        qkv, qkv_bias = sa.fused((q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]), run.traced,
+                                 run.grad)
         o, f, ffn_in = attn_out._parameters, ffn_out._parameters, ffn_in._parameters
         (p, n), (p2, n2) = s["ln1"], s["ln2"]
         ln1, ln2 = p._modules[n]._parameters, p2._modules[n2]._parameters

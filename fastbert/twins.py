@@ -172,12 +172,15 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch; a `window`, a band
     of keys per block of queries."""
     T, _, nh, hd = qkv.shape
+    # BERT's inference: sdpa as it is, no host work around it (a forward of short rows is Python-bound)
+    plain = bias is None and window is None and dropout_p == 0.0
     if layout.uniform:
         B, S = layout.num_seqs, layout.max_seqlen
         q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
         if rotary is not None:
             q, k, v = _rotated(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
-        ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale) if plain else \
+            _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
         return ctx.transpose(1, 2).reshape(T, nh * hd)
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
@@ -187,7 +190,8 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
         length = piece.shape[0]
         q, k, v = piece.unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
         q, k, v = _rotated(q, k, v, rotary, slice(start, start + length))
-        ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale) if plain else \
+            _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
         contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
         start += length
     return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
