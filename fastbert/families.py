@@ -121,6 +121,7 @@ _DEBERTA_LAYER = {"query": "attention.self.query_proj", "key": "attention.self.k
 DEBERTA_V2 = Family(
     "deberta-v2", "DeBERTa-v2", "deberta.", "index", _DEBERTA_LAYER,
     pooler=False, disentangled=True, bounds={"type_vocab_size": 0},
+    selects_hidden_states=False,  # HF's encoder always returns every hidden state; the model keeps all or none
     heads=("pooler.", "classifier.", "lm_predictions.", "cls.", "qa_outputs.", "dropout."),
     output="BaseModelOutput")
 

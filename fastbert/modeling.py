@@ -398,13 +398,13 @@ class BertLayer(GradientCheckpointingLayer):
                 sa.add_module("pos_query_proj", nn.Linear(H, H))
 
     def _disentangled(self, qkv, w_qkv, b_qkv, positions, p_pos: float):
-        """DeBERTa's per-token terms (twins.Disentangled) from this forward's rel_embeddings [P, H] (positions: (rel,
-        column) or None): pk / pq through the modules HF uses (key_proj / query_proj: the fused weight's rows while
+        """DeBERTa's per-token terms (twins.Disentangled) from this forward's rel_embeddings [P, H] (`positions`: that
+        tensor or None; a positional tensor, so that reentrant checkpointing hands it its gradient): pk / pq through the modules HF uses (key_proj / query_proj: the fused weight's rows while
         they are plain linears, else the module, adapter included; or pos_key_proj / pos_query_proj), then
         c2p = q @ pk^T and p2c = k @ pq^T per head as two batched GEMMs over the tokens, float32, scaled."""
         if positions is None or not (self.c2p or self.p2c):
             return None
-        rel, column = positions
+        rel, column = positions, _column_table(self._columns, positions.device)
         if p_pos > 0:  # HF's pos_dropout (hidden_dropout_prob), drawn in every layer
             rel = twins.dropout(rel, p_pos)
         P, H = rel.shape
@@ -560,6 +560,16 @@ class BertLayer(GradientCheckpointingLayer):
 _NO_DROPOUT = (0.0, 0.0, 0.0)
 
 
+def _column_table(columns: dict, device) -> torch.Tensor:
+    """DeBERTa's column table (relative.deberta_column_table, built once per model on the CPU) on `device`."""
+    key = str(device)
+    if key not in columns:
+        if tracing():  # a constant of the traced graph
+            return columns["cpu"].to(device)
+        columns[key] = columns["cpu"].to(device)
+    return columns[key]
+
+
 def layer_dropouts(family: families.Family, config) -> tuple[float, float, float]:
     """(attention probabilities, attention output, FFN) dropout of a family's layer in train mode."""
     p_attn, p_hidden = family.get(config, "attention_probs_dropout_prob"), family.get(config, "hidden_dropout_prob")
@@ -696,6 +706,8 @@ class BertModel(TransformersModelMixin, nn.Module):
         # DeBERTa: the column each distance j - i reads, one table for every length (relative.deberta_column_table)
         self._disentangled = family.disentangled and any(layer.c2p or layer.p2c for layer in self.layers)
         self.__dict__["_columns"] = {"cpu": relative.deberta_column_table(config)} if self._disentangled else {}
+        for layer in self.layers:  # one table (per device) for every layer
+            layer.__dict__["_columns"] = self._columns
         # the local layers' half-window (ModernBERT), which "auto" times attention with; None without local layers
         self._local_window = next((layer.window for layer in self.layers
                                    if family.pre_norm and layer.window is not None), None)
@@ -879,7 +891,7 @@ class BertModel(TransformersModelMixin, nn.Module):
         return self._inv_freq[key]
 
     def rel_positions(self):
-        """DeBERTa's (rel_embeddings, column table) for this forward: HF's get_rel_embedding (the table through the
+        """DeBERTa's rel_embeddings for this forward: HF's get_rel_embedding (the table through the
         encoder's LayerNorm when norm_rel_ebd says so), once for every layer; None without relative_attention."""
         if not self._disentangled:
             return None
@@ -888,16 +900,7 @@ class BertModel(TransformersModelMixin, nn.Module):
         norm = encoder._modules.get("LayerNorm")
         if norm is not None:
             rel = norm(rel)
-        return rel, self._column_table(rel.device)
-
-    def _column_table(self, device) -> torch.Tensor:
-        columns = self._columns
-        key = str(device)
-        if key not in columns:
-            if tracing():  # a constant of the traced graph
-                return columns["cpu"].to(device)
-            columns[key] = columns["cpu"].to(device)
-        return columns[key]
+        return rel
 
     def relative_bias(self) -> torch.Tensor | None:
         """MPNet's attention bias for this forward as one per-distance table (fastbert/relative.py): distances past

@@ -277,6 +277,10 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
     rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
     if disentangled is not None:
         rel = disentangled_bias_padded(disentangled, B, S).to(qkv.dtype)  # [B, nh, S, S]
+    # HF's DeBERTa masks (i, j) unless both are real: every score of a padded query is finfo.min, so it attends
+    # uniformly to all S keys
+    pairwise = ~mask.key_valid[:, None, :, None] if (disentangled is not None or mask.pairwise) \
+        and mask.key_valid is not None else None  # [B, 1, S, 1]
     if window is not None and S - 1 > window and not mask.custom:  # (a custom 3-D/4-D mask is the whole mask: HF
         # applies no window on top of one)
         # HF's one mask: finfo.min wherever the window or the padding excludes a key (once, not summed), so a padded
@@ -291,6 +295,8 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
             scores = scores + rel
         if mask.additive is not None:
             scores = scores + mask.additive
+        if pairwise is not None:  # HF's masked_fill of every score of a padded query: uniform, in the graph
+            scores = scores.masked_fill(pairwise, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)
         ctx = torch.matmul(dropout(probs, dropout_p), v)
     else:
@@ -310,12 +316,8 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         ctx = torch.where(mask.empty_rows, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
         if probs is not None:
             probs = torch.where(mask.empty_rows, torch.full_like(probs, 1.0 / S), probs)
-    if (disentangled is not None or mask.pairwise) and mask.key_valid is not None:
-        # HF's DeBERTa masks (i, j) unless both are real: a padded query's scores are all finfo.min, so uniform
-        padded_query = ~mask.key_valid[:, None, :, None]  # [B, 1, S, 1]
-        ctx = torch.where(padded_query, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
-        if probs is not None:
-            probs = torch.where(padded_query, torch.full_like(probs, 1.0 / S), probs)
+    if pairwise is not None and probs is None:  # (the probabilities' path masked the scores themselves)
+        ctx = torch.where(pairwise, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
     return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]
 
 
