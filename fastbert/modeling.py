@@ -26,7 +26,6 @@ key/value's weights are rows of one fused W_qkv, so the projection is one GEMM (
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import NamedTuple
 
@@ -384,7 +383,8 @@ class BertLayer(GradientCheckpointingLayer):
         pos_att_type = configs.deberta_pos_att_type(config)
         factor = 1 + ("c2p" in pos_att_type) + ("p2c" in pos_att_type)
         # HF's float32 sqrt, so that the scale is bit-identical (on the CPU: a model may be built on meta)
-        self.pos_scale = float(torch.sqrt(torch.tensor(H // config.num_attention_heads, dtype=torch.float, device="cpu") * factor))
+        head_dim = torch.tensor(H // config.num_attention_heads, dtype=torch.float, device="cpu")
+        self.pos_scale = float(torch.sqrt(head_dim * factor))
         self.scale = 1.0 / self.pos_scale
         relative_attention = getattr(config, "relative_attention", False)
         self.c2p = relative_attention and "c2p" in pos_att_type
@@ -399,9 +399,10 @@ class BertLayer(GradientCheckpointingLayer):
 
     def _disentangled(self, qkv, w_qkv, b_qkv, positions, p_pos: float):
         """DeBERTa's per-token terms (twins.Disentangled) from this forward's rel_embeddings [P, H] (`positions`: that
-        tensor or None; a positional tensor, so that reentrant checkpointing hands it its gradient): pk / pq through the modules HF uses (key_proj / query_proj: the fused weight's rows while
-        they are plain linears, else the module, adapter included; or pos_key_proj / pos_query_proj), then
-        c2p = q @ pk^T and p2c = k @ pq^T per head as two batched GEMMs over the tokens, float32, scaled."""
+        tensor or None; a positional tensor, so that reentrant checkpointing hands it its gradient): pk / pq through
+        the modules HF uses (key_proj / query_proj: the fused weight's rows while they are plain linears, else the
+        module, adapter included; or pos_key_proj / pos_query_proj), then c2p = q @ pk^T and p2c = k @ pq^T per head
+        as two batched GEMMs over the tokens, float32, scaled."""
         if positions is None or not (self.c2p or self.p2c):
             return None
         rel, column = positions, _column_table(self._columns, positions.device)

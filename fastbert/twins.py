@@ -11,8 +11,9 @@ Every op works on token-major 2-D matrices [T, features] (T = real tokens, packe
 
 The ops grow parameters along the families' axes (DESIGN.md, "Architectures"), each a keyword that defaults to the
 BERT form: attention takes `bias=` (a per-distance table), `window=` (keys within +-w positions only) and `rotary=`
-(q and k rotated by per-token cos/sin) and `disentangled=` (DeBERTa's c2p/p2c terms, `Disentangled`); bias_gelu takes `gated=` (act(a) * g over W's two halves); residual_layernorm
-takes `pre_norm=` (it returns the new residual stream and its LayerNorm).
+(q and k rotated by per-token cos/sin) and `disentangled=` (DeBERTa's c2p/p2c terms, `Disentangled`); bias_gelu
+takes `gated=` (act(a) * g over W's two halves); residual_layernorm takes `pre_norm=` (it returns the new residual
+stream and its LayerNorm).
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def relative_bias(table: torch.Tensor, num_queries: int, num_keys: int, dtype: t
 @dataclasses.dataclass(frozen=True)
 class Disentangled:
     """DeBERTa-v2's position terms of one attention call, per token, never per (i, j) pair:
-        score(i, j) = (q_i . k_j) * scale + c2p[tok(i), h, column[j - i + L - 1]] + p2c[tok(j), h, column[j - i + L - 1]]
+        score(i, j) = (q_i . k_j) * scale + c2p[tok(i), h, col] + p2c[tok(j), h, col],  col = column[j - i + L - 1]
     c2p: [T, nh, P] per query token, q_t . pk[h, p] / sqrt(d * sf) (None: no c2p term); p2c: [T, nh, P] per key token,
     k_t . pq[h, p] / sqrt(d * sf) (None: no p2c term); any float dtype, unit stride along P, any strides on T and nh.
     column: int32 [2L - 1], the rel_embeddings row (P = 2 * span of them) each distance j - i reads; |j - i| > L - 1
@@ -234,7 +235,8 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
     3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
     sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch; a `window`, a band
-    of keys per block of queries; `disentangled` terms, each sequence's own [1, nh, L, L] (they depend on its tokens)."""
+    of keys per block of queries; `disentangled` terms: each sequence's own [1, nh, L, L] (they depend on its
+    tokens)."""
     T, _, nh, hd = qkv.shape
     if layout.uniform and disentangled is None:
         B, S = layout.num_seqs, layout.max_seqlen

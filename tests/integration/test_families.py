@@ -1,8 +1,9 @@
-"""DistilBERT, MPNet, ModernBERT and DeBERTa-v2 as their users hold them: every head through fastbert.optimize and restore, saved
-and reloaded, and sentence-transformers models on them (a folder shaped like all-mpnet-base-v2's: mean pooling,
-Normalize; DistilBERT and ModernBERT ones with CLS pooling) through fastbert.encode and SentenceTransformer with
-fastbert inside. Random weights, built with transformers' and sentence-transformers' own classes (no model hub
-here); fp32, CPU, the PyTorch path. Bar: 1e-5 on real tokens; cosine >= 0.99999 for embeddings."""
+"""DistilBERT, MPNet, ModernBERT and DeBERTa-v2 as their users hold them: every head through fastbert.optimize and
+restore, saved and reloaded, and sentence-transformers models on them (a folder shaped like all-mpnet-base-v2's: mean
+pooling, Normalize; DistilBERT, ModernBERT and DeBERTa-v2 ones with CLS pooling) through fastbert.encode and
+SentenceTransformer with fastbert inside. Random weights, built with transformers' and sentence-transformers' own
+classes (no model hub here); fp32, CPU, the PyTorch path. Bar: 1e-5 on real tokens; cosine >= 0.99999 for
+embeddings."""
 import copy
 import os
 import re
