@@ -52,7 +52,8 @@ def pytest_addoption(parser):
                     help="torch.compile mode for hf-compile (default, reduce-overhead, max-autotune...)")
     group.addoption("--bench-models", default="",
                     help="comma list: keep only these models (bert-base, minilm, distilbert-base, mpnet-base, "
-                         "modernbert-base; with --bench-tiny: tiny, tiny-distilbert, tiny-mpnet, tiny-modernbert)")
+                         "modernbert-base, deberta-v3-base; with --bench-tiny: tiny, tiny-distilbert, tiny-mpnet, "
+                         "tiny-modernbert)")
     group.addoption("--bench-cells", default="", help="comma list: keep only these cells (e.g. 32x128,8x512)")
     group.addoption("--bench-dtypes", default="", help="comma list: keep only these dtypes (fp16, bf16, fp32)")
     group.addoption("--bench-variants", default="", help="comma list: keep only these variants / op backends")

@@ -75,8 +75,12 @@ def graph_bucket(tokens: int) -> int:
 
 CUDA_MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base")
 TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet", "tiny-modernbert")  # --bench-tiny: each family's path, tiny
-# Cells only some models run on CUDA: ModernBERT's long context (8 x 8,192, its local layers' windows at full length)
-MODEL_CUDA_CELLS = {"modernbert-base": (_fixed(8, 8192),)}
+# Cells only some models run on CUDA: ModernBERT's long context (8 x 8,192, its local layers' windows at full length);
+# DeBERTa-v3-base (not in CUDA_MODELS: this one cell, bf16, is all it runs there) on the ragged batch
+MODEL_CUDA_CELLS = {"modernbert-base": (_fixed(8, 8192),), "deberta-v3-base": (_varlen(32, 16, 512),)}
+MODEL_CUDA_DTYPES = {"deberta-v3-base": ("bf16",)}  # models outside CUDA_MODELS: the dtypes of their own cells
+# Models whose attention has no Triton kernel yet: the kernel and graph variants are unavailable for them
+NO_ATTENTION_KERNEL = ("deberta-v3-base",)
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")
 CPU_DTYPES = ("fp32",)
@@ -108,6 +112,8 @@ def model_cases(tiny: bool, cuda_available: bool) -> list[ModelCase]:
         return [ModelCase(m, c, dtype, v, device) for m in TINY_MODELS for c in TINY_CELLS for v in VARIANTS]
     cases = [ModelCase(m, c, d, v, "cuda") for m in CUDA_MODELS for c in CUDA_CELLS + MODEL_CUDA_CELLS.get(m, ())
              for d in CUDA_DTYPES for v in VARIANTS]
+    cases += [ModelCase(m, c, d, v, "cuda") for m, cells in MODEL_CUDA_CELLS.items() if m not in CUDA_MODELS
+              for c in cells for d in MODEL_CUDA_DTYPES.get(m, CUDA_DTYPES) for v in VARIANTS]
     cases += [ModelCase(m, c, d, v, "cpu") for m in CPU_MODELS for c in CPU_CELLS for d in CPU_DTYPES for v in VARIANTS
               if v not in ("fastbert-triton", "fastbert-graphs")]  # CUDA kernels (the interpreter is a test tool)
     return cases
@@ -164,16 +170,24 @@ def hf_config(model: str):
     if model == "modernbert-base":  # answerdotai/ModernBERT-base's shape: the config's defaults (22 layers, 768 wide,
         # 12 heads, MLP 1152, every third layer global, windows of +-64, 8,192 positions)
         return transformers.ModernBertConfig(**_MODERNBERT_IDS)
+    if model == "deberta-v3-base":  # microsoft/deberta-v3-base's shape: 12 layers of 768, 12 heads, 256 log buckets
+        # over max_relative_positions 512, shared position keys, both terms, no absolute positions or token types
+        return transformers.DebertaV2Config(
+            vocab_size=128100, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+            max_position_embeddings=512, relative_attention=True, position_buckets=256, max_relative_positions=512,
+            share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+            type_vocab_size=0, layer_norm_eps=1e-7, pad_token_id=0)
     raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
 
 
 # pad id 0 (the random ids start at 1000), the specials inside any vocabulary: ModernBERT's positions do not depend
 # on the pad id, so this changes nothing it computes
 _MODERNBERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base", *TINY_MODELS, "host")
+MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base", "deberta-v3-base", *TINY_MODELS,
+          "host")
 # transformers' encoder class for each model_type the bank builds
 HF_CLASSES = {"bert": "BertModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
-              "modernbert": "ModernBertModel"}
+              "modernbert": "ModernBertModel", "deberta-v2": "DebertaV2Model"}
 
 
 def reference_attention(model: str) -> str:
@@ -183,8 +197,9 @@ def reference_attention(model: str) -> str:
 
 
 def hf_attention(model: str) -> tuple[str, ...]:
-    """The attention implementations HF offers for `model`, the fastest last: its MPNet has no sdpa path."""
-    return ("eager",) if model in ("mpnet-base", "tiny-mpnet") else ("eager", "sdpa")
+    """The attention implementations HF offers for `model`, the fastest last: its MPNet and DeBERTa-v2 have no sdpa
+    path."""
+    return ("eager",) if model in ("mpnet-base", "tiny-mpnet", "deberta-v3-base") else ("eager", "sdpa")
 
 
 def hf_variant(model: str) -> str:

@@ -19,6 +19,9 @@ Cells (the CPU goals of padding-free execution):
   modernbert-base 16xvar64-2048, 4x8192
                          ModernBERT-base's shape against HF sdpa (its reference too: eager cannot hold 8,192^2
                          scores): 16 rows of 64..2,048 tokens (goal >= 2.5x), and 4 full rows of 8,192
+  deberta-v3-base 32xvar16-512
+                         DeBERTa-v3-base's shape (random weights) against HF eager (it has no other attention): the
+                         ragged batch, HF padding every row to 512 with its [B*nh, S, S] c2p/p2c gathers
 """
 import statistics
 import time
@@ -40,11 +43,12 @@ CASES = {  # id: (model, cell, rounds, warm-up rounds)
     # layer's full 2,048 x 2,048 scores under its mask; 4 x 8,192 the same at 8,192)
     "modernbert-base-16xvar64-2048": ("modernbert-base", harness._varlen(16, 64, 2048), 2, 0),
     "modernbert-base-4x8192": ("modernbert-base", harness._fixed(4, 8192), 1, 0),
+    "deberta-v3-base-32xvar16-512": ("deberta-v3-base", harness._varlen(32, 16, 512), 3, 0),
 }
 
 
 # Too slow for the one-pass check of `pytest bench --benchmark-disable` (CI): HF's reference forward alone is 100-190 s
-SLOW_MODELS = ("modernbert-base",)
+SLOW_MODELS = ("modernbert-base", "deberta-v3-base")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -53,8 +57,9 @@ def test_ab_fastbert_torch_vs_hf_cpu(bank, benchmark, case):
         pytest.skip("the interleaved A/B is the CPU headline; on CUDA the grouped benchmarks are stable")
     model, cell, rounds, warmup = CASES[case]
     if benchmark.disabled and model in SLOW_MODELS:
+        where = {"modernbert-base": "; the tiny stand-in of its code path is in bench/test_bench_tools.py"}
         pytest.skip(f"{model}'s cells take minutes a round on CPU: they run when benchmarking (without "
-                    f"--benchmark-disable); the tiny stand-in of its code path is in bench/test_bench_tools.py")
+                    f"--benchmark-disable){where.get(model, '')}")
     baseline = harness.hf_variant(model)
     try:
         batch = bank.batch(model, cell, "cpu")

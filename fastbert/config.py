@@ -54,6 +54,7 @@ def check_fields(values: dict, where: str = "config", family: families.Family = 
         value = family.fixed.get(name, values.get(family.raw_name(name)))
         if value is None and name in _OPTIONAL:
             continue
+        bound = family.bounds.get(name, bound)
         name = family.raw_name(name)
         if kind == _INT:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= bound
@@ -111,6 +112,8 @@ def check_supported(config, where: str = "config") -> None:
                          f"{family.raw_name('num_attention_heads')}={values['num_attention_heads']}")
     if family.relative_bias and values["relative_attention_num_buckets"] is None:
         raise ValueError(f"{where}: field 'relative_attention_num_buckets' must be set for model_type={model_type!r}")
+    if family.disentangled:
+        check_deberta(config, where)
     if family.pre_norm:  # ModernBERT: each layer's type and its rotary theta are readable (else ValueError)
         for layer_type in set(rotary.layer_types(config)):
             rotary.rope_theta(config, layer_type)
@@ -122,6 +125,60 @@ def check_supported(config, where: str = "config") -> None:
         if values["max_position_embeddings"] <= pad + 1:
             raise ValueError(f"{where}: max_position_embeddings={values['max_position_embeddings']} leaves no "
                              f"position after padding_idx={pad} (positions start at padding_idx + 1)")
+
+
+# DeBERTa-v2's attention terms (HF's DisentangledSelfAttention: "p2p" and others are not computed there either)
+DEBERTA_POS_ATT_TYPES = ("c2p", "p2c")
+DEBERTA_NORM_REL_EBD = ("layer_norm", "none")
+
+
+def deberta_pos_att_type(config) -> list:
+    """pos_att_type as HF's attention reads it: a list ("p2c|c2p" strings are split, as its config class does)."""
+    value = getattr(config, "pos_att_type", None)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [x.strip() for x in value.lower().split("|")]
+    return list(value)
+
+
+def deberta_norm_rel_ebd(config) -> list:
+    return [x.strip() for x in str(getattr(config, "norm_rel_ebd", "none")).lower().split("|")]
+
+
+def check_deberta(config, where: str = "config") -> None:
+    """The DeBERTa-v2/v3 fields fastbert's layer reads; anything it does not implement is refused by name."""
+    conv = getattr(config, "conv_kernel_size", 0)
+    if not isinstance(conv, int) or isinstance(conv, bool) or conv > 0:
+        raise NotImplementedError(f"{where}: conv_kernel_size={conv!r} is not supported: DeBERTa-v2's ConvLayer "
+                                  f"after the first layer (deberta-v2-xlarge/xxlarge) is not implemented by fastbert")
+    pos_att_type = deberta_pos_att_type(config)
+    bad = [t for t in pos_att_type if t not in DEBERTA_POS_ATT_TYPES]
+    if bad or not all(isinstance(t, str) for t in pos_att_type):
+        raise NotImplementedError(f"{where}: pos_att_type={getattr(config, 'pos_att_type', None)!r} is not "
+                                  f"supported: its entries must be among {', '.join(DEBERTA_POS_ATT_TYPES)}")
+    norms = deberta_norm_rel_ebd(config)
+    if any(n not in DEBERTA_NORM_REL_EBD for n in norms):
+        raise NotImplementedError(f"{where}: norm_rel_ebd={getattr(config, 'norm_rel_ebd', None)!r} is not "
+                                  f"supported (only {' or '.join(map(repr, DEBERTA_NORM_REL_EBD))})")
+    head = getattr(config, "attention_head_size", None)
+    if head is not None and head * config.num_attention_heads != config.hidden_size:
+        raise NotImplementedError(f"{where}: attention_head_size={head!r} is not supported: fastbert's heads split "
+                                  f"hidden_size={config.hidden_size} into num_attention_heads="
+                                  f"{config.num_attention_heads}")
+    for name, default in (("relative_attention", False), ("share_att_key", False), ("position_biased_input", True)):
+        value = getattr(config, name, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: field {name!r} must be true or false, got {value!r}")
+    for name in ("position_buckets", "max_relative_positions"):
+        value = getattr(config, name, -1)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{where}: field {name!r} must be an integer, got {value!r}")
+    if getattr(config, "relative_attention", False) and getattr(config, "position_buckets", -1) == 1:
+        raise ValueError(f"{where}: position_buckets=1 leaves no bucket on either side (HF's make_log_bucket_position "
+                         f"divides by position_buckets // 2 = 0); use -1 for no buckets or >= 2")
+    if getattr(config, "type_vocab_size", 0) is None:
+        raise ValueError(f"{where}: field 'type_vocab_size' must be an integer >= 0, got None")
 
 
 def from_dict(values: dict, where: str = "config"):

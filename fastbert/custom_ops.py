@@ -56,28 +56,35 @@ def _(x, weight, bias, num_heads, backend):
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None, backend: str, bias: torch.Tensor | None = None, window: int = -1,
-              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, c2p: torch.Tensor | None = None,
+              p2c: torch.Tensor | None = None, column: torch.Tensor | None = None) -> torch.Tensor:
     """Packed qkv [T, 3, nh, hd] -> [T, nh*hd]; key_valid [n, S] for padded rows (then every row has S tokens);
     bias: None or a float32 per-distance table [nh, 2L - 1] (twins.relative_bias); window: w >= 0, or -1 for none
-    (a schema int cannot be None); cos, sin: None or the float32 [T, hd/2] rotary tables (twins.Rotary)."""
+    (a schema int cannot be None); cos, sin: None or the float32 [T, hd/2] rotary tables (twins.Rotary); c2p, p2c,
+    column: DeBERTa's terms (twins.Disentangled; column None: none)."""
     win = None if window < 0 else window
     rotary = None if cos is None else twins.Rotary(cos, sin)
+    dis = None if column is None else twins.Disentangled(c2p, p2c, column)
+    extra = {} if dis is None else {"disentangled": dis}
 
     def twin():
         if key_valid is None:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the twin loops over sequences on the host
             layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, lengths)
-            return twins.attention_varlen_torch(qkv, layout, scale, bias=bias, window=win, rotary=rotary)
+            return twins.attention_varlen_torch(qkv, layout, scale, bias=bias, window=win, rotary=rotary,
+                                                disentangled=dis)
         B, S = key_valid.shape
         mask = AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
-        return twins.attention_padded_torch(qkv, mask, scale, bias=bias, window=win, rotary=rotary)[0]
+        return twins.attention_padded_torch(qkv, mask, scale, bias=bias, window=win, rotary=rotary,
+                                            disentangled=dis)[0]
 
     return _run("attention", backend, qkv, lambda: _kernel("attention").launch(
-        qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid, bias=bias, window=win, rotary=rotary), twin)
+        qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid, bias=bias, window=win, rotary=rotary, **extra), twin)
 
 
 @attention.register_fake
-def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, backend, bias=None, window=-1, cos=None, sin=None):
+def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, backend, bias=None, window=-1, cos=None, sin=None, c2p=None,
+      p2c=None, column=None):
     return qkv.new_empty(qkv.shape[0], qkv.shape[2] * qkv.shape[3])
 
 
@@ -133,7 +140,8 @@ def traced_ops(use: dict) -> dict:
         out = torch.ops.fastbert.qkv_projection(x, weight, bias, num_heads, use["qkv_projection"])
         return out.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
 
-    def run_attention(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, window=None, rotary=None):
+    def run_attention(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, window=None, rotary=None,
+                      disentangled=None):
         if isinstance(attn, TokenLayout):
             cu_seqlens, max_seqlen, key_valid = attn.cu_seqlens, attn.max_seqlen, None
         else:  # padded rows (what a traced forward runs): uniform cu_seqlens and the key mask
@@ -143,8 +151,11 @@ def traced_ops(use: dict) -> dict:
             if key_valid is None:
                 key_valid = torch.ones(B, S, dtype=torch.bool, device=qkv.device)
         cos, sin = (None, None) if rotary is None else (rotary.cos, rotary.sin)
+        d = disentangled
+        c2p, p2c, column = (None, None, None) if d is None else (d.c2p, d.p2c, d.column)
         return torch.ops.fastbert.attention(qkv, cu_seqlens, max_seqlen, scale, key_valid, use["attention"],
-                                            bias, -1 if window is None else window, cos, sin), None
+                                            bias, -1 if window is None else window, cos, sin, c2p, p2c,
+                                            column), None
 
     def run_bias_gelu(x, weight, bias, activation="gelu", gated=False):
         return torch.ops.fastbert.bias_gelu(x, weight, bias, activation, use["bias_gelu"], gated)

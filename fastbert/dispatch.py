@@ -104,6 +104,7 @@ class Situation:
     hidden_dropout: float
     padded: str | None  # why attention runs on padded rows ("output_attentions=True needs ...", a custom mask), or None
     shapes: object = None  # auto.Shapes where "auto" measures (an inference forward on CUDA), else None
+    disentangled: bool = False  # attention carries DeBERTa's c2p/p2c terms (twins.Disentangled)
 
 
 # Where "auto" picks by measuring (fastbert/auto.py): on a GPU. Elsewhere it takes the kernel wherever one can run
@@ -123,6 +124,8 @@ def reasons(situation: Situation) -> dict:
         return why
 
     def attention_why():
+        if situation.disentangled:
+            return "the attention kernel has no disentangled (DeBERTa c2p/p2c) form yet"
         return situation.padded or common("attention", situation.attention_dropout, situation.head_dim)()
 
     return {"qkv_projection": common("qkv_projection"), "attention": attention_why,
@@ -241,14 +244,16 @@ def _qkv_projection_triton(x, weight, bias, num_heads, checked=False):
 
 
 def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, window=None, rotary=None,
-                      checked=False):
+                      disentangled=None, checked=False):
     kernel = _kernel("attention")
     run = kernel.attention if checked else kernel.launch
+    extra = {} if disentangled is None else {"disentangled": disentangled}  # (a kernel without that form: TypeError)
     if isinstance(attn, TokenLayout):
-        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary), None
+        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary,
+                   **extra), None
     cu_seqlens = kernel.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
     return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, bias=bias, window=window,
-               rotary=rotary), None
+               rotary=rotary, **extra), None
 
 
 def _bias_gelu_triton(x, weight, bias, activation="gelu", gated=False, checked=False):

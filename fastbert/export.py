@@ -60,7 +60,8 @@ def export_onnx(model_or_encoder, path, *, example_length: int = 16, opset: int 
         outputs = ["sentence_embedding"]
     elif isinstance(model_or_encoder, BertModel):
         model, graph = model_or_encoder, _BertGraph(model_or_encoder)
-        names = ["input_ids", "attention_mask"] + (["token_type_ids"] if model.family.token_types else [])
+        types = model.embeddings.token_type_embeddings is not None  # (DeBERTa: by its config's type_vocab_size)
+        names = ["input_ids", "attention_mask"] + (["token_type_ids"] if types else [])
         outputs = ["last_hidden_state"] + (["pooler_output"] if model.pooler is not None else [])
     else:
         raise TypeError(f"export_onnx takes a fastbert.BertModel or a fastbert.SentenceEncoder, got "

@@ -11,6 +11,11 @@ optimizer groups are HF's own), what its config calls each field, and which valu
     mpnet       word + position (padding_idx = 1)     per-distance buckets    yes     ...WithPooling
     modernbert  word, LayerNorm; rotary q/k (index)   none; a window on the   no      BaseModelOutput
                                                       "sliding" layers
+    deberta-v2  word (+ position) (+ type), a         disentangled c2p + p2c  no      BaseModelOutput
+                projection, LayerNorm, times the mask  (column by bucket)
+
+DeBERTa-v2/v3's attention adds content-to-position and position-to-content terms gathered at one bucketed column
+per distance (twins.Disentangled); its heads keep their ContextPooler themselves.
 
 All but ModernBERT are post-norm: x = LN(x + attention), x = LN(x + FFN). ModernBERT is pre-norm with a final norm
 and a gated MLP: x = x + attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T; its checkpoints
@@ -50,6 +55,8 @@ class Family:
     output: str = "BaseModelOutputWithPoolingAndCrossAttentions"  # transformers.modeling_outputs class
     pre_norm: bool = False  # ModernBERT: LN before each sublayer, a final norm, rotary q/k, windows, a gated MLP
     min_transformers: str | None = None  # the first transformers release that has the family
+    disentangled: bool = False  # DeBERTa-v2: c2p/p2c score terms from rel_embeddings, HF's embeddings and mask rule
+    bounds: dict = field(default_factory=dict)  # fields whose lower bound is not BERT's (DeBERTa: type_vocab_size 0)
 
     def get(self, config, name: str):
         """Config field `name` (BERT's spelling) as this family's config holds it; None when it has none."""
@@ -105,11 +112,25 @@ MODERNBERT = Family(
     heads=("head.", "decoder.", "classifier.", "drop."),
     output="BaseModelOutput")
 
+# DeBERTa-v2/v3 and mDeBERTa (one model_type). HF's DebertaV2Model has no pooler: the sequence heads hold their own
+# ContextPooler ("pooler."), outside the encoder.
+_DEBERTA_LAYER = {"query": "attention.self.query_proj", "key": "attention.self.key_proj",
+                  "value": "attention.self.value_proj", "attn_out": "attention.output.dense",
+                  "ln1": "attention.output.LayerNorm", "ffn_in": "intermediate.dense", "ffn_out": "output.dense",
+                  "ln2": "output.LayerNorm"}
+DEBERTA_V2 = Family(
+    "deberta-v2", "DeBERTa-v2", "deberta.", "index", _DEBERTA_LAYER,
+    pooler=False, disentangled=True, bounds={"type_vocab_size": 0},
+    selects_hidden_states=False,  # HF's encoder always returns every hidden state; the model keeps all or none
+    heads=("pooler.", "classifier.", "lm_predictions.", "cls.", "qa_outputs.", "dropout."),
+    output="BaseModelOutput")
+
 # model_type -> (family, transformers' encoder class of that model_type)
 MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel"),
                "xlm-roberta": (ROBERTA, "XLMRobertaModel"), "camembert": (ROBERTA, "CamembertModel"),
                "electra": (ELECTRA, "ElectraModel"), "distilbert": (DISTILBERT, "DistilBertModel"),
-               "mpnet": (MPNET, "MPNetModel"), "modernbert": (MODERNBERT, "ModernBertModel")}
+               "mpnet": (MPNET, "MPNetModel"), "modernbert": (MODERNBERT, "ModernBertModel"),
+               "deberta-v2": (DEBERTA_V2, "DebertaV2Model")}
 
 
 def of(config) -> Family:

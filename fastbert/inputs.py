@@ -12,6 +12,7 @@ must serve every later batch, so nothing may depend on the mask's values).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,9 @@ class Batch:
             return "output_attentions=True needs the probabilities (flash attention never forms them)"
         if getattr(self.attn, "custom", False):
             return "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
+        if getattr(self.attn, "pairwise", False) and self.attn.key_valid is not None:
+            return ("DeBERTa's padded rows need HF's mask_i * mask_j (a padded query attends to every key), which the "
+                    "kernel's key mask does not express")
         return None
 
 
@@ -159,6 +163,10 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     if S > model.embeddings.max_length and position_ids is None and model.embeddings.position_embeddings is not None:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
+    if custom and model.family.disentangled:
+        raise NotImplementedError(f"a {attention_mask.dim()}-D attention_mask is not supported for "
+                                  f"{model.family.title}: transformers' DebertaV2Model multiplies its embeddings by "
+                                  f"the mask, which only a [batch, seq] key mask fits; pass a 2-D attention_mask")
     # One row for the whole batch, as views: HF's embeddings broadcast [1, S] token types and positions, and
     # transformers 4.x a [1, S] attention_mask too (transformers 5 fails on one with an IndexError)
     attention_mask, token_type_ids, position_ids = (
@@ -189,9 +197,9 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         lengths = keep.sum(dim=1)
         reads.add("real_tokens", lengths.sum())
         reads.add("lengths", lengths)
-        # a row whose real tokens are not one run: packing would change j - i, which a relative bias (MPNet) and a
-        # sliding window (ModernBERT) read
-        if model.family.relative_bias or model.family.pre_norm:
+        # a row whose real tokens are not one run: packing would change j - i, which a relative bias (MPNet), a
+        # sliding window (ModernBERT) and disentangled attention (DeBERTa) read
+        if model.family.relative_bias or model.family.pre_norm or model.family.disentangled:
             runs = (keep[:, 1:] & ~keep[:, :-1]).sum(dim=1) + keep[:, 0]
             reads.add("holes", (runs > 1).any())
     values = reads.read()
@@ -213,6 +221,8 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
         flags = None if values is None or keep is None else (
             values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
         mask = AttentionMask.build(attention_mask, B, S, model.embeddings.word_embeddings.weight.dtype, flags)
+        if model.family.disentangled:
+            mask = dataclasses.replace(mask, pairwise=True)
         real_tokens = mask.key_valid if model.padding_free else None
         return Batch(None if input_ids is None else input_ids.reshape(B * S), _flat(token_type_ids, B * S),
                      position_ids.reshape(B * S), None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1),

@@ -33,6 +33,7 @@ class AttentionMask:
                a 2-D mask or [B, 1|nh, S, S] from a 3-D/4-D one (torch path).
     custom:    True when the user gave a 3-D/4-D mask; only the torch twin serves those.
     empty_rows: [B, 1, 1, 1] bool, True for fully padded rows; None when there is none (decided once per forward).
+    pairwise:  HF DeBERTa's rule, mask_i * mask_j: every padded query (in any row) attends uniformly to all S keys.
 
     A fully padded row (attention_mask all 0) follows HF's eager path: every score is finfo.min, softmax of equal
     values is uniform, so each query of that row attends uniformly to all S keys (its output is the mean of the
@@ -45,6 +46,7 @@ class AttentionMask:
     additive: torch.Tensor | None = None
     custom: bool = False
     empty_rows: torch.Tensor | None = None
+    pairwise: bool = False
 
     @staticmethod
     def build(attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, dtype: torch.dtype,

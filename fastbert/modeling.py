@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -45,7 +46,7 @@ from .compat import TransformersModelMixin
 from .dispatch import OPS
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad, unpad
-from .mask import tracing
+from .mask import AttentionMask, tracing
 
 # MPNet's buckets stop changing at 128 tokens apart (HF's max_distance): a table reaching 128 is exact at any length
 RELATIVE_REACH = 129
@@ -145,6 +146,50 @@ class TokenEmbeddings(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.tok_embeddings(input_ids)
         return self.drop(self.norm(inputs_embeds))                                # [T, H]
+
+
+class DebertaEmbeddings(nn.Module):
+    """DeBERTa-v2's embeddings (HF's DebertaV2Embeddings): word, + position only if position_biased_input, + token type
+    only if type_vocab_size > 0 (HF's order of additions), embed_proj (no bias) when embedding_size != hidden_size,
+    LayerNorm at hidden_size, times the key mask (padded positions are zero, as HF's are), dropout."""
+
+    word_embeddings_name = "word_embeddings"
+
+    def __init__(self, config, width: int, family: families.Family = families.DEBERTA_V2):
+        super().__init__()
+        H = config.hidden_size
+        E = getattr(config, "embedding_size", None) or H
+        self.word_embeddings = nn.Embedding(config.vocab_size, E, padding_idx=getattr(config, "pad_token_id", 0))
+        self.position_embeddings = (nn.Embedding(config.max_position_embeddings, E)
+                                    if getattr(config, "position_biased_input", True) else None)
+        types = config.type_vocab_size or 0
+        self.token_type_embeddings = nn.Embedding(types, E) if types > 0 else None
+        self.embed_proj = nn.Linear(E, H, bias=False) if E != H else None
+        self.LayerNorm = nn.LayerNorm(H, eps=family.get(config, "layer_norm_eps"))
+        self.dropout = nn.Dropout(family.get(config, "hidden_dropout_prob"))
+        self._max_positions = config.max_position_embeddings
+
+    @property
+    def max_length(self) -> int:
+        """The position table's rows (without one, v3's relative positions: max_position_embeddings, not enforced)."""
+        table = self.position_embeddings
+        return self._max_positions if table is None else table.num_embeddings
+
+    def position_ids(self, input_ids, index):
+        return index
+
+    def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds, mask=None):
+        x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        if self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings(token_type_ids)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)                                                # [T, E] -> [T, H]
+        x = self.LayerNorm(x)
+        if mask is not None:  # padded rows: [T, 1], 0 at padded positions
+            x = x * mask.to(x.dtype)
+        return self.dropout(x)                                                    # [T, H]
 
 
 # a family's position ids -> its embeddings
@@ -332,7 +377,63 @@ class BertLayer(GradientCheckpointingLayer):
         self.eps = eps
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self.scale = twins.default_scale(H // config.num_attention_heads)
+        self.c2p = self.p2c = False
+        if family.disentangled:
+            self._init_disentangled(config, H)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (also a head's, transformers')
+
+    def _init_disentangled(self, config, H: int) -> None:
+        """DeBERTa-v2: the scale 1/sqrt(hd * (1 + len(pos_att_type))) (HF counts the terms even without
+        relative_attention), the terms this layer computes, and pos_key_proj / pos_query_proj (HF's module names, after
+        value_proj) when the position projections are not query_proj / key_proj themselves."""
+        pos_att_type = configs.deberta_pos_att_type(config)
+        factor = 1 + ("c2p" in pos_att_type) + ("p2c" in pos_att_type)
+        # HF's float32 sqrt, so that the scale is bit-identical (on the CPU: a model may be built on meta)
+        head_dim = torch.tensor(H // config.num_attention_heads, dtype=torch.float, device="cpu")
+        self.pos_scale = float(torch.sqrt(head_dim * factor))
+        self.scale = 1.0 / self.pos_scale
+        relative_attention = getattr(config, "relative_attention", False)
+        self.c2p = relative_attention and "c2p" in pos_att_type
+        self.p2c = relative_attention and "p2c" in pos_att_type
+        self.share_att_key = getattr(config, "share_att_key", False)
+        sa = self.self_attention
+        if relative_attention and not self.share_att_key:
+            if self.c2p:
+                sa.add_module("pos_key_proj", nn.Linear(H, H))
+            if self.p2c:
+                sa.add_module("pos_query_proj", nn.Linear(H, H))
+
+    def _disentangled(self, qkv, w_qkv, b_qkv, positions, p_pos: float):
+        """DeBERTa's per-token terms (twins.Disentangled) from this forward's rel_embeddings [P, H] (`positions`: that
+        tensor or None; a positional tensor, so that reentrant checkpointing hands it its gradient): pk / pq through
+        the modules HF uses (key_proj / query_proj: the fused weight's rows while they are plain linears, else the
+        module, adapter included; or pos_key_proj / pos_query_proj), then c2p = q @ pk^T and p2c = k @ pq^T per head
+        as two batched GEMMs over the tokens, float32, scaled."""
+        if positions is None or not (self.c2p or self.p2c):
+            return None
+        rel, column = positions, _column_table(self._columns, positions.device)
+        if p_pos > 0:  # HF's pos_dropout (hidden_dropout_prob), drawn in every layer
+            rel = twins.dropout(rel, p_pos)
+        P, H = rel.shape
+        nh = self.num_heads
+        sa = self.self_attention
+
+        def project(part: int, own: str) -> torch.Tensor:  # -> [nh, hd, P]
+            if not self.share_att_key:
+                out = sa._modules[own](rel)
+            else:
+                module = sa._modules[sa.names[part]]
+                out = F.linear(rel, w_qkv[part * H:(part + 1) * H], b_qkv[part * H:(part + 1) * H]) \
+                    if type(module) is nn.Linear else module(rel)
+            return out.view(P, nh, H // nh).permute(1, 2, 0)
+
+        def term(part: int, positional: torch.Tensor) -> torch.Tensor:  # [T, nh, P] (a view of [nh, T, P])
+            content = qkv[:, part].transpose(0, 1)                                            # [nh, T, hd]
+            return torch.bmm(content, positional).float().div_(self.pos_scale).transpose(0, 1)
+
+        c2p = term(0, project(1, "pos_key_proj")) if self.c2p else None
+        p2c = term(1, project(0, "pos_query_proj")) if self.p2c else None
+        return twins.Disentangled(c2p, p2c, column)
 
     def module(self, role: str) -> nn.Module:
         """The module at `role`'s HF path now (an adapter PEFT put there, if any), read through its container's
@@ -361,14 +462,16 @@ class BertLayer(GradientCheckpointingLayer):
         positionally for that)."""
         if self.family.pre_norm:
             return self._forward_pre_norm(x, attn, run, output_attentions, positions)
-        bias = positions
+        bias = None if self.family.disentangled else positions
         w, eps = self.weights(run), self.eps
         p_attn, p_attn_out, p_ffn_out = self.dropouts() if self.training else _NO_DROPOUT
         if w is None:  # an adapter (PEFT) wraps one of the layer's linears
-            return self._forward_adapted(x, attn, run, output_attentions, bias, p_attn, p_attn_out, p_ffn_out)
+            return self._forward_adapted(x, attn, run, output_attentions, positions, p_attn, p_attn_out, p_ffn_out)
 
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
-        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias)  # [T, H]
+        dis = self._disentangled(qkv, w.qkv, w.qkv_bias, positions, p_ffn_out) if self.family.disentangled else None
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias,
+                                   disentangled=dis)                                            # [T, H]
         x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, eps, p_attn_out)  # [T, H]
         h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                            # [T, I]
         x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_ffn_out)        # [T, H]
@@ -408,7 +511,7 @@ class BertLayer(GradientCheckpointingLayer):
             return torch.addmm(x, g, wo.weight.t()), probs  # one GEMM that adds the stream: x + g @ Wo^T
         return x + wo(g), probs
 
-    def _forward_adapted(self, x, attn, run, output_attentions, bias, p_attn, p_attn_out, p_ffn_out):
+    def _forward_adapted(self, x, attn, run, output_attentions, positions, p_attn, p_attn_out, p_ffn_out):
         """The same layer with adapters on some linears. The QKV projection stays one GEMM over the base weights;
         each adapted part adds its low-rank x·A·B to its third of the output. Any other adapted linear is called as
         the module it is (its op runs as PyTorch: merge_and_unload() puts it back on the fused ops)."""
@@ -419,7 +522,10 @@ class BertLayer(GradientCheckpointingLayer):
             delta = adapters.lora_delta(sa._modules[name], x)                                   # [T, H] or None
             if delta is not None:
                 qkv[:, i] += delta.view(qkv.shape[0], *qkv.shape[2:]).to(qkv.dtype)
-        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias)  # [T, H]
+        bias = None if self.family.disentangled else positions
+        dis = self._disentangled(qkv, weight, bias_qkv, positions, p_ffn_out) if self.family.disentangled else None
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias,
+                                   disentangled=dis)                                            # [T, H]
         x = self._dense_residual_layernorm("attn_out", "ln1", ctx, x, run, p_attn_out)          # [T, H]
         dense = self.module("ffn_in")
         if adapters.is_plain_linear(dense):
@@ -462,6 +568,16 @@ class BertLayer(GradientCheckpointingLayer):
 _NO_DROPOUT = (0.0, 0.0, 0.0)
 
 
+def _column_table(columns: dict, device) -> torch.Tensor:
+    """DeBERTa's column table (relative.deberta_column_table, built once per model on the CPU) on `device`."""
+    key = str(device)
+    if key not in columns:
+        if tracing():  # a constant of the traced graph
+            return columns["cpu"].to(device)
+        columns[key] = columns["cpu"].to(device)
+    return columns[key]
+
+
 def layer_dropouts(family: families.Family, config) -> tuple[float, float, float]:
     """(attention probabilities, attention output, FFN) dropout of a family's layer in train mode."""
     p_attn, p_hidden = family.get(config, "attention_probs_dropout_prob"), family.get(config, "hidden_dropout_prob")
@@ -480,6 +596,11 @@ class BertEncoder(nn.Module):
         if family.relative_bias:
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets,
                                                         config.num_attention_heads)
+        if family.disentangled:  # DeBERTa-v2: HF's rel_embeddings [2 * span, H] and their LayerNorm, in its order
+            if getattr(config, "relative_attention", False):
+                self.rel_embeddings = nn.Embedding(2 * relative.deberta_span(config), config.hidden_size)
+            if "layer_norm" in configs.deberta_norm_rel_ebd(config):
+                self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
 class BertPooler(nn.Module):
@@ -577,7 +698,8 @@ class BertModel(TransformersModelMixin, nn.Module):
         H = config.hidden_size
         width = config.embedding_size if family.projection else H
         self.head_dim = H // config.num_attention_heads
-        self.embeddings = EMBEDDINGS[family.positions](config, width, family)
+        self.embeddings = (DebertaEmbeddings if family.disentangled else EMBEDDINGS[family.positions])(config, width,
+                                                                                                         family)
         # ELECTRA: embeddings narrower than the layers are widened by a projection (HF's module name and key)
         self.embeddings_project = nn.Linear(width, H) if width != H else None
         if family.pre_norm:  # ModernBERT: the layers' list itself under the model (HF's `layers`, which is also the
@@ -589,6 +711,11 @@ class BertModel(TransformersModelMixin, nn.Module):
             self.add_module(family.layers, BertEncoder(config, family))  # HF's: encoder (DistilBERT: transformer)
             self.final_norm = None
         self.__dict__["_inv_freq"] = {}  # (layer type, device) -> rotary inv_freq (ModernBERT), made on first use
+        # DeBERTa: the column each distance j - i reads, one table for every length (relative.deberta_column_table)
+        self._disentangled = family.disentangled and any(layer.c2p or layer.p2c for layer in self.layers)
+        self.__dict__["_columns"] = {"cpu": relative.deberta_column_table(config)} if self._disentangled else {}
+        for layer in self.layers:  # one table (per device) for every layer
+            layer.__dict__["_columns"] = self._columns
         # the local layers' half-window (ModernBERT), which "auto" times attention with; None without local layers
         self._local_window = next((layer.window for layer in self.layers
                                    if family.pre_norm and layer.window is not None), None)
@@ -719,7 +846,12 @@ class BertModel(TransformersModelMixin, nn.Module):
         """The device-only part: packed tokens [T] -> final hidden states [T, H]. No host read, no branch on tensor
         values (a CUDA graph captures this). `keep_hidden_states`: a HiddenStates saying which layer inputs to return
         and in what shape (True: all of them, packed), or None."""
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)       # [T, H] (ELECTRA: [T, E])
+        if self.family.disentangled:  # HF's DeBERTa embeddings are zero at padded positions of padded rows
+            mask = attn.key_valid.reshape(-1, 1) if isinstance(attn, AttentionMask) and attn.key_valid is not None \
+                else None
+            x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, mask)  # [T, H]
+        else:
+            x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)   # [T, H] (ELECTRA: [T, E])
         if self.embeddings_project is not None:
             x = self.embeddings_project(x)                                               # [T, E] -> [T, H]
         if keep_hidden_states is True:
@@ -744,6 +876,8 @@ class BertModel(TransformersModelMixin, nn.Module):
         (one for every layer), ModernBERT's rotary cos/sin of the packed tokens (one per layer type), else None."""
         if self.family.relative_bias:
             return [self.relative_bias()] * num_layers
+        if self.family.disentangled:
+            return [self.rel_positions()] * num_layers
         if not self.family.pre_norm:
             return [None] * num_layers
         tables = {}
@@ -763,6 +897,18 @@ class BertModel(TransformersModelMixin, nn.Module):
         if key not in self._inv_freq:
             self._inv_freq[key] = rotary.inv_freq(self.config, layer_type, self.head_dim, device)
         return self._inv_freq[key]
+
+    def rel_positions(self):
+        """DeBERTa's rel_embeddings for this forward: HF's get_rel_embedding (the table through the
+        encoder's LayerNorm when norm_rel_ebd says so), once for every layer; None without relative_attention."""
+        if not self._disentangled:
+            return None
+        encoder = self._modules[self.family.layers]
+        rel = encoder.rel_embeddings.weight
+        norm = encoder._modules.get("LayerNorm")
+        if norm is not None:
+            rel = norm(rel)
+        return rel
 
     def relative_bias(self) -> torch.Tensor | None:
         """MPNet's attention bias for this forward as one per-distance table (fastbert/relative.py): distances past
@@ -814,7 +960,7 @@ class BertModel(TransformersModelMixin, nn.Module):
                                  gated=self.family.pre_norm, pre_norm=self.family.pre_norm)
         p_attn, p_attn_out, p_ffn = layer_dropouts(self.family, cfg) if self.training else _NO_DROPOUT
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
-                                       max(p_attn_out, p_ffn), padded, shapes)
+                                       max(p_attn_out, p_ffn), padded, shapes, self._disentangled)
         if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return dispatch.plan(situation)
         if self._plans_failures != len(fallback._FAILED):

@@ -26,6 +26,7 @@ from .fallback import with_net
 from .mask import AttentionMask
 from .twins import (  # noqa: F401
     ACTIVATIONS,
+    Disentangled,
     attention_padded_torch,
     attention_torch,
     attention_varlen_torch,
@@ -37,10 +38,11 @@ from .twins import (  # noqa: F401
 
 
 def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_dim: int | None = None,
-                padded: str | None = None) -> bool:
+                padded: str | None = None, disentangled: bool = False) -> bool:
     """resolve() for one call of the functions below (the model resolves once per forward instead)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
-    why = reasons(Situation((), x.device, x.dtype, head_dim or 0, needs_grad, dropout, dropout, padded))[op]
+    why = reasons(Situation((), x.device, x.dtype, head_dim or 0, needs_grad, dropout, dropout, padded,
+                            disentangled=disentangled))[op]
 
     def reason():
         if x.dim() and x.stride(-1) != 1:
@@ -65,19 +67,22 @@ def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -
 
 def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
               backend: str = "torch", bias: torch.Tensor | None = None, window: int | None = None,
-              rotary=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              rotary=None, disentangled=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attn`: a TokenLayout (packed, padding-free) or an AttentionMask (padded rows). `bias`: None or a float32
     table [nh, 2L - 1] of a score bias that depends on (head, j - i) only (twins.relative_bias). `window`: None or w
-    (keys with |i - j| <= w only). `rotary`: None or twins.Rotary (q and k rotated by per-token cos/sin)."""
+    (keys with |i - j| <= w only). `rotary`: None or twins.Rotary (q and k rotated by per-token cos/sin).
+    `disentangled`: None or twins.Disentangled (DeBERTa's per-token c2p/p2c terms and their column table)."""
     padded = None
     if return_probs:
         padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-    twin = lambda: attention_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary)  # noqa: E731
-    if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
+    twin = lambda: attention_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary,  # noqa: E731
+                                   disentangled)
+    if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded,
+                   disentangled=disentangled is not None):
         kernel = lambda: _attention_triton(qkv, attn, scale, bias=bias, window=window, rotary=rotary,  # noqa: E731
-                                           checked=True)
+                                           disentangled=disentangled, checked=True)
         return _call("attention", backend, qkv, kernel, twin)
     return twin()
 

@@ -11,8 +11,9 @@ Every op works on token-major 2-D matrices [T, features] (T = real tokens, packe
 
 The ops grow parameters along the families' axes (DESIGN.md, "Architectures"), each a keyword that defaults to the
 BERT form: attention takes `bias=` (a per-distance table), `window=` (keys within +-w positions only) and `rotary=`
-(q and k rotated by per-token cos/sin); bias_gelu takes `gated=` (act(a) * g over W's two halves); residual_layernorm
-takes `pre_norm=` (it returns the new residual stream and its LayerNorm).
+(q and k rotated by per-token cos/sin) and `disentangled=` (DeBERTa's c2p/p2c terms, `Disentangled`); bias_gelu
+takes `gated=` (act(a) * g over W's two halves); residual_layernorm takes `pre_norm=` (it returns the new residual
+stream and its LayerNorm).
 """
 from __future__ import annotations
 
@@ -105,6 +106,65 @@ def relative_bias(table: torch.Tensor, num_queries: int, num_keys: int, dtype: t
     return table[:, (distance + reach).clamp_(0, 2 * reach)].to(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Disentangled:
+    """DeBERTa-v2's position terms of one attention call, per token, never per (i, j) pair:
+        score(i, j) = (q_i . k_j) * scale + c2p[tok(i), h, col] + p2c[tok(j), h, col],  col = column[j - i + L - 1]
+    c2p: [T, nh, P] per query token, q_t . pk[h, p] / sqrt(d * sf) (None: no c2p term); p2c: [T, nh, P] per key token,
+    k_t . pq[h, p] / sqrt(d * sf) (None: no p2c term); any float dtype, unit stride along P, any strides on T and nh.
+    column: int32 [2L - 1], the rel_embeddings row (P = 2 * span of them) each distance j - i reads; |j - i| > L - 1
+    reads the end entries (fastbert.relative.deberta_column_table). tok(i): the row of qkv holding query i. The terms
+    are added in float32 before the softmax; at least one of c2p / p2c is given."""
+    c2p: torch.Tensor | None
+    p2c: torch.Tensor | None
+    column: torch.Tensor
+
+
+def _columns(column: torch.Tensor, num_queries: int, num_keys: int) -> torch.Tensor:
+    """int64 [num_queries, num_keys]: column[(j - i) + L - 1] of each pair, clamped at the table's ends."""
+    reach = (column.shape[0] + 1) // 2
+    i = torch.arange(num_queries, device=column.device)
+    j = torch.arange(num_keys, device=column.device)
+    return column.long()[(j[None, :] - i[:, None] + (reach - 1)).clamp_(0, 2 * reach - 2)]
+
+
+def disentangled_bias(d: Disentangled, start: int, length: int) -> torch.Tensor:
+    """The position terms of one sequence whose tokens are rows start : start + length, float32 [nh, L, L]."""
+    idx = _columns(d.column, length, length)  # [L(i), L(j)]
+    bias = None
+    if d.c2p is not None:
+        c2p = d.c2p[start:start + length].float().transpose(0, 1)  # [nh, L(i), P]
+        bias = torch.gather(c2p, 2, idx.expand(c2p.shape[0], length, length))
+    if d.p2c is not None:
+        p2c = d.p2c[start:start + length].float().transpose(0, 1)  # [nh, L(j), P]
+        term = torch.gather(p2c, 2, idx.t().expand(p2c.shape[0], length, length)).transpose(1, 2)
+        bias = term if bias is None else bias + term
+    return bias
+
+
+def disentangled_bias_padded(d: Disentangled, batch_size: int, seq_len: int) -> torch.Tensor:
+    """The position terms of padded rows (token b * S + i), float32 [B, nh, S, S], at padded distances (as HF)."""
+    B, S = batch_size, seq_len
+    idx = _columns(d.column, S, S)
+    bias = None
+    if d.c2p is not None:
+        c2p = d.c2p.float().reshape(B, S, *d.c2p.shape[1:]).transpose(1, 2)  # [B, nh, S(i), P]
+        bias = torch.gather(c2p, 3, idx.expand(B, c2p.shape[1], S, S))
+    if d.p2c is not None:
+        p2c = d.p2c.float().reshape(B, S, *d.p2c.shape[1:]).transpose(1, 2)  # [B, nh, S(j), P]
+        term = torch.gather(p2c, 3, idx.t().expand(B, p2c.shape[1], S, S)).transpose(2, 3)
+        bias = term if bias is None else bias + term
+    return bias
+
+
+def _check_disentangled(d: Disentangled, bias, window, rotary) -> None:
+    if bias is not None or window is not None or rotary is not None:
+        given = [name for name, v in (("bias", bias), ("window", window), ("rotary", rotary)) if v is not None]
+        raise ValueError(f"attention: disentangled= is never combined with {', '.join(given)} (DeBERTa has none)")
+    if d.c2p is None and d.p2c is None:
+        raise ValueError("attention: disentangled= needs at least one of c2p and p2c (pass disentangled=None)")
+
+
 # Query rows per sdpa call of a windowed sequence: each call sees its rows' keys +-window, so a local layer costs
 # ~L * (WINDOW_CHUNK + 2w) scores, not L^2. 64 rows: at w = 64 (ModernBERT) 17.4 ms a 1,719-token sequence and 12
 # heads of 64, against 18.0 ms at 128 rows and 23.3 ms at 256 (CPU, 2 threads; full attention there: 62.6 ms).
@@ -152,29 +212,35 @@ def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window):
 
 def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
                     bias: torch.Tensor | None = None, window: int | None = None,
-                    rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    rotary: Rotary | None = None,
+                    disentangled: Disentangled | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """qkv [T, 3, nh, hd] -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn` is a TokenLayout (packed
     sequences, padding-free) or an AttentionMask (padded rows, T = B*S). `bias`: None, or a float32 table
     [nh, 2L - 1] of an additive score bias that depends on (head, j - i) only (see `relative_bias`), added after the
     scale and before the softmax. `window`: None, or w: query i sees only keys j with |i - j| <= w (positions within
-    its sequence). `rotary`: None, or the per-token cos/sin that rotate q and k first (`Rotary`)."""
+    its sequence). `rotary`: None, or the per-token cos/sin that rotate q and k first (`Rotary`). `disentangled`: None,
+    or DeBERTa's per-token c2p/p2c terms (`Disentangled`), added after the scale; with padded rows HF's mask rule then
+    holds: a padded query attends uniformly to all S keys."""
+    if disentangled is not None:
+        _check_disentangled(disentangled, bias, window, rotary)
     if isinstance(attn, TokenLayout):
-        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary), None
-    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary)
+        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary, disentangled), None
+    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary, disentangled)
 
 
 def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0,
                            bias: torch.Tensor | None = None, window: int | None = None,
-                           rotary: Rotary | None = None) -> torch.Tensor:
+                           rotary: Rotary | None = None, disentangled: Disentangled | None = None) -> torch.Tensor:
     """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
     on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
     3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
     sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch; a `window`, a band
-    of keys per block of queries."""
+    of keys per block of queries; `disentangled` terms: each sequence's own [1, nh, L, L] (they depend on its
+    tokens)."""
     T, _, nh, hd = qkv.shape
     # BERT's inference: sdpa as it is, no host work around it (a forward of short rows is Python-bound)
-    plain = bias is None and window is None and dropout_p == 0.0
-    if layout.uniform:
+    plain = bias is None and window is None and dropout_p == 0.0 and disentangled is None
+    if layout.uniform and disentangled is None:
         B, S = layout.num_seqs, layout.max_seqlen
         q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
         if rotary is not None:
@@ -190,8 +256,13 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
         length = piece.shape[0]
         q, k, v = piece.unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
         q, k, v = _rotated(q, k, v, rotary, slice(start, start + length))
-        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale) if plain else \
-            _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
+        if plain:
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        elif disentangled is not None:
+            mask = disentangled_bias(disentangled, start, length).to(q.dtype)[None]  # [1, nh, L, L]
+            ctx = _sdpa(q, k, v, mask, dropout_p, scale)
+        else:
+            ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
         contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
         start += length
     return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
@@ -199,16 +270,24 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
                            return_probs: bool = False, bias: torch.Tensor | None = None, window: int | None = None,
-                           rotary: Rotary | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           rotary: Rotary | None = None,
+                           disentangled: Disentangled | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Padded rows, qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None). A `bias` table and a
     `window` are read at the padded positions (as HF does: distances count padding); a fully padded row still
-    attends uniformly to all S keys (HF eager's answer there)."""
+    attends uniformly to all S keys (HF eager's answer there). With `disentangled` (DeBERTa) HF's mask is
+    mask_i * mask_j: every padded query attends uniformly to all S keys, in any row."""
     B, S = mask.batch_size, mask.seq_len
     T, _, nh, hd = qkv.shape
     q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
     if rotary is not None:
         q, k, v = _rotated(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
     rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
+    if disentangled is not None:
+        rel = disentangled_bias_padded(disentangled, B, S).to(qkv.dtype)  # [B, nh, S, S]
+    # HF's DeBERTa masks (i, j) unless both are real: every score of a padded query is finfo.min, so it attends
+    # uniformly to all S keys
+    pairwise = ~mask.key_valid[:, None, :, None] if (disentangled is not None or mask.pairwise) \
+        and mask.key_valid is not None else None  # [B, 1, S, 1]
     if window is not None and S - 1 > window and not mask.custom:  # (a custom 3-D/4-D mask is the whole mask: HF
         # applies no window on top of one)
         # HF's one mask: finfo.min wherever the window or the padding excludes a key (once, not summed), so a padded
@@ -223,11 +302,14 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
             scores = scores + rel
         if mask.additive is not None:
             scores = scores + mask.additive
+        if pairwise is not None:  # HF's masked_fill of every score of a padded query: uniform, in the graph
+            scores = scores.masked_fill(pairwise, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)
         ctx = torch.matmul(dropout(probs, dropout_p), v)
     else:
         probs = None
-        if rel is not None and mask.additive is not None and mask.additive.shape[-2] == 1 and not tracing():
+        if rel is not None and rel.shape[0] == 1 and mask.additive is not None and mask.additive.shape[-2] == 1 \
+                and not tracing():
             # key mask [B, 1, 1, S] + bias [1, nh, S, S]: one row at a time, so no [B, nh, S, S] sum is formed (a
             # traced graph keeps the batch dynamic instead: one broadcast sum)
             ctx = torch.cat([_sdpa(q[b:b + 1], k[b:b + 1], v[b:b + 1], rel + mask.additive[b:b + 1], dropout_p, scale)
@@ -241,6 +323,8 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         ctx = torch.where(mask.empty_rows, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
         if probs is not None:
             probs = torch.where(mask.empty_rows, torch.full_like(probs, 1.0 / S), probs)
+    if pairwise is not None and probs is None:  # (the probabilities' path masked the scores themselves)
+        ctx = torch.where(pairwise, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
     return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]
 
 

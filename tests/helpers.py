@@ -125,6 +125,9 @@ def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_
     elif arch.startswith("modernbert"):  # a window of +-2 keys, so that short rows cross it; "-bias": every bias on
         model = transformers.ModernBertModel(modernbert_config(hidden, heads, layers, intermediate, max_len,
                                                                biases=arch == "modernbert-bias"))
+    elif arch.startswith("deberta-v2"):  # "-v2style": absolute positions, token types, pos_*_proj, a projection
+        model = transformers.DebertaV2Model(deberta_config(hidden, heads, layers, intermediate, max_len,
+                                                           v2style=arch == "deberta-v2-v2style"))
     elif arch in ("bert", "bert-no-pooler"):
         model = transformers.BertModel(transformers.BertConfig(**common, max_position_embeddings=max_len,
                                                                type_vocab_size=3),
@@ -153,6 +156,23 @@ def modernbert_config(hidden=64, heads=2, layers=2, intermediate=100, max_len=24
         intermediate_size=intermediate, hidden_activation="gelu", max_position_embeddings=max_len,
         local_attention=2 * window, pad_token_id=0, bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1,
         **flags, **extra)
+
+
+def deberta_config(hidden=64, heads=2, layers=2, intermediate=100, max_len=24, v2style=False, **extra):
+    """A small DebertaV2Config shaped like v3's (log buckets, shared position keys, no absolute positions, no token
+    types, relative embeddings LayerNorm'd) at position_buckets 8, max_relative_positions 16, so that short rows
+    reach past both; v2style: position_biased_input, 2 token types, pos_key_proj / pos_query_proj, embedding_size
+    hidden / 2 (an embed_proj). Dropout 0 (HF's defaults are 0.1), token ids inside ARCH_VOCAB."""
+    import transformers
+    fields = dict(vocab_size=ARCH_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  intermediate_size=intermediate, hidden_act="gelu", max_position_embeddings=max_len,
+                  relative_attention=True, position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"],
+                  share_att_key=True, position_biased_input=False, norm_rel_ebd="layer_norm", type_vocab_size=0,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pooler_dropout=0.0, pad_token_id=0)
+    if v2style:
+        fields.update(position_biased_input=True, type_vocab_size=2, share_att_key=False, embedding_size=hidden // 2)
+    fields.update(extra)
+    return transformers.DebertaV2Config(**fields)
 
 
 def has_modernbert() -> bool:
@@ -336,13 +356,14 @@ def _family_tokenizer(family, minilm_path):
     if family == "mpnet":
         return transformers.MPNetTokenizer(vocab={w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>",
                                                                              *words, "<mask>"])})
-    # (ModernBERT's own BPE vocabulary is not on this machine: BERT's WordPiece without token types stands in)
+    # (ModernBERT's BPE and DeBERTa's sentencepiece vocabularies are not on this machine: BERT's WordPiece without
+    # token types stands in)
     return transformers.DistilBertTokenizer(vocab={w: i for i, w in enumerate(words)})
 
 
 def family_st_folder(family, minilm_path, root):
     """A sentence-transformers folder: all-mpnet-base-v2's layout for MPNet (mean pooling, Normalize,
-    max_seq_length 384), CLS pooling without Normalize for DistilBERT and ModernBERT; random weights."""
+    max_seq_length 384), CLS pooling without Normalize for DistilBERT, ModernBERT and DeBERTa-v2; random weights."""
     import transformers
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
     try:  # sentence-transformers 6 moved the modules
@@ -359,6 +380,9 @@ def family_st_folder(family, minilm_path, root):
         cfg = modernbert_config(hidden=hidden, heads=4, layers=3, intermediate=100, max_len=512, window=8)
         cfg.vocab_size, cfg.attn_implementation = len(tok), "sdpa"
         cls = transformers.ModernBertModel
+    elif family == "deberta-v2":
+        cfg = deberta_config(hidden=hidden, heads=4, layers=2, intermediate=100, max_len=512, vocab_size=len(tok))
+        cls = transformers.DebertaV2Model
     else:
         cfg = transformers.DistilBertConfig(vocab_size=len(tok), dim=hidden, n_layers=2, n_heads=4, hidden_dim=100,
                                             max_position_embeddings=512)

@@ -1,8 +1,9 @@
-"""DistilBERT, MPNet and ModernBERT as their users hold them: every head through fastbert.optimize and restore, saved
-and reloaded, and sentence-transformers models on them (a folder shaped like all-mpnet-base-v2's: mean pooling,
-Normalize; DistilBERT and ModernBERT ones with CLS pooling) through fastbert.encode and SentenceTransformer with
-fastbert inside. Random weights, built with transformers' and sentence-transformers' own classes (no model hub
-here); fp32, CPU, the PyTorch path. Bar: 1e-5 on real tokens; cosine >= 0.99999 for embeddings."""
+"""DistilBERT, MPNet, ModernBERT and DeBERTa-v2 as their users hold them: every head through fastbert.optimize and
+restore, saved and reloaded, and sentence-transformers models on them (a folder shaped like all-mpnet-base-v2's: mean
+pooling, Normalize; DistilBERT, ModernBERT and DeBERTa-v2 ones with CLS pooling) through fastbert.encode and
+SentenceTransformer with fastbert inside. Random weights, built with transformers' and sentence-transformers' own
+classes (no model hub here); fp32, CPU, the PyTorch path. Bar: 1e-5 on real tokens; cosine >= 0.99999 for
+embeddings."""
 import copy
 import os
 import re
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import family_st_folder, has_modernbert, modernbert_config, optional, perturb_
+from helpers import deberta_config, family_st_folder, has_modernbert, modernbert_config, optional, perturb_
 
 import fastbert
 
@@ -41,13 +42,15 @@ def config(family, **extra):
                                              max_position_embeddings=32, attn_implementation="eager", **extra)
     if family == "modernbert":  # 3 layers (full, sliding, sliding), a window of +-2: rows of 10 cross it
         return modernbert_config(hidden=64, heads=4, layers=3, intermediate=100, max_len=32, **extra)
+    if family == "deberta-v2":  # v3's shape, small (buckets 8, max_relative 16); the MLM head's non-legacy form
+        return deberta_config(hidden=64, heads=4, layers=2, intermediate=100, max_len=32, legacy=False, **extra)
     return transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=100, max_position_embeddings=34, **extra)
 
 
 HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM",
          "ForMultipleChoice")
-CLASS = {"distilbert": "DistilBert", "mpnet": "MPNet",
+CLASS = {"distilbert": "DistilBert", "mpnet": "MPNet", "deberta-v2": "DebertaV2",
          **({"modernbert": "ModernBert"} if has_modernbert() else {})}
 
 

@@ -65,10 +65,11 @@ def test_refuses_other_objects(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["distilbert", "mpnet", pytest.param("modernbert", marks=pytest.mark.skipif(
-    not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)"))])
+    not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")), "deberta-v2"])
 def test_families_without_token_types(tmp_path, arch):
     """DistilBERT, MPNet and ModernBERT export with input_ids and attention_mask only (they have no token types);
-    MPNet's relative bias table, ModernBERT's rotary tables and sliding window are part of the graph. HF's numbers
+    MPNet's relative bias table, ModernBERT's rotary tables and sliding window, DeBERTa-v3's disentangled terms and
+    column table are part of the graph. HF's numbers
     on real tokens, at lengths the export never saw."""
     hf = random_arch_model(arch)
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import transformers
-from helpers import fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
+from helpers import deberta_config, fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
 
 import fastbert
 from fastbert import twins
@@ -163,6 +163,10 @@ NEW_FAMILIES = {
         vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=40,
         max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
 }
+# DeBERTa-v3's shape: with share_att_key, query_proj's adapter reaches the position-to-content term too (HF projects
+# rel_embeddings through the adapted module)
+NEW_FAMILIES["deberta-v2"] = lambda: transformers.DebertaV2ForSequenceClassification(deberta_config(
+    hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50, num_labels=3))
 if has_modernbert():  # its fused Wqkv and its gated MLP's Wi: the adapted paths of the pre-norm layer
     NEW_FAMILIES["modernbert"] = lambda: transformers.ModernBertForSequenceClassification(modernbert_config(
         hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50, num_labels=3))
@@ -173,7 +177,8 @@ if has_modernbert():  # its fused Wqkv and its gated MLP's Wi: the adapted paths
 def test_query_value_of_other_families_equal_stock_peft(family, order):
     torch.manual_seed(0)
     hf = perturb_(NEW_FAMILIES[family](), weight_std=0.05).eval()
-    targets = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"], "modernbert": ["Wqkv", "Wi"]}[family]
+    targets = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"], "modernbert": ["Wqkv", "Wi"],
+               "deberta-v2": ["query_proj", "value_proj"]}[family]
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="SEQ_CLS")
     stock = randomize_adapters_(peft.get_peft_model(copy.deepcopy(hf), config))
     if order == "peft-then-optimize":
@@ -204,3 +209,33 @@ def test_query_value_of_other_families_equal_stock_peft(family, order):
         assert isinstance(merged.base_model, fastbert.BertModel)
         assert (merged(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
     assert fused_rows_alias_parts(merged.base_model)
+
+
+@pytest.mark.parametrize("v2style", [False, True], ids=["v3", "v2style"])
+@pytest.mark.parametrize("targets", [["key_proj"], "all-linear"], ids=["key_proj", "all-linear"])
+def test_deberta_adapters_reach_the_position_terms_as_in_stock_peft(targets, v2style):
+    """DeBERTa's c2p term projects rel_embeddings through key_proj (v3: share_att_key) or pos_key_proj (v2style), and
+    all-linear adapts those too: fastbert's forward and LoRA gradients equal stock PEFT's, and merging keeps them."""
+    torch.manual_seed(0)
+    hf = perturb_(transformers.DebertaV2ForSequenceClassification(deberta_config(
+        hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50, num_labels=3, v2style=v2style)),
+        weight_std=0.05).eval()
+    stock = randomize_adapters_(peft.get_peft_model(copy.deepcopy(hf), lora_config(targets)))
+    ours = randomize_adapters_(fastbert.optimize(peft.get_peft_model(copy.deepcopy(hf), lora_config(targets)),
+                                                 kernels="torch"))
+    adapted = [n for n, m in ours.base_model.model.deberta.named_modules() if hasattr(m, "lora_A")]
+    assert any("key_proj" in n for n in adapted) and (not v2style or targets == ["key_proj"]
+                                                      or any("pos_key_proj" in n for n in adapted)), adapted
+    with torch.no_grad():
+        want = stock(IDS, attention_mask=MASK).logits
+        assert (ours(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+    for m in (stock, ours):
+        m.train()(IDS, attention_mask=MASK, labels=LABELS).loss.backward()
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    theirs = {n: p for n, p in stock.named_parameters() if p.requires_grad}
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert mine[name].grad is not None and (mine[name].grad - theirs[name].grad).abs().max() <= 1e-5, name
+    with torch.no_grad():
+        merged = ours.eval().merge_and_unload()
+        assert (merged(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5

@@ -22,7 +22,8 @@ import fastbert
 NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
 
 ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
-         pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT))
+         pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
+         "deberta-v2", "deberta-v2-v2style")
 BACKENDS = ("torch", "triton")
 
 
@@ -37,7 +38,10 @@ def hf(request):
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def fb(request, hf):
-    return fastbert.BertModel.from_hf(hf, kernels=request.param)
+    kernels = request.param
+    if hf.config.model_type == "deberta-v2" and kernels == "triton":  # no disentangled attention kernel yet
+        kernels = {**dict.fromkeys(fastbert.OPS, "triton"), "attention": "torch"}
+    return fastbert.BertModel.from_hf(hf, kernels=kernels)
 
 
 def check_outputs(out, ref, hf, ids, mask):
@@ -120,7 +124,8 @@ def test_longest_sequence_and_one_past_it(hf):
         ref, out = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
     assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask)
     longer = torch.full((1, limit + 1), 5, device=DEVICE)
-    if hf.config.model_type == "modernbert":  # rotary positions: no table runs out, and HF refuses nothing either
+    if fb.embeddings.position_embeddings is None:  # rotary (ModernBERT) or relative only (DeBERTa-v3) positions: no
+        # table runs out, and HF refuses nothing either
         with torch.no_grad():
             assert (fb(longer).last_hidden_state - hf(longer).last_hidden_state).abs().max() <= 1e-5
         return
@@ -139,7 +144,8 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
                 "camembert": transformers.CamembertForSequenceClassification,
                 "distilbert": transformers.DistilBertForSequenceClassification,
                 "mpnet": transformers.MPNetForSequenceClassification,
-                "modernbert": getattr(transformers, "ModernBertForSequenceClassification", None)}[hf.config.model_type]
+                "modernbert": getattr(transformers, "ModernBertForSequenceClassification", None),
+                "deberta-v2": transformers.DebertaV2ForSequenceClassification}[hf.config.model_type]
     head = head_cls(hf.config)
     head.base_model.load_state_dict(hf.state_dict(), strict=False)
     head.save_pretrained(tmp_path / "head")

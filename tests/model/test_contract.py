@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
+from helpers import deberta_config, fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
 
 import fastbert
 
@@ -32,6 +32,9 @@ FAMILIES = {
                    transformers.DistilBertForMaskedLM),
     "mpnet": (lambda: transformers.MPNetConfig(**{k: v for k, v in SMALL.items() if k != "type_vocab_size"}),
               transformers.MPNetForMaskedLM),
+    # v3's shape (buckets 8, max_relative 16), its legacy masked-LM head (cls.: HF's default)
+    "deberta-v2": (lambda: deberta_config(hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50),
+                   transformers.DebertaV2ForMaskedLM),
 }
 if has_modernbert():  # layer 0 full attention, layer 1 a window of +-2 keys
     FAMILIES["modernbert"] = (lambda: modernbert_config(hidden=32, heads=2, layers=2, intermediate=40, max_len=16,
@@ -152,10 +155,10 @@ def test_output_hidden_states_selects_layers(family, padding_free):
         for selection in ([*range(0, n, 2), -1], [1], 2, [-2, 99]):
             want = reference(IDS, attention_mask=MASK, output_hidden_states=selection).hidden_states
             got = model(IDS, attention_mask=MASK, output_hidden_states=selection).hidden_states
-            # the layers HF keeps for that selection: in transformers 5 the selected ones; MPNet's forward (and
-            # every transformers 4 model) reads any selection as True
+            # the layers HF keeps for that selection: in transformers 5 the selected ones; MPNet's and DeBERTa-v2's
+            # forwards (and every transformers 4 model) read any selection as True
             kept = {i for i, h in enumerate(want) if h is not None}
-            if family != "mpnet" and int(transformers.__version__.split(".")[0]) >= 5:
+            if family not in ("mpnet", "deberta-v2") and int(transformers.__version__.split(".")[0]) >= 5:
                 indices = [selection] if isinstance(selection, int) else selection
                 assert kept == {i % n for i in indices if -n <= i < n}, selection
             assert len(got) == n == len(want), selection

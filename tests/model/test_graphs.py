@@ -87,6 +87,18 @@ def test_families_without_token_types_replay(arch):
     assert runner.stats.captures == 1 and runner.stats.replays == 2
 
 
+def test_deberta_is_refused_until_attention_has_its_disentangled_kernel(monkeypatch):
+    """A captured graph runs attention's kernel, and DeBERTa's c2p/p2c form has none yet: the runner says so when it
+    is built, for the kernel asked for and for the twin (which loops over lengths on the host)."""
+    fb = fastbert.BertModel.from_hf(random_arch_model("deberta-v2", hidden=64, heads=2), kernels=KERNELS).eval()
+    with pytest.raises(RuntimeError, match=r"attention.*no disentangled \(DeBERTa c2p/p2c\) form"):
+        GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
+    fb.set_kernels(attention="auto")
+    monkeypatch.setattr(dispatch, "_WARNED", set())  # "auto" says once why attention takes its twin
+    with pytest.raises(ValueError, match="CUDA graphs need attention on its Triton kernel"):
+        GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
+
+
 def test_capture_now_rather_than_on_first_use(hf):
     fb = tiny(hf)
     runner = GraphRunner(fb, token_buckets=(16, 32, 64), max_seqs=4, graph_class=EagerGraph)

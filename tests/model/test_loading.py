@@ -221,10 +221,10 @@ def test_other_architectures_are_refused_by_model_type(tmp_path):
     with pytest.raises(NotImplementedError, match=r"model_type='albert'"):
         fastbert.BertModel.from_hf(albert)
     import json
-    (tmp_path / "deberta-v2").mkdir()  # the config alone decides: refused before any weight is read
-    (tmp_path / "deberta-v2" / "config.json").write_text(json.dumps({"model_type": "deberta-v2", "hidden_size": 32}))
-    with pytest.raises(NotImplementedError, match=r"model_type='deberta-v2' is not implemented by fastbert"):
-        fastbert.AutoModel.from_pretrained(str(tmp_path / "deberta-v2"))
+    (tmp_path / "deberta").mkdir()  # the config alone decides: refused before any weight is read (DeBERTa v1)
+    (tmp_path / "deberta" / "config.json").write_text(json.dumps({"model_type": "deberta", "hidden_size": 32}))
+    with pytest.raises(NotImplementedError, match=r"model_type='deberta' is not implemented by fastbert"):
+        fastbert.AutoModel.from_pretrained(str(tmp_path / "deberta"))
 
 
 @pytest.mark.parametrize("field, value, words", [
