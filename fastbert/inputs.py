@@ -76,9 +76,11 @@ class Batch:
         """Why attention runs on padded rows in a way only the twin serves (None when the kernel can)."""
         if output_attentions:
             return "output_attentions=True needs the probabilities (flash attention never forms them)"
-        if getattr(self.attn, "custom", False):
+        if not isinstance(self.attn, AttentionMask):  # packed: the kernel serves it
+            return None
+        if self.attn.custom:
             return "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-        if getattr(self.attn, "pairwise", False) and self.attn.key_valid is not None:
+        if self.attn.pairwise and self.attn.key_valid is not None:
             return ("DeBERTa's padded rows need HF's mask_i * mask_j (a padded query attends to every key), which the "
                     "kernel's key mask does not express")
         return None
@@ -169,10 +171,11 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
                                   f"the mask, which only a [batch, seq] key mask fits; pass a 2-D attention_mask")
     # One row for the whole batch, as views: HF's embeddings broadcast [1, S] token types and positions, and
     # transformers 4.x a [1, S] attention_mask too (transformers 5 fails on one with an IndexError)
-    attention_mask, token_type_ids, position_ids = (
-        t.expand(B, S) if t is not None and tuple(t.shape) == (1, S) else t
-        for t in (attention_mask, token_type_ids, position_ids))
-    _check_like(shape, f"the input is {list(shape)}",
+    if B != 1:
+        attention_mask, token_type_ids, position_ids = (
+            t.expand(B, S) if t is not None and tuple(t.shape) == (1, S) else t
+            for t in (attention_mask, token_type_ids, position_ids))
+    _check_like(shape, lambda: f"the input is {list(shape)}",
                 attention_mask=None if custom else attention_mask,  # a custom mask: checked by its own shape below
                 token_type_ids=token_type_ids, position_ids=position_ids)
     if custom:
@@ -282,7 +285,7 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"with cu_seqlens, inputs_embeds must be [total_tokens, {width}], got shape "
                          f"{tuple(inputs_embeds.shape)}")
     T = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-    _check_like((T,), f"the packed input has {T} tokens", token_type_ids=token_type_ids, position_ids=position_ids)
+    _check_like((T,), lambda: f"the packed input has {T} tokens", token_type_ids=token_type_ids, position_ids=position_ids)
 
     reads = _Reads()
     reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
@@ -332,11 +335,12 @@ def _check_index_dtype(name: str, t) -> None:
                         f"transformers' models take them: pass {name}.long()")
 
 
-def _check_like(shape: tuple, described: str, **tensors) -> None:
-    """Each given tensor has the input's token shape (`described` says what the input is, for the message)."""
+def _check_like(shape: tuple, described, **tensors) -> None:
+    """Each given tensor has the input's token shape (`described()` says what the input is, for the message: built
+    only for one, since every forward runs this check)."""
     for name, t in tensors.items():
         if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but {described}")
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but {described()}")
 
 
 def _fill_defaults(model, shape: tuple, input_ids, token_type_ids, position_ids, index_in_sequence):
