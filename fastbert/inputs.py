@@ -285,7 +285,8 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"with cu_seqlens, inputs_embeds must be [total_tokens, {width}], got shape "
                          f"{tuple(inputs_embeds.shape)}")
     T = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-    _check_like((T,), lambda: f"the packed input has {T} tokens", token_type_ids=token_type_ids, position_ids=position_ids)
+    _check_like((T,), lambda: f"the packed input has {T} tokens", token_type_ids=token_type_ids,
+                position_ids=position_ids)
 
     reads = _Reads()
     reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)

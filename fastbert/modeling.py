@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from torch.nn.modules import module as _torch_module
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -586,6 +587,26 @@ def layer_dropouts(family: families.Family, config) -> tuple[float, float, float
     return p_attn, p_hidden if family.attention_output_dropout else 0.0, p_hidden
 
 
+# BertLayer's own forward, under the wrapper transformers' GradientCheckpointingLayer puts around it
+_LAYER_FORWARD = getattr(BertLayer.forward, "__wrapped__", BertLayer.forward)
+
+
+def _layer_call(layers, run):
+    """How `encode` calls its layers this forward. Where nothing can tell the difference, BertLayer's forward itself:
+    nn.Module.__call__ and the checkpointing wrapper cost ~17k instructions of host work a layer, a third of what a
+    small forward spends beyond the ops (callgrind, bench/RESULTS.md). Through the module otherwise: a hook on a
+    layer or a global one, a compiled, replaced or checkpointing layer, a trace (it records module scopes)."""
+    if run.traced or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks \
+            or _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks:
+        return nn.Module.__call__
+    for layer in layers:
+        if type(layer) is not BertLayer or layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks \
+                or layer._backward_pre_hooks or layer._compiled_call_impl is not None or layer.gradient_checkpointing \
+                or "forward" in layer.__dict__:
+            return nn.Module.__call__
+    return _LAYER_FORWARD
+
+
 class BertEncoder(nn.Module):
     """The layers (HF's `encoder`; DistilBERT's `transformer`) and, for MPNet, the relative position bias embedding
     [buckets, nh] its attention reads through one per-distance table per forward."""
@@ -859,10 +880,11 @@ class BertModel(TransformersModelMixin, nn.Module):
         hidden_states, attentions = [] if keep_hidden_states else None, [] if output_attentions else None
         layers = self.layers
         positions = self.attention_positions(position_ids, len(layers))                 # one per layer, or None
+        call = _layer_call(layers, run)                                                 # layer(...), or its forward
         for layer, at in zip(layers, positions):  # (a checkpointing layer recomputes itself in backward)
             if keep_hidden_states:
                 x = keep_hidden_states.record(hidden_states, x)
-            x, probs = layer(x, attn, run, output_attentions, at)
+            x, probs = call(layer, x, attn, run, output_attentions, at)
             if output_attentions:
                 attentions.append(probs)
         if self.final_norm is not None:  # pre-norm: the last hidden state is normed (and is HF's last hidden_states)

@@ -347,6 +347,50 @@ def test_a_part_given_new_storage_is_packed_again():
     assert (got[MASK.bool()] - want[MASK.bool()]).abs().max() <= 1e-5 and fused_rows_alias_parts(model.bert)
 
 
+@pytest.mark.parametrize("where", ["layer forward", "layer pre-forward", "global forward", "global pre-forward",
+                                   "instance forward"])
+def test_hooks_on_the_layers_run_as_on_any_module(where):
+    """A hook on a layer (or a global one, or a layer's forward replaced on the instance) is honoured: the encoder
+    calls its layers straight to their forward only where nothing is hooked, and through nn.Module otherwise. The
+    hook doubles layer 0's output, so the logits say whether it ran."""
+    reference = hf_head("bert")
+    model, stock = with_fastbert(reference), copy.deepcopy(reference)
+    seen = []
+
+    def double(module, args, output):
+        seen.append(module)
+        return (output[0] * 2, *output[1:]) if isinstance(output, tuple) else output * 2
+
+    def double_input(module, args):
+        seen.append(module)
+        return (args[0] * 2, *args[1:])
+
+    layers = [m.bert.encoder.layer[0] for m in (model, stock)]
+    register = {"layer forward": lambda m: m.register_forward_hook(double),
+                "layer pre-forward": lambda m: m.register_forward_pre_hook(double_input)}
+    handles = []
+    if where in register:
+        handles = [register[where](m) for m in layers]
+    elif where == "instance forward":
+        for m in layers:
+            inner = m.forward
+            m.forward = lambda *a, _inner=inner, _m=m, **k: double(_m, a, _inner(*a, **k))
+    else:  # global: every module of both models sees it; only the layers' hooks touch the values
+        hook = torch.nn.modules.module.register_module_forward_hook if where == "global forward" else \
+            torch.nn.modules.module.register_module_forward_pre_hook
+        handles = [hook(lambda m, *a: (double if len(a) == 2 else double_input)(m, *a) if m in layers else None)]
+    try:
+        with torch.no_grad():
+            got, want = model(IDS, attention_mask=MASK).logits, stock(IDS, attention_mask=MASK).logits
+            plain = reference(IDS, attention_mask=MASK).logits
+    finally:
+        for h in handles:
+            h.remove()
+    real = MASK.bool()
+    assert layers[0] in seen and layers[1] in seen
+    assert (got[real] - want[real]).abs().max() <= 1e-5 and (got[real] - plain[real]).abs().max() > 1e-2
+
+
 # ---- no silent speed cliff: an eval-mode forward with autograd on, under "auto" on a GPU ---------------------------
 def test_autograd_in_eval_warns_once_per_model_not_in_train_mode(monkeypatch):
     """On a GPU (here: the CPU standing in for one, the interpreter making Triton runnable) an eval-mode forward
