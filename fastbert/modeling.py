@@ -455,14 +455,15 @@ class BertLayer(GradientCheckpointingLayer):
         mlp_dropout on act(a) * g."""
         return layer_dropouts(self.family, self.config)
 
-    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, positions=None):
+    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, positions=None, workspace=None):
         """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
         ops as resolved for this forward (dispatch.plan); `positions`: what the attention reads of positions, or
-        None: MPNet's per-distance bias table, ModernBERT's rotary cos/sin for this layer's type. Under gradient
-        checkpointing, GradientCheckpointingLayer recomputes this in the backward pass (the arguments come
+        None: MPNet's per-distance bias table, ModernBERT's rotary cos/sin for this layer's type; `workspace`: a
+        twins.Workspace the twins write into (pre-norm layers, a CPU forward without autograd), or None. Under
+        gradient checkpointing, GradientCheckpointingLayer recomputes this in the backward pass (the arguments come
         positionally for that)."""
         if self.family.pre_norm:
-            return self._forward_pre_norm(x, attn, run, output_attentions, positions)
+            return self._forward_pre_norm(x, attn, run, output_attentions, positions, workspace)
         bias = None if self.family.disentangled else positions
         w, eps = self.weights(run), self.eps
         p_attn, p_attn_out, p_ffn_out = self.dropouts() if self.training else _NO_DROPOUT
@@ -478,7 +479,7 @@ class BertLayer(GradientCheckpointingLayer):
         x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_ffn_out)        # [T, H]
         return x, probs
 
-    def _forward_pre_norm(self, x, attn, run, output_attentions, rotary):
+    def _forward_pre_norm(self, x, attn, run, output_attentions, rotary, workspace=None):
         """ModernBERT's layer on the same four ops: the attention output's residual add and the MLP's LayerNorm are
         one pre-norm residual_layernorm (the new stream and its norm), the MLP's input GEMM computes act(a) * g in
         its epilogue, and the MLP's output GEMM adds the stream (a linear the layer calls, so an adapter on it is
@@ -487,22 +488,24 @@ class BertLayer(GradientCheckpointingLayer):
                                                                         "ffn_out"))
         p_attn, p_attn_out, p_mlp = self.dropouts() if self.training else _NO_DROPOUT
         plain = adapters.is_plain_linear
+        ws = {} if workspace is None else {"workspace": workspace}  # the twins' buffers; what the layer returns is
+        # never one of them (the addmm below or x + wo(g) allocates the new stream)
         h = x if isinstance(ln1, nn.Identity) else torch.layer_norm(x, (x.shape[-1],), ln1.weight, ln1.bias,
                                                                     self.eps)
         if plain(qkv_in):
-            qkv = run.qkv_projection(h, qkv_in.weight, qkv_in.bias, self.num_heads)              # [T, 3, nh, hd]
+            qkv = run.qkv_projection(h, qkv_in.weight, qkv_in.bias, self.num_heads, **ws)        # [T, 3, nh, hd]
         else:
             qkv = qkv_in(h).view(h.shape[0], 3, self.num_heads, -1)
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, window=self.window,
-                                   rotary=rotary)                                               # [T, H]
+                                   rotary=rotary, **ws)                                         # [T, H]
         if plain(out):
             x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, ln2.bias, self.eps, p_attn_out,
-                                          pre_norm=True)                                        # [T, H] each
+                                          pre_norm=True, **ws)                                  # [T, H] each
         else:
             x = x + twins.dropout(out(ctx), p_attn_out)  # p_attn_out is 0 in eval mode
             h = ln2(x)
         if plain(wi):
-            g = run.bias_gelu(h, wi.weight, wi.bias, self.activation, gated=True)              # [T, I]
+            g = run.bias_gelu(h, wi.weight, wi.bias, self.activation, gated=True, **ws)       # [T, I]
         else:
             a, gate = wi(h).chunk(2, dim=-1)
             g = twins._activation_torch(a, self.activation) * gate
@@ -880,11 +883,12 @@ class BertModel(TransformersModelMixin, nn.Module):
         hidden_states, attentions = [] if keep_hidden_states else None, [] if output_attentions else None
         layers = self.layers
         positions = self.attention_positions(position_ids, len(layers))                 # one per layer, or None
+        workspace = self._workspace(x, run)                                             # ModernBERT on CPU, or None
         call = _layer_call(layers, run)                                                 # layer(...), or its forward
         for layer, at in zip(layers, positions):  # (a checkpointing layer recomputes itself in backward)
             if keep_hidden_states:
                 x = keep_hidden_states.record(hidden_states, x)
-            x, probs = call(layer, x, attn, run, output_attentions, at)
+            x, probs = call(layer, x, attn, run, output_attentions, at, workspace)
             if output_attentions:
                 attentions.append(probs)
         if self.final_norm is not None:  # pre-norm: the last hidden state is normed (and is HF's last hidden_states)
@@ -892,6 +896,14 @@ class BertModel(TransformersModelMixin, nn.Module):
         if keep_hidden_states:
             x = keep_hidden_states.record(hidden_states, x)
         return x, hidden_states, attentions
+
+    def _workspace(self, x, run: dispatch.Ops) -> twins.Workspace | None:
+        """The buffers a pre-norm forward's twins reuse from layer to layer (twins.Workspace), where nothing records
+        the calls: on CPU, autograd off, not traced, every op on its twin. Else None: the ops allocate as usual."""
+        if not self.family.pre_norm or x.device.type != "cpu" or torch.is_grad_enabled() or run.traced \
+                or run.triton or tracing():
+            return None
+        return twins.Workspace()
 
     def attention_positions(self, position_ids, num_layers: int) -> list:
         """What each layer's attention reads of positions, built once per forward: MPNet's per-distance bias table

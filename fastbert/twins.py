@@ -47,10 +47,38 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return x * noise
 
 
+class Workspace:
+    """Buffers one inference forward on CPU reuses from layer to layer, by name: glibc returns every allocation over
+    32 MB to the OS when it is freed, so a fresh [T, 3H] GEMM output page-faults in again in every layer (4.4 M minor
+    faults a ModernBERT-base forward of 17,942 tokens: bench/RESULTS.md). Only for calls that neither autograd nor a
+    trace records; a name's buffer is overwritten by the next layer, so nothing in one may outlive its layer."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """The buffer `name` of `shape` with `like`'s dtype and device (allocated when its shape or dtype changes)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, workspace: Workspace | None,
+            name: str) -> torch.Tensor:
+    """F.linear(x [T, K], W [N, K], b), into the workspace's buffer `name` when there is one (the same GEMM F.linear
+    calls: addmm with a bias, mm without)."""
+    if workspace is None:
+        return F.linear(x, weight, bias)
+    out = workspace.take(name, (x.shape[0], weight.shape[0]), x)
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+
+
 def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         num_heads: int) -> torch.Tensor:
+                         num_heads: int, workspace: Workspace | None = None) -> torch.Tensor:
     """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
-    return F.linear(x, weight, bias).view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
+    return _linear(x, weight, bias, workspace, "qkv").view(x.shape[0], 3, num_heads,
+                                                           weight.shape[0] // (3 * num_heads))
 
 
 class Rotary(NamedTuple):
@@ -74,6 +102,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     HF's q * cos + rotate_half(q) * sin with cos = cat(c, c)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _rotate_qk_into(qkv: torch.Tensor, rotary: Rotary, workspace: Workspace) -> torch.Tensor:
+    """q and k of every token of qkv [T, 3, nh, hd] (float32) rotated at once into a workspace buffer [T, 2, nh, hd]:
+    `rotate`'s arithmetic, each half written in place (no cat)."""
+    T, _, nh, hd = qkv.shape
+    half = hd // 2
+    qk = qkv[:, :2]
+    out = workspace.take("rotated_qk", (T, 2, nh, hd), qkv)
+    tmp = workspace.take("rotary_product", (T, 2, nh, half), qkv)
+    cos, sin = rotary.cos[:, None, None, :], rotary.sin[:, None, None, :]
+    x1, x2, o1, o2 = qk[..., :half], qk[..., half:], out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).sub_(torch.mul(x2, sin, out=tmp))  # x1 * cos - x2 * sin
+    torch.mul(x2, cos, out=o2).add_(torch.mul(x1, sin, out=tmp))  # x2 * cos + x1 * sin
+    return out
 
 
 def _rotated(q, k, v, rotary: Rotary | None, rows: slice | None = None):
@@ -194,43 +237,53 @@ def _sdpa(q, k, v, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
     return torch.matmul(dropout(torch.softmax(scores, dim=-1), dropout_p), v)
 
 
-def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window):
+def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out: torch.Tensor | None = None):
     """q, k, v [b, nh, L, hd] of b sequences of one length L -> [b, nh, L, hd]. A window narrower than the sequence
-    runs WINDOW_CHUNK query rows at a time against only the keys their window reaches."""
+    runs WINDOW_CHUNK query rows at a time against only the keys their window reaches. `out`: a [b, L, nh, hd] view
+    to write the context into instead (no autograd: copies into it), returned."""
     L = q.shape[2]
     if window is None or L - 1 <= window:  # every key is within every query's window
         mask = _score_mask(bias, None, L, L, q.dtype, q.device)
-        return _sdpa(q, k, v, None if mask is None else mask[None], dropout_p, scale)
-    out = []
+        ctx = _sdpa(q, k, v, None if mask is None else mask[None], dropout_p, scale)
+        return ctx if out is None else out.copy_(ctx.transpose(1, 2))
+    chunks = []
     for start in range(0, L, WINDOW_CHUNK):
         stop = min(start + WINDOW_CHUNK, L)
         k0, k1 = max(0, start - window), min(L, stop + window)
         mask = _score_mask(bias, window, stop - start, k1 - k0, q.dtype, q.device, start, k0)
-        out.append(_sdpa(q[:, :, start:stop], k[:, :, k0:k1], v[:, :, k0:k1], mask, dropout_p, scale))
-    return torch.cat(out, dim=2)
+        ctx = _sdpa(q[:, :, start:stop], k[:, :, k0:k1], v[:, :, k0:k1], mask, dropout_p, scale)
+        if out is None:
+            chunks.append(ctx)
+        else:
+            out[:, start:stop].copy_(ctx.transpose(1, 2))
+    return out if out is not None else torch.cat(chunks, dim=2)
 
 
 def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
                     bias: torch.Tensor | None = None, window: int | None = None,
                     rotary: Rotary | None = None,
-                    disentangled: Disentangled | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    disentangled: Disentangled | None = None,
+                    workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """qkv [T, 3, nh, hd] -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn` is a TokenLayout (packed
     sequences, padding-free) or an AttentionMask (padded rows, T = B*S). `bias`: None, or a float32 table
     [nh, 2L - 1] of an additive score bias that depends on (head, j - i) only (see `relative_bias`), added after the
     scale and before the softmax. `window`: None, or w: query i sees only keys j with |i - j| <= w (positions within
     its sequence). `rotary`: None, or the per-token cos/sin that rotate q and k first (`Rotary`). `disentangled`: None,
     or DeBERTa's per-token c2p/p2c terms (`Disentangled`), added after the scale; with padded rows HF's mask rule then
-    holds: a padded query attends uniformly to all S keys."""
+    holds: a padded query attends uniformly to all S keys. `workspace`: see Workspace (packed sequences only read
+    it)."""
     if disentangled is not None:
         _check_disentangled(disentangled, bias, window, rotary)
     if isinstance(attn, TokenLayout):
-        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary, disentangled), None
+        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary, disentangled,
+                                      workspace), None
     return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary, disentangled)
 
 
 def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0,
                            bias: torch.Tensor | None = None, window: int | None = None,
-                           rotary: Rotary | None = None, disentangled: Disentangled | None = None) -> torch.Tensor:
+                           rotary: Rotary | None = None, disentangled: Disentangled | None = None,
+                           workspace: Workspace | None = None) -> torch.Tensor:
     """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
     on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
     3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
@@ -251,6 +304,8 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
                            "(a captured CUDA graph runs the Triton kernel)")
+    if workspace is not None:
+        return _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace)
     contexts, start = [], 0
     for piece in qkv.split(layout.lengths):  # views; under autograd one SplitBackward, not a zeroed [T, ...] each
         length = piece.shape[0]
@@ -266,6 +321,26 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
         contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
         start += length
     return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
+
+
+def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace) -> torch.Tensor:
+    """attention_varlen_torch's ragged case with q and k rotated for all tokens at once (float32) and every
+    sequence's context written straight into one workspace buffer [T, nh*hd] (no per-sequence cat, no final cat)."""
+    T, _, nh, hd = qkv.shape
+    rotated = None
+    if rotary is not None and qkv.dtype == torch.float32:
+        rotated, rotary = _rotate_qk_into(qkv, rotary, workspace), None  # [T, 2, nh, hd]
+    ctx = workspace.take("context", (T, nh * hd), qkv)
+    ctx_heads, start = ctx.view(T, nh, hd), 0
+    for length in layout.lengths:
+        rows = slice(start, start + length)
+        q, k, v = qkv[rows].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
+        if rotated is not None:
+            q, k = rotated[rows].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = _rotated(q, k, v, rotary, rows)
+        _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out=ctx_heads[rows].unsqueeze(0))
+        start += length
+    return ctx
 
 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
@@ -338,12 +413,28 @@ def _activation_torch(h: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"activation={activation!r} is not one of {sorted(set(ACTIVATIONS.values()))}")
 
 
+def _activation_into(a: torch.Tensor, activation: str, out: torch.Tensor) -> torch.Tensor:
+    """_activation_torch(a) written into `out` (the same kernels: gelu's out= variant, not gelu_, which rounds
+    differently)."""
+    if activation == "gelu":
+        return torch._C._nn.gelu(a, out=out)
+    if activation == "gelu_tanh":
+        return torch._C._nn.gelu(a, approximate="tanh", out=out)
+    if activation == "relu":
+        return torch.clamp_min(a, 0, out=out)
+    raise ValueError(f"activation={activation!r} is not one of {sorted(set(ACTIVATIONS.values()))}")
+
+
 def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
-                    gated: bool = False) -> torch.Tensor:
+                    gated: bool = False, workspace: Workspace | None = None) -> torch.Tensor:
     """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}. gated: W is
     [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for [a, g] = x @ W^T + b
-    (GeGLU)."""
-    h = F.linear(x, weight, bias)
+    (GeGLU). `workspace`: see Workspace."""
+    h = _linear(x, weight, bias, workspace, "ffn")
+    if gated and workspace is not None:
+        a, g = h.chunk(2, dim=-1)
+        out = workspace.take("gated", a.shape, a)
+        return _activation_into(a, activation, out).mul_(g)
     if gated:
         a, g = h.chunk(2, dim=-1)
         return _activation_torch(a, activation) * g
@@ -352,11 +443,12 @@ def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def residual_layernorm_torch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                              ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
-                             dropout_p: float = 0.0, pre_norm: bool = False):
+                             dropout_p: float = 0.0, pre_norm: bool = False, workspace: Workspace | None = None):
     """LayerNorm(dropout(y [T, K] @ W[H, K]^T + b) + residual [T, H]) -> [T, H] (post-norm: the new residual stream
     is the LayerNorm). pre_norm: (s, LayerNorm(s)) for s = dropout(y @ W^T + b) + residual, the new residual stream
-    and the next sublayer's input. ln_bias None: a LayerNorm without bias."""
-    h = F.linear(y, weight, bias)
+    and the next sublayer's input. ln_bias None: a LayerNorm without bias. `workspace`: see Workspace (s is then its
+    buffer: the layer must not return it)."""
+    h = _linear(y, weight, bias, workspace, "stream")
     if dropout_p > 0:
         h = dropout(h, dropout_p)
     h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation

@@ -59,6 +59,32 @@ def test_window_edges_and_long_rows(impl, left):
     assert got.last_hidden_state[~mask.bool()].abs().max() == 0  # padding-free: padded positions are 0
 
 
+def test_inference_forward_reuses_a_workspace_and_computes_what_autograd_does(monkeypatch):
+    """Under no_grad on CPU the twins write into one twins.Workspace per forward (every layer takes its buffers);
+    the result, and every kept hidden state, is bit for bit the forward with autograd on (which allocates), and no
+    hidden state aliases another or a workspace buffer."""
+    hf = hf_model("sdpa")
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, mask = ragged(LENGTHS)
+    taken = []
+    take = fastbert.twins.Workspace.take
+    monkeypatch.setattr(fastbert.twins.Workspace, "take",
+                        lambda self, name, shape, like: taken.append(name) or take(self, name, shape, like))
+    with torch.no_grad():
+        got = fb(ids, attention_mask=mask, output_hidden_states=True)
+    assert {n: taken.count(n) for n in set(taken)} == {n: len(hf.layers) for n in (
+        "qkv", "rotated_qk", "rotary_product", "context", "stream", "ffn", "gated")}
+    taken.clear()
+    want = fb(ids, attention_mask=mask, output_hidden_states=True)  # autograd on: no workspace
+    assert not taken and want.last_hidden_state.requires_grad
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state.detach())
+    for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
+        assert torch.equal(g, w.detach())
+    assert len({h.data_ptr() for h in got.hidden_states}) == len(got.hidden_states)
+    assert max_error_on_real_tokens(got.last_hidden_state, hf(ids, attention_mask=mask).last_hidden_state.detach(),
+                                    mask) <= 1e-5
+
+
 def test_base_shape():
     """ModernBERT-base's shape (22 layers, 768 wide, 12 heads of 64, MLP 1152, every third layer global)."""
     hf = hf_model("sdpa", hidden=768, heads=12, layers=22, intermediate=1152)

@@ -60,6 +60,34 @@ def test_varlen_twin_matches_hf(window, theta):
     assert (got.double() - torch.cat(ref)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 4, 64], ids=lambda w: f"w{w}")
+def test_varlen_twin_into_a_workspace_matches_hf_and_the_allocating_twin(window):
+    """The workspace path (q and k rotated for all tokens at once, contexts written into one buffer) against HF's
+    math, and bit for bit against the allocating twin; one workspace serves two layouts in turn, the second
+    smaller, so a stale or mis-sized buffer would show."""
+    nh, hd = 2, 32
+    ws = twins.Workspace()
+    for lengths in ([1, 5, 9, 70, 300], [3, 130, 65]):
+        T = sum(lengths)
+        g = torch.Generator().manual_seed(T)
+        qkv = torch.randn(T, 3, nh, hd, generator=g)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        cos, sin, inv_freq = hf_tables(positions, hd, 10000.0)
+        rotary = twins.rotary_tables(positions, inv_freq)
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        layout = TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)
+        got = twins.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary, workspace=ws)[0]
+        assert got.data_ptr() == ws.take("context", got.shape, got).data_ptr()
+        fresh = twins.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary)[0]
+        assert torch.equal(got, fresh)
+        ref, start = [], 0
+        for n in lengths:
+            q, k, v = qkv[start:start + n].unbind(1)
+            ref.append(hf_reference(q, k, v, cos[start:start + n], sin[start:start + n], hd ** -0.5, window))
+            start += n
+        assert (got.double() - torch.cat(ref)).abs().max().item() <= 1e-5
+
+
 def test_padded_twin_matches_hf_on_real_tokens():
     """Left padding with HF's default position_ids (column indices, so a row's first real token is not at 0)."""
     B, S, nh, hd, window = 3, 40, 2, 32, 4
