@@ -238,14 +238,19 @@ def _qkv_projection_triton(x, weight, bias, num_heads, checked=False):
 
 
 def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, window=None, rotary=None,
-                      checked=False):
+                      disentangled=None, checked=False):
     kernel = _kernel("attention")
     run = kernel.attention if checked else kernel.launch
+    # DeBERTa's terms reach the kernel (a leaf) as plain tensors
+    terms = {} if disentangled is None else dict(c2p=disentangled.c2p, p2c=disentangled.p2c,
+                                                 column=disentangled.column)
     if isinstance(attn, TokenLayout):
-        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary), None
+        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary,
+                   **terms), None
     cu_seqlens = kernel.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
+    # DeBERTa masks with key_valid[i] * key_valid[j]: a padded query's scores are all finfo.min, uniform over the row
     return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, bias=bias, window=window,
-               rotary=rotary), None
+               rotary=rotary, **terms, uniform_padded_queries=disentangled is not None), None
 
 
 def _bias_gelu_triton(x, weight, bias, activation="gelu", gated=False, checked=False):

@@ -9,12 +9,17 @@ fastbert.numerics (fp32 1e-5; fp16 at most twice that error). Outputs are poison
 The column table itself is checked against transformers' own DebertaV2 position code, and the kernel against HF's
 DisentangledSelfAttention module.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import DEVICE, assert_kernel_matches, max_error, poisoned
 
+from fastbert import dispatch
 from fastbert.kernels import attention as attention_module
 from fastbert.kernels.attention import attention, launch, uniform_cu_seqlens
+from fastbert.layout import TokenLayout
+from fastbert.mask import AttentionMask
 
 SPAN = 8  # P = 2 * SPAN columns in c2p / p2c
 REACH = 24  # L: the column table covers distances -(L - 1)..(L - 1); longer distances read its end entries
@@ -255,6 +260,38 @@ def test_kernel_matches_hf_disentangled_self_attention(share_att_key):
                         c2p=c2p.to(DEVICE), p2c=p2c.to(DEVICE), column=column.to(DEVICE),
                         uniform_padded_queries=True, out=poisoned((B * S, H), torch.float32))
     assert max_error(got, want.reshape(B * S, H).to(DEVICE)) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The dispatcher's entry (the model's path)
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checked", [False, True], ids=["launch", "checked"])
+def test_dispatch_passes_the_terms(checked):
+    """dispatch._attention_triton takes the terms as one object (.c2p, .p2c, .column) and hands the kernel plain
+    tensors: packed, and padded, where DeBERTa's padded queries are uniform (HF's mask_i * mask_j)."""
+    nh, hd, lengths = 2, 32, (25, 6)
+    T = sum(lengths)
+    qkv = make_qkv(T, nh, hd, torch.float32, seed=10)
+    c2p, p2c = make_terms(T, nh, "both", seed=11)
+    column, scale = make_column(), (hd * 3) ** -0.5
+    terms = SimpleNamespace(c2p=c2p, p2c=p2c, column=column)
+    cu, max_seqlen = packed(lengths)
+    layout = TokenLayout.from_cu_seqlens(cu, max_seqlen, list(lengths))
+    ctx, probs = dispatch._attention_triton(qkv, layout, scale, disentangled=terms, checked=checked)
+    assert probs is None
+    assert max_error(ctx, reference(qkv, lengths, scale, c2p, p2c, column)) <= 1e-5
+
+    B, S = 2, 20
+    qkv = make_qkv(B * S, nh, hd, torch.float32, seed=12)
+    c2p, p2c = make_terms(B * S, nh, "both", seed=13)
+    keep = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
+    keep[0, 13:] = False
+    mask = AttentionMask.build(keep.long(), B, S, torch.float32)
+    ctx, _ = dispatch._attention_triton(qkv, mask, scale, disentangled=SimpleNamespace(c2p=c2p, p2c=p2c,
+                                                                                       column=column),
+                                        checked=checked)
+    ref = reference(qkv, [S] * B, scale, c2p, p2c, column, key_valid=keep, query_mask=True)
+    assert max_error(ctx, ref) <= 1e-5
 
 
 # --------------------------------------------------------------------------------------------------------------------
