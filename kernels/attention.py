@@ -323,6 +323,7 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     disentangled (fp16/bf16): the gathered column, c2p and p2c tiles hold registers in the key loop. Both terms at
     hd 64: 64x64 at 4 warps spilled on sm_80 (STACK 64 under Triton 3.9, 232 under 3.6), so the short-sequence tile
     is 64x32; 128x64 fits at maxnreg=255 (REG 240-242) and with more room in ptxas's own budget (REG 188-207).
+    At hd 128 128x64 spilled with any term (STACK 32-56, sm_90 and sm_80): 64x32 alone.
     """
     if dtype == torch.float32:  # the FMA tiles at hd 64/128 need more than 255 registers' worth: ptxas's own budget
         if input_precision == "ieee" and head_dim > 64:
@@ -330,6 +331,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
         if head_dim == 64:  # tf32 at 64x32 w8 spilled 8 bytes on sm_80 once the rows moved onto grid x
             return [_config(64, 16, 4, 2, maxnreg=None)]
         return [_config(64, 32, 8, 2)]
+    if disentangled and head_dim > 64:
+        return [_config(64, 32, 4, 2)]
     # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
     big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 or disentangled else 255)
     narrow = head_dim > 64 or (rotary and head_dim == 64) or disentangled
