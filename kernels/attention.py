@@ -322,8 +322,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     under Triton 3.6 (REG 255).
     disentangled (fp16/bf16): the gathered column, c2p and p2c tiles hold registers in the key loop. Both terms at
     hd 64: 64x64 at 4 warps spilled on sm_80 (STACK 64 under Triton 3.9, 232 under 3.6), so the short-sequence tile
-    is 64x32; 128x64 fits at maxnreg=255 (REG 240-242) and with more room in ptxas's own budget (REG 188-207).
-    At hd 128 128x64 spilled with any term (STACK 32-56, sm_90 and sm_80): 64x32 alone.
+    is 64x32; 128x64 fits at maxnreg=255 (REG 222-250 on sm_80; in ptxas's own budget it took 128 registers at hd 32
+    and spilled under Triton 3.6). At hd 128 128x64 spilled with any term (STACK 32-56, sm_90 and sm_80): 64x32 alone.
     """
     if dtype == torch.float32:  # the FMA tiles at hd 64/128 need more than 255 registers' worth: ptxas's own budget
         if input_precision == "ieee" and head_dim > 64:
@@ -334,7 +334,7 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     if disentangled and head_dim > 64:
         return [_config(64, 32, 4, 2)]
     # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
-    big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 or disentangled else 255)
+    big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 else 255)
     narrow = head_dim > 64 or (rotary and head_dim == 64) or disentangled
     return [big, _config(64, 32, 4, 2) if narrow else _config(64, 64, 4, 2)]
 
