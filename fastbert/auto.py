@@ -20,7 +20,7 @@ import torch
 
 from .files import write_atomically
 from .layout import TokenLayout, token_bucket  # noqa: F401  (token_bucket: the buckets the table is keyed on)
-from .twins import rotary_tables
+from .twins import Disentangled, rotary_tables
 from .version import __version__
 
 
@@ -40,6 +40,7 @@ class Shapes:
     rotary: bool = False  # attention: q and k rotated by per-token cos/sin tables (ModernBERT)
     gated: bool = False  # bias_gelu: the gated MLP (W_in [2I, H], act(a) * g; ModernBERT)
     pre_norm: bool = False  # residual_layernorm: the pre-norm form (returns s and LN(s); ModernBERT)
+    disentangled: int = 0  # attention: DeBERTa's c2p and p2c terms over P = 2 * span columns, or 0 for none
 
 
 def default_timer(fn) -> float:
@@ -130,6 +131,8 @@ def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
     # a window: the kernel skips the key blocks outside it, the twin runs a band of keys per chunk of queries;
     # rotary: both rotate q and k first (the kernel once per visited key block)
     key += f"|window{shapes.window}" if shapes.window is not None else ""
+    # DeBERTa: the kernel gathers two per-token tables into every score tile, the twin forms each sequence's bias
+    key += f"|dis{shapes.disentangled}" if shapes.disentangled else ""
     return key + ("|rotary" if shapes.rotary else "")
 
 
@@ -172,6 +175,11 @@ def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin
             positions = torch.cat([torch.arange(n, device=device) for n in layout.lengths])
             half = torch.arange(0, shapes.head_dim, 2, device=device).float() / shapes.head_dim
             extra["rotary"] = rotary_tables(positions, 1.0 / (10000.0 ** half))
+        if shapes.disentangled:  # both terms (DeBERTa-v3's form), columns over the table as the log buckets spread
+            P, L = shapes.disentangled, shapes.max_seqlen
+            column = torch.randint(0, P, (2 * L - 1,), generator=g, device=device, dtype=torch.int32)
+            extra["disentangled"] = Disentangled(rand(layout.num_tokens, shapes.heads, P).float(),
+                                                 rand(layout.num_tokens, shapes.heads, P).float(), column)
         return (lambda: kernel(*args, **extra)), (lambda: twin(*args, **extra))
     return (lambda: kernel(*args)), (lambda: twin(*args))
 

@@ -16,6 +16,7 @@ forward uses the plain twins, which autograd and ONNX export understand).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import torch
@@ -57,15 +58,18 @@ def _(x, weight, bias, num_heads, backend):
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None, backend: str, bias: torch.Tensor | None = None, window: int = -1,
               cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, c2p: torch.Tensor | None = None,
-              p2c: torch.Tensor | None = None, column: torch.Tensor | None = None) -> torch.Tensor:
+              p2c: torch.Tensor | None = None, column: torch.Tensor | None = None,
+              pairwise: bool = False) -> torch.Tensor:
     """Packed qkv [T, 3, nh, hd] -> [T, nh*hd]; key_valid [n, S] for padded rows (then every row has S tokens);
     bias: None or a float32 per-distance table [nh, 2L - 1] (twins.relative_bias); window: w >= 0, or -1 for none
     (a schema int cannot be None); cos, sin: None or the float32 [T, hd/2] rotary tables (twins.Rotary); c2p, p2c,
-    column: DeBERTa's terms (twins.Disentangled; column None: none)."""
+    column: DeBERTa's terms (twins.Disentangled; column None: none); pairwise: padded rows follow DeBERTa's
+    mask_i * mask_j (a padded query attends uniformly to its row)."""
     win = None if window < 0 else window
     rotary = None if cos is None else twins.Rotary(cos, sin)
     dis = None if column is None else twins.Disentangled(c2p, p2c, column)
-    extra = {} if dis is None else {"disentangled": dis}
+    # DeBERTa's terms reach the kernel as plain tensors; its padded rows follow HF's mask_i * mask_j
+    extra = {} if dis is None else dict(c2p=c2p, p2c=p2c, column=column)
 
     def twin():
         if key_valid is None:
@@ -75,16 +79,19 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
                                                 disentangled=dis)
         B, S = key_valid.shape
         mask = AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
+        if pairwise:
+            mask = dataclasses.replace(mask, pairwise=True)
         return twins.attention_padded_torch(qkv, mask, scale, bias=bias, window=win, rotary=rotary,
                                             disentangled=dis)[0]
 
     return _run("attention", backend, qkv, lambda: _kernel("attention").launch(
-        qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid, bias=bias, window=win, rotary=rotary, **extra), twin)
+        qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid, bias=bias, window=win, rotary=rotary, **extra,
+        uniform_padded_queries=pairwise), twin)
 
 
 @attention.register_fake
 def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, backend, bias=None, window=-1, cos=None, sin=None, c2p=None,
-      p2c=None, column=None):
+      p2c=None, column=None, pairwise=False):
     return qkv.new_empty(qkv.shape[0], qkv.shape[2] * qkv.shape[3])
 
 
@@ -143,11 +150,11 @@ def traced_ops(use: dict) -> dict:
     def run_attention(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, window=None, rotary=None,
                       disentangled=None):
         if isinstance(attn, TokenLayout):
-            cu_seqlens, max_seqlen, key_valid = attn.cu_seqlens, attn.max_seqlen, None
+            cu_seqlens, max_seqlen, key_valid, pairwise = attn.cu_seqlens, attn.max_seqlen, None, False
         else:  # padded rows (what a traced forward runs): uniform cu_seqlens and the key mask
             B, S = attn.batch_size, attn.seq_len
             cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=qkv.device)
-            max_seqlen, key_valid = S, attn.key_valid
+            max_seqlen, key_valid, pairwise = S, attn.key_valid, attn.pairwise
             if key_valid is None:
                 key_valid = torch.ones(B, S, dtype=torch.bool, device=qkv.device)
         cos, sin = (None, None) if rotary is None else (rotary.cos, rotary.sin)
@@ -155,7 +162,7 @@ def traced_ops(use: dict) -> dict:
         c2p, p2c, column = (None, None, None) if d is None else (d.c2p, d.p2c, d.column)
         return torch.ops.fastbert.attention(qkv, cu_seqlens, max_seqlen, scale, key_valid, use["attention"],
                                             bias, -1 if window is None else window, cos, sin, c2p, p2c,
-                                            column), None
+                                            column, pairwise), None
 
     def run_bias_gelu(x, weight, bias, activation="gelu", gated=False):
         return torch.ops.fastbert.bias_gelu(x, weight, bias, activation, use["bias_gelu"], gated)

@@ -124,8 +124,6 @@ def reasons(situation: Situation) -> dict:
         return why
 
     def attention_why():
-        if situation.disentangled:
-            return "the attention kernel has no disentangled (DeBERTa c2p/p2c) form yet"
         return situation.padded or common("attention", situation.attention_dropout, situation.head_dim)()
 
     return {"qkv_projection": common("qkv_projection"), "attention": attention_why,
@@ -247,13 +245,17 @@ def _attention_triton(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=
                       disentangled=None, checked=False):
     kernel = _kernel("attention")
     run = kernel.attention if checked else kernel.launch
-    extra = {} if disentangled is None else {"disentangled": disentangled}  # (a kernel without that form: TypeError)
+    # DeBERTa's terms reach the kernel (a leaf) as plain tensors
+    terms = {} if disentangled is None else dict(c2p=disentangled.c2p, p2c=disentangled.p2c,
+                                                 column=disentangled.column)
     if isinstance(attn, TokenLayout):
         return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary,
-                   **extra), None
+                   **terms), None
     cu_seqlens = kernel.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
+    # DeBERTa masks with key_valid[i] * key_valid[j] (attn.pairwise): a padded query's scores are all finfo.min,
+    # uniform over the row
     return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, bias=bias, window=window,
-               rotary=rotary, **extra), None
+               rotary=rotary, **terms, uniform_padded_queries=attn.pairwise), None
 
 
 def _bias_gelu_triton(x, weight, bias, activation="gelu", gated=False, checked=False):

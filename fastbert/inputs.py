@@ -80,9 +80,6 @@ class Batch:
             return None
         if self.attn.custom:
             return "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-        if self.attn.pairwise and self.attn.key_valid is not None:
-            return ("DeBERTa's padded rows need HF's mask_i * mask_j (a padded query attends to every key), which the "
-                    "kernel's key mask does not express")
         return None
 
 

@@ -991,7 +991,8 @@ class BertModel(TransformersModelMixin, nn.Module):
                                  cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
                                  ragged, RELATIVE_REACH if self.family.relative_bias else 0,
                                  window=self._local_window, rotary=self.family.pre_norm,
-                                 gated=self.family.pre_norm, pre_norm=self.family.pre_norm)
+                                 gated=self.family.pre_norm, pre_norm=self.family.pre_norm,
+                                 disentangled=2 * relative.deberta_span(cfg) if self._disentangled else 0)
         p_attn, p_attn_out, p_ffn = layer_dropouts(self.family, cfg) if self.training else _NO_DROPOUT
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
                                        max(p_attn_out, p_ffn), padded, shapes, self._disentangled)

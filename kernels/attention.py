@@ -21,7 +21,7 @@ loaded; other masked keys (left padding, holes) get score -inf, probability exac
 whenever the row has a real key. A fully padded row is HF eager's corner case: every score is finfo.min, softmax of
 equal numbers is uniform, so each query attends uniformly to all S keys. The kernel reproduces that explicitly: all S
 keys valid and a zero query, so every score is exactly 0. Padded *query* positions are computed like any other query
-(HF computes them too).
+(HF computes them too; `uniform_padded_queries` gives DeBERTa's answer there, below).
 
 Relative bias (optional). B[h, i, j] = table[h, clamp(j - i + L - 1, 0, 2L - 2)] from a float32 table [nh, 2L - 1]
 (MPNet's T5-style buckets; ALiBi's slopes * distance), i, j positions within the sequence: a distance does not change
@@ -48,6 +48,25 @@ cdiv(L, BLOCK_M) times in a global layer (4 at L = 512, 64 at L = 8192 with 128 
 block's two dots, so the rotation costs the same share of an iteration in both: 4 FLOP per K element on CUDA cores
 against 4 * BLOCK_M on tensor cores, plus the partner and cos/sin loads (all heads share the tables: L2 hits).
 Predicted: rotary adds well under a fifth to the kernel's time, local or global.
+
+Disentangled (optional, DeBERTa-v2/v3). score(i, j) = q_i.k_j * scale + c2p[tok(i), h, c] + p2c[tok(j), h, c] with
+one column c = column[clamp(j - i + L - 1, 0, 2L - 2)] for both terms: `column` int32 [2L - 1] holds HF's
+clamp(bucket(i - j) + span, 0, 2 span - 1); c2p [T, nh, P] is q_t . pk[h, p] / sqrt(d sf) per query token, p2c
+[T, nh, P] is k_t . pq[h, p] / sqrt(d sf) per key token (P = 2 span, tok(i) the row of qkv holding position i). The
+kernel gathers a column tile from the small int32 table, then c2p per row and p2c per column of the score tile, and
+adds both (fp32, times log2(e)) to the scores; nothing S x S is formed.
+Why gather from per-token tables (a prediction, not measured yet). The tables cost two GEMMs over the packed tokens
+([T, d] x [d, P] per head, by cuBLAS): 4 T P d FLOP per head and T nh P x 4 bytes each, written once and gathered
+from L2 (one token's row is P floats, 2 KB at P = 512). At DeBERTa-v3's P = 512 and S = 512 that matches attention's
+own 4 T S d. The alternative computes q . pk[c] and k . pq[c] inside the kernel for only the buckets a tile reaches:
+near the diagonal a 64x64 tile reaches 127 distances (as many log buckets), so each such tile adds two
+[64, d] x [d, 128] dots to QK^T's and PV's [64, d] x [d, 64] (3x the tile's tensor-core work), per row about
+(S / BLOCK_N) x 127 / P = 2x the tables' FLOPs at S = 512 (fewer far from the diagonal, where buckets merge), on the
+kernel's critical path, plus a per-element gather out of the dots' results (a tl.dot output cannot be indexed). The
+price of the tables: 2 x BLOCK_M x BLOCK_N gathered floats and one int32 column tile per score tile.
+A padded query (key_valid given) gets HF's value when `uniform_padded_queries` is set: DeBERTa's mask is
+mask_i * mask_j, so such a query's scores are all finfo.min and its softmax is uniform over the row's S keys;
+`launch` writes the row's mean value there after the kernel (as for a window that holds only padding).
 
 Layout. qkv is [T, 3, nh, hd]: the natural view of the QKV GEMM's [T, 3H] output, read through its strides (only hd
 must be unit-stride), so no transpose or .contiguous() copy is made. The output is [T, nh*hd], exactly what the
@@ -78,6 +97,23 @@ def _rotate(x, x_partner, cos, sin, sign):
     return (x.to(tl.float32) * cos + (sign * x_partner.to(tl.float32)) * sin).to(x.dtype)
 
 
+@triton.jit
+def _disentangled(column_ptr, c2p_base, p2c_base, stride_c2p_t, stride_p2c_t, offs_m, offs_n, reach, q_rows, k_rows,
+                  HAS_C2P: tl.constexpr, HAS_P2C: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: c2p[tok(i), h, c] + p2c[tok(j), h, c] with c = column[clamp(j - i + reach)].
+    `c2p_base` / `p2c_base` point at the sequence's first row of c2p / p2c (head applied); `q_rows` / `k_rows` are
+    the query / key positions clamped into the sequence, so every load is in bounds without a mask (the scores of
+    positions past the end are never used; masked gathers spilled on sm_80 under Triton 3.6). Offsets stay 32-bit:
+    a 64-bit pointer tile costs two registers an element."""
+    col = tl.load(column_ptr + tl.minimum(tl.maximum(offs_n[None, :] - offs_m[:, None] + reach, 0), 2 * reach))
+    term = tl.zeros(col.shape, dtype=tl.float32)
+    if HAS_C2P:
+        term += tl.load(c2p_base + (q_rows[:, None] * stride_c2p_t + col)).to(tl.float32)
+    if HAS_P2C:
+        term += tl.load(p2c_base + (k_rows[None, :] * stride_p2c_t + col)).to(tl.float32)
+    return term
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------------------------------------------
@@ -91,10 +127,13 @@ def _attention_fwd_kernel(
     out_ptr,  # [T, nh*hd], hd unit-stride
     bias_ptr,  # [nh, 2L - 1] fp32, unit-stride columns: B[h, i, j] = bias[h, clamp(j - i + L - 1)]; when HAS_BIAS
     cos_ptr, sin_ptr,  # [T, hd/2] fp32, unit-stride columns: one row per token (packed T or B*S); when HAS_ROTARY
+    column_ptr,  # [2L - 1] int32: the c2p/p2c column of distance j - i at j - i + L - 1; when HAS_C2P or HAS_P2C
+    c2p_ptr,  # [T, nh, P] any float dtype, unit-stride P: per query token; when HAS_C2P
+    p2c_ptr,  # [T, nh, P] any float dtype, unit-stride P: per key token; when HAS_P2C
     # sizes
     max_seqlen,  # the longest sequence: the grid gives every sequence cdiv(max_seqlen, BLOCK_M) query blocks
     qk_scale,  # softmax scale * log2(e)
-    bias_reach,  # L - 1: the table's largest distance (its column of distance 0)
+    bias_reach,  # L - 1: the per-distance table's largest distance (its entry of distance 0): bias or column
     window,  # w: query i sees key j only when |i - j| <= w (positions in the sequence); read only when HAS_WINDOW
     # strides (in elements)
     stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, q/k/v selector, head
@@ -102,6 +141,8 @@ def _attention_fwd_kernel(
     stride_out_t,
     stride_bias_h,
     stride_rot_t,  # the row stride of cos and sin (one stride for both)
+    stride_c2p_t, stride_c2p_h,
+    stride_p2c_t, stride_p2c_h,
     seq_bucket,  # next_power_of_2(max_seqlen): only an autotune key (a new length reuses the tuned config), not read
     # meta-parameters
     HEAD_DIM: tl.constexpr,
@@ -112,6 +153,8 @@ def _attention_fwd_kernel(
     BLOCK_N: tl.constexpr,  # keys per loop iteration
     HAS_WINDOW: tl.constexpr = False,  # a sliding window: key blocks wholly outside it are not visited
     HAS_ROTARY: tl.constexpr = False,  # rotate q and k (rotate-half) by the per-token cos/sin before QK^T
+    HAS_C2P: tl.constexpr = False,  # add DeBERTa's content-to-position term, gathered from c2p per query row
+    HAS_P2C: tl.constexpr = False,  # add its position-to-content term, gathered from p2c per key column
 ):
     # Grid: (query blocks x sequences, heads), query blocks fastest, so the programs that run together share one
     # sequence's and one head's K/V. Sequences ride on grid x (up to 2^31 - 1), not y/z (65535).
@@ -169,6 +212,8 @@ def _attention_fwd_kernel(
     if HAS_BIAS:
         bias_row = bias_ptr + head * stride_bias_h
         bias_col = bias_reach - offs_m  # + key position = the table column of distance j - i
+    c2p_base = c2p_ptr + head * stride_c2p_h + seq_start * stride_c2p_t
+    p2c_base = p2c_ptr + head * stride_p2c_h + seq_start * stride_p2c_t
 
     # Online softmax state, fp32, in the log2 domain. m starts finite (not -inf) so that a block whose keys are all
     # masked (scores -inf) gives alpha = exp2(m - m_new) = 1 and p = exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
@@ -204,6 +249,10 @@ def _attention_fwd_kernel(
         if HAS_BIAS:  # distances past the table read its end columns; every index is in bounds, no load mask
             col = tl.minimum(tl.maximum(bias_col[:, None] + offs_n[None, :], 0), 2 * bias_reach)
             scores += tl.load(bias_row + col) * bias_gain
+        if HAS_C2P or HAS_P2C:
+            scores += _disentangled(column_ptr, c2p_base, p2c_base, stride_c2p_t, stride_p2c_t, offs_m, offs_n,
+                                    bias_reach, tl.minimum(offs_m, seq_len - 1), tl.minimum(offs_n, seq_len - 1),
+                                    HAS_C2P, HAS_P2C) * bias_gain
         if HAS_WINDOW:
             near = tl.abs(offs_n[None, :] - offs_m[:, None]) <= win
             if HAS_MASK:
@@ -255,7 +304,7 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg
 
 
 def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee",
-                      rotary: bool = False) -> list[triton.Config]:
+                      rotary: bool = False, disentangled: bool = False) -> list[triton.Config]:
     """The tiles worth trying for one dtype / head dim / fp32 input precision. Each compiles for sm_90 and sm_80,
     masked and unmasked, without register spills on Triton 3.6 and 3.9 (cuobjdump STACK 0; tests/tooling/test_aot.py
     checks it via aot_specs()).
@@ -271,6 +320,10 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     32x16 with 4 warps at hd 128 (ptxas's own register budget there; 255 spills).
     rotary (fp16/bf16, hd 64): 64x32 as the short-sequence tile; 64x64 with the window spilled 8 bytes on sm_80
     under Triton 3.6 (REG 255).
+    disentangled (fp16/bf16): the gathered column, c2p and p2c tiles hold registers in the key loop. Both terms at
+    hd 64: 64x64 at 4 warps spilled on sm_80 (STACK 64 under Triton 3.9, 232 under 3.6), so the short-sequence tile
+    is 64x32; 128x64 fits at maxnreg=255 (REG 222-250 on sm_80; in ptxas's own budget it took 128 registers at hd 32
+    and spilled under Triton 3.6). At hd 128 128x64 spilled with any term (STACK 32-56, sm_90 and sm_80): 64x32 alone.
     """
     if dtype == torch.float32:  # the FMA tiles at hd 64/128 need more than 255 registers' worth: ptxas's own budget
         if input_precision == "ieee" and head_dim > 64:
@@ -278,9 +331,11 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
         if head_dim == 64:  # tf32 at 64x32 w8 spilled 8 bytes on sm_80 once the rows moved onto grid x
             return [_config(64, 16, 4, 2, maxnreg=None)]
         return [_config(64, 32, 8, 2)]
+    if disentangled and head_dim > 64:
+        return [_config(64, 32, 4, 2)]
     # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
     big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 else 255)
-    narrow = head_dim > 64 or (rotary and head_dim == 64)
+    narrow = head_dim > 64 or (rotary and head_dim == 64) or disentangled
     return [big, _config(64, 32, 4, 2) if narrow else _config(64, 64, 4, 2)]
 
 
@@ -293,8 +348,9 @@ def _all_configs() -> list[triton.Config]:
     for dtype in _DTYPES:
         for precision in ("ieee", "tf32"):
             for head_dim in TRITON_HEAD_DIMS:
-                for config in attention_configs(dtype, head_dim, precision):
-                    unique.setdefault(_key(config), config)
+                for rotary, disentangled in ((False, False), (True, False), (False, True)):
+                    for config in attention_configs(dtype, head_dim, precision, rotary, disentangled):
+                        unique.setdefault(_key(config), config)
     return list(unique.values())
 
 
@@ -302,7 +358,8 @@ def _prune(configs, named_args, **kwargs):
     """Keep the configs of this call's dtype and head dim; drop 128-query tiles for sequences of <= 64 tokens
     (half of such a tile would be masked-off work, and it halves the program count)."""
     dtype, head_dim, precision = named_args["qkv_ptr"].dtype, kwargs["HEAD_DIM"], kwargs["INPUT_PRECISION"]
-    wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision, kwargs.get("HAS_ROTARY", False))}
+    wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision, kwargs.get("HAS_ROTARY", False),
+                                                 kwargs.get("HAS_C2P", False) or kwargs.get("HAS_P2C", False))}
     kept = [c for c in configs if _key(c) in wanted]
     short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(64, named_args["seq_bucket"])]
     return short or kept
@@ -310,9 +367,10 @@ def _prune(configs, named_args, **kwargs):
 
 # The autotuner adds the tensor dtypes to the key itself. seq_bucket (a power of two) rather than seq_len, so a new
 # length re-uses the tuned config; the mask variant shares its unmasked twin's choice. A window (and its width: the
-# keys a query block visits) and rotary change the work per key block, so they tune apart.
+# keys a query block visits), rotary and DeBERTa's gathers change the work per key block, so they tune apart.
 _attention_fwd = utils.autotune(_attention_fwd_kernel, _all_configs(),
-                                ["HEAD_DIM", "INPUT_PRECISION", "seq_bucket", "HAS_WINDOW", "window", "HAS_ROTARY"],
+                                ["HEAD_DIM", "INPUT_PRECISION", "seq_bucket", "HAS_WINDOW", "window", "HAS_ROTARY",
+                                 "HAS_C2P", "HAS_P2C"],
                                 _prune)
 
 # Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
@@ -365,11 +423,15 @@ def rotary_tables(rotary) -> tuple[torch.Tensor, torch.Tensor]:
 def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
            key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
            config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
-           rotary=None) -> torch.Tensor:
+           rotary=None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
+           column: torch.Tensor | None = None, uniform_padded_queries: bool = False) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
     forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
     first config of attention_configs() for its dtype and head dim (benchmarking would sync). Runs on qkv's device."""
     T, _, num_heads, head_dim = qkv.shape
+    has_c2p, has_p2c = c2p is not None, p2c is not None
+    if has_c2p or has_p2c:
+        _refuse_with_disentangled(bias, window, rotary)
     if out is None:
         out = torch.empty((T, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     num_seqs = cu_seqlens.shape[0] - 1
@@ -398,19 +460,35 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     else:  # never read
         cos = sin = _placeholder(qkv.device, torch.float32)
         stride_rot_t = 1
-    args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias, cos, sin,
+    # DeBERTa's terms; those absent are never read: a typed placeholder and 1s, as in the AOT spec
+    if has_c2p or has_p2c:
+        bias_reach = (column.shape[0] - 1) // 2  # the column table takes the bias table's place (never both)
+    else:
+        column = _placeholder(qkv.device, torch.int32)
+    if has_c2p:
+        stride_c2p_t, stride_c2p_h = c2p.stride(0), c2p.stride(1)
+    else:
+        c2p, stride_c2p_t, stride_c2p_h = _placeholder(qkv.device, torch.float32), 1, 1
+    if has_p2c:
+        stride_p2c_t, stride_p2c_h = p2c.stride(0), p2c.stride(1)
+    else:
+        p2c, stride_p2c_t, stride_p2c_h = _placeholder(qkv.device, torch.float32), 1, 1
+    args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias, cos, sin, column, c2p, p2c,
             max_seqlen, float(scale) * _LOG2E, bias_reach, int(window),
             qkv.stride(0), qkv.stride(1), qkv.stride(2),
             stride_mask_b, stride_mask_s,
             out.stride(0), stride_bias_h, stride_rot_t,
+            stride_c2p_t, stride_c2p_h, stride_p2c_t, stride_p2c_h,
             triton.next_power_of_2(max_seqlen))
     meta = dict(HEAD_DIM=head_dim, HAS_MASK=key_valid is not None, HAS_BIAS=has_bias,
-                INPUT_PRECISION=input_precision(qkv.dtype), HAS_WINDOW=has_window, HAS_ROTARY=has_rotary)
+                INPUT_PRECISION=input_precision(qkv.dtype), HAS_WINDOW=has_window, HAS_ROTARY=has_rotary,
+                HAS_C2P=has_c2p, HAS_P2C=has_p2c)
     if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
         if config is None and utils.untuned_in_capture(_attention_fwd, args, meta):
-            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary)[0]
+            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary,
+                                       has_c2p or has_p2c)[0]
         if config is None:
             _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
         else:
@@ -419,22 +497,40 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
                                         num_stages=config.num_stages,
                                         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     if key_valid is not None and has_window:
-        _uniform_where_the_window_is_empty(qkv, key_valid, int(window), out)
+        _uniform_where(qkv, _window_is_empty(key_valid, int(window)), out)
+    if key_valid is not None and uniform_padded_queries:
+        _uniform_where(qkv, ~key_valid, out)
     return out
 
 
-def _uniform_where_the_window_is_empty(qkv, key_valid, window, out):
-    """Padded rows: a query whose window holds no real key gets HF eager's answer, the mean of its row's S values.
-    (HF's one mask puts finfo.min on every key of such a query, so the softmax is uniform over all S; the kernel
-    only visits the window's blocks.) A few [B, S] tensor ops, no host read: fine inside a CUDA graph."""
-    B, S = key_valid.shape
-    T, _, nh, hd = qkv.shape
+def _refuse_with_disentangled(bias, window, rotary) -> None:
+    """DeBERTa's terms take the per-distance table's place in the kernel, and no family combines them with a
+    window or rotary: such a call is refused, not approximated (a cheap check, no tensor read)."""
+    given = [f"{name}={shown}" for name, value, shown in (
+        ("bias", bias, bias is not None and tuple(bias.shape)), ("window", window, repr(window)),
+        ("rotary", rotary, type(rotary).__name__)) if value is not None]
+    if given:
+        raise ValueError(f"disentangled attention (c2p/p2c) cannot be combined with a bias, a window or rotary; got "
+                         f"{', '.join(given)}")
+
+
+def _window_is_empty(key_valid, window):
+    """[B, S] bool: the queries whose window holds no real key. HF's one mask puts finfo.min on every key of such a
+    query, so its softmax is uniform over all S keys; the kernel only visits the window's blocks."""
+    S = key_valid.shape[1]
     counts = torch.nn.functional.pad(key_valid.to(torch.int32).cumsum(1), (1, 0))  # [B, S + 1]
-    i = torch.arange(S, device=qkv.device)
-    empty = (counts[:, (i + window + 1).clamp(max=S)] - counts[:, (i - window).clamp(min=0)]) == 0  # [B, S]
+    i = torch.arange(S, device=key_valid.device)
+    return (counts[:, (i + window + 1).clamp(max=S)] - counts[:, (i - window).clamp(min=0)]) == 0
+
+
+def _uniform_where(qkv, uniform, out):
+    """Padded rows: the queries where `uniform` [B, S] is True get HF eager's answer for a query whose every key is
+    masked, the mean of its row's S values. A few [B, S] tensor ops, no host read: fine inside a CUDA graph."""
+    B, S = uniform.shape
+    T, _, nh, hd = qkv.shape
     mean = qkv[:, 2].view(B, S, nh, hd).float().mean(dim=1).to(out.dtype)  # [B, nh, hd]
     rows = out.view(B, S, nh, hd)
-    rows.copy_(torch.where(empty[:, :, None, None], mean[:, None], rows))
+    rows.copy_(torch.where(uniform[:, :, None, None], mean[:, None], rows))
 
 
 def _check_table(name: str, table, alternatives: str, what: str, device, shape_ok: bool, expected: str) -> None:
@@ -456,7 +552,8 @@ def _check_table(name: str, table, alternatives: str, what: str, device, shape_o
 def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
               config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
-              rotary=None) -> torch.Tensor:
+              rotary=None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
+              column: torch.Tensor | None = None, uniform_padded_queries: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + B) v per sequence, for packed qkv [T, 3, nh, hd] -> out [T, nh*hd].
 
     cu_seqlens: [n + 1] int32 (on qkv's device): 0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = T; sequence i is tokens
@@ -473,6 +570,12 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
                 row with key_valid; a fully padded row still attends to all S keys).
     rotary:     None, or (cos, sin) (a pair, or an object with .cos and .sin): float32 [T, hd/2] each, one row per
                 token, unit-stride columns, the same strides; q and k are rotated (rotate-half) before q k^T.
+    c2p, p2c, column: DeBERTa's disentangled terms (see the module docstring): c2p and p2c None or [T, nh, P] in
+                a float dtype (any strides on T and nh, unit-stride P), at least one given; column int32 [2L - 1]
+                of values in [0, P): the score of (i, j) gains c2p[tok(i), h, c] + p2c[tok(j), h, c] with
+                c = column[clamp(j - i + L - 1, 0, 2L - 2)]. Not combined with bias, window or rotary.
+    uniform_padded_queries: with key_valid, a padded query gets the mean of its row's S values (HF's answer where
+                the mask is key_valid[i] * key_valid[j], as DeBERTa's); False: it attends to the row's real keys.
     """
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
@@ -552,6 +655,12 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
             raise ValueError(f"rotary cos and sin must have the same strides, got {tuple(cos.stride())} and "
                              f"{tuple(sin.stride())}")
 
+    if c2p is not None or p2c is not None or column is not None:
+        _check_disentangled(c2p, p2c, column, T, num_heads, device)
+        _refuse_with_disentangled(bias, window, rotary)
+    if not isinstance(uniform_padded_queries, bool):
+        raise TypeError(f"uniform_padded_queries must be a bool, got {uniform_padded_queries!r}")
+
     hidden = num_heads * head_dim
     if out is not None:
         if not isinstance(out, torch.Tensor):
@@ -564,7 +673,49 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
             raise ValueError(f"out is on {out.device} but qkv is on {device}")
         if out.stride(-1) != 1:
             raise ValueError(f"out's last dim must be unit-stride, got strides {tuple(out.stride())}")
-    return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config, bias, window, rotary)
+    return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config, bias, window, rotary, c2p, p2c, column,
+                  uniform_padded_queries)
+
+
+_TERM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_disentangled(c2p, p2c, column, T: int, num_heads: int, device) -> None:
+    """The c2p / p2c tables [T, nh, P] and the int32 column table [2L - 1] of values in [0, P) (one host read)."""
+    if c2p is None and p2c is None:
+        raise ValueError("column was given without c2p or p2c: disentangled attention needs at least one of them")
+    widths = set()
+    for name, table in (("c2p", c2p), ("p2c", p2c)):
+        if table is None:
+            continue
+        if not isinstance(table, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(table).__name__}")
+        if table.dtype not in _TERM_DTYPES:
+            raise TypeError(f"{name}.dtype={table.dtype}; it must be one of {', '.join(map(str, _TERM_DTYPES))}")
+        if table.dim() != 3 or tuple(table.shape[:2]) != (T, num_heads) or table.shape[2] < 1:
+            raise ValueError(f"{name} has shape {tuple(table.shape)}, expected (T, num_heads, P)=({T}, {num_heads}, P)")
+        if table.device != device:
+            raise ValueError(f"{name} is on {table.device} but qkv is on {device}")
+        if table.stride(-1) != 1 and table.shape[2] > 1:
+            raise ValueError(f"{name}'s last dim (P) must be unit-stride, got strides {tuple(table.stride())}")
+        widths.add(table.shape[2])
+    if len(widths) > 1:
+        raise ValueError(f"c2p and p2c must have the same P, got c2p {tuple(c2p.shape)} and p2c {tuple(p2c.shape)}")
+    if not isinstance(column, torch.Tensor):
+        raise TypeError(f"column must be an int32 torch.Tensor [2L - 1] with c2p/p2c, got {type(column).__name__}")
+    if column.dtype != torch.int32:
+        raise TypeError(f"column.dtype={column.dtype}; it must be torch.int32")
+    if column.dim() != 1 or column.shape[0] % 2 != 1:
+        raise ValueError(f"column has shape {tuple(column.shape)}, expected (2L - 1,) (an odd length) for distances "
+                         f"-(L - 1)..(L - 1)")
+    if column.device != device:
+        raise ValueError(f"column is on {column.device} but qkv is on {device}")
+    if column.stride(0) != 1 and column.shape[0] > 1:
+        raise ValueError(f"column must be unit-stride, got stride {column.stride(0)}")
+    width = widths.pop()
+    low, high = torch.stack([column.min(), column.max()]).tolist()
+    if low < 0 or high >= width:
+        raise ValueError(f"column's values must lie in [0, P) = [0, {width}) (columns of c2p/p2c), got {low}..{high}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -572,8 +723,9 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
 # --------------------------------------------------------------------------------------------------------------------
 def aot_specs() -> list[dict]:
     """One spec per dtype (x input precision for fp32) x head dim x mask variant x config of attention_configs(),
-    and the bias variants (both mask variants) at the head dims of BIAS_AOT_HEAD_DIMS: 60 kernels, each the
-    specialisation the JIT builds at run time for BERT's tensors:
+    the bias variants (both mask variants) at the head dims of BIAS_AOT_HEAD_DIMS, the window/rotary variants at
+    WINDOW_AOT_HEAD_DIMS and DeBERTa's (DISENTANGLED_AOT, below), each the specialisation the JIT builds at run time
+    for BERT's tensors:
     - the unit stride of key_valid [n, S] is the constant 1 (Triton specialises an int argument equal to 1; the
       launcher passes 1 in the unmasked variant too, where it is not read); so are the bias table's row stride and
       reach in the unbiased variant;
@@ -581,12 +733,16 @@ def aot_specs() -> list[dict]:
       3H, H, hd and nh*hd are multiples of 16 for every supported head dim), which is what lets loads vectorise and
       go through cp.async;
     - max_seqlen, the key_valid row stride (= S) and the bias table's reach and row stride (L - 1, 2L - 1) are
-      arbitrary at run time: no hint.
+      arbitrary at run time: no hint; nor is the column table's reach L - 1. The c2p/p2c strides keep the default
+      hint: [T, nh, P] or its [nh, T, P] transpose, P = 2 x 256 buckets in DeBERTa-v2/v3.
     """
     return [spec for spec in _aot_specs() if _in_suite(spec["constexprs"], spec["signature"]["qkv_ptr"])]
 
 
 def _in_suite(constexprs: dict, qkv_type: str) -> bool:
+    if constexprs["HAS_C2P"] or constexprs["HAS_P2C"]:
+        form = (constexprs["HAS_C2P"], constexprs["HAS_P2C"], constexprs["HAS_MASK"])
+        return constexprs["HEAD_DIM"] == 64 and qkv_type in DISENTANGLED_AOT.get(form, ())
     if constexprs["HAS_BIAS"] and constexprs["HEAD_DIM"] not in BIAS_AOT_HEAD_DIMS:
         return False
     if constexprs["HAS_WINDOW"] or constexprs["HAS_ROTARY"]:
@@ -600,10 +756,16 @@ def _in_suite(constexprs: dict, qkv_type: str) -> bool:
 BIAS_AOT_HEAD_DIMS = (64,)
 # ModernBERT-base/large run hd 64 (window and rotary); hd 32 for the small models. fp16/bf16: the fast path.
 WINDOW_AOT_HEAD_DIMS = (32, 64)
-# (HAS_MASK, HAS_BIAS, HAS_WINDOW, HAS_ROTARY): BERT's, the relative-bias families', ModernBERT's local layers (window
-# and rotary; window alone) and global layers (rotary alone)
-_VARIANTS = [(mask, bias, False, False) for bias in (False, True) for mask in (True, False)] + \
-    [(mask, False, window, rotary) for window, rotary in ((True, False), (True, True), (False, True))
+# DeBERTa-v2/v3 (hd 64) in the suite, (HAS_C2P, HAS_P2C, HAS_MASK) -> qkv dtypes: both terms packed in fp16 and
+# bf16, padded in fp16; c2p alone packed in fp16. The rest (p2c alone, fp32, other head dims) only in all_aot_specs().
+DISENTANGLED_AOT = {(True, True, False): ("*fp16", "*bf16"), (True, True, True): ("*fp16",),
+                    (True, False, False): ("*fp16",)}
+# (HAS_MASK, HAS_BIAS, HAS_WINDOW, HAS_ROTARY, HAS_C2P, HAS_P2C): BERT's, the relative-bias families', ModernBERT's
+# local layers (window and rotary; window alone) and global layers (rotary alone), DeBERTa's (c2p and p2c; either)
+_VARIANTS = [(mask, bias, False, False, False, False) for bias in (False, True) for mask in (True, False)] + \
+    [(mask, False, window, rotary, False, False) for window, rotary in ((True, False), (True, True), (False, True))
+     for mask in (True, False)] + \
+    [(mask, False, False, False, c2p, p2c) for c2p, p2c in ((True, True), (True, False), (False, True))
      for mask in (True, False)]
 
 
@@ -618,19 +780,24 @@ def _aot_specs() -> list[dict]:
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
         for precision in precisions:
             for head_dim in TRITON_HEAD_DIMS:
-                for has_mask, has_bias, has_window, has_rotary in _VARIANTS:
-                    for config in attention_configs(dtype, head_dim, precision, has_rotary):
+                for has_mask, has_bias, has_window, has_rotary, has_c2p, has_p2c in _VARIANTS:
+                    for config in attention_configs(dtype, head_dim, precision, has_rotary, has_c2p or has_p2c):
                         bm, bn, warps, stages, maxnreg = _key(config)
                         name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
                                         [f"hd{head_dim}", "mask" if has_mask else "nomask"] +
                                         (["bias"] if has_bias else []) + (["window"] if has_window else []) +
-                                        (["rotary"] if has_rotary else []) +
+                                        (["rotary"] if has_rotary else []) + (["c2p"] if has_c2p else []) +
+                                        (["p2c"] if has_p2c else []) +
                                         [f"{bm}x{bn}-w{warps}-s{stages}" + (f"-r{maxnreg}" if maxnreg else "")])
                         bias_args = {"bias_reach": "i32", "stride_bias_h": "i32"} if has_bias else {}
                         # window: ModernBERT's 64 gets the JIT's divisibility-16 hint (the default here); so does
                         # the rotary tables' row stride hd/2 at hd >= 32
                         window_args = {"window": "i32"} if has_window else {}
                         rotary_args = {"stride_rot_t": "i32"} if has_rotary else {}
+                        # the column table's reach takes bias_reach's place (never both)
+                        reach_args = {"bias_reach": "i32"} if (has_c2p or has_p2c) and not has_bias else {}
+                        c2p_args = {"stride_c2p_t": "i32", "stride_c2p_h": "i32"} if has_c2p else {}
+                        p2c_args = {"stride_p2c_t": "i32", "stride_p2c_h": "i32"} if has_p2c else {}
                         specs.append({
                             "name": name,
                             "fn": _attention_fwd_kernel,
@@ -640,17 +807,22 @@ def _aot_specs() -> list[dict]:
                                 "qk_scale": "fp32", "stride_qkv_t": "i32", "stride_qkv_which": "i32",
                                 "stride_qkv_h": "i32", "stride_mask_b": "i32", "stride_out_t": "i32",
                                 "seq_bucket": "i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **bias_args,
-                                **window_args, **rotary_args,
+                                **window_args, **rotary_args, "column_ptr": "*i32", "c2p_ptr": "*fp32",
+                                "p2c_ptr": "*fp32", **reach_args, **c2p_args, **p2c_args,
                             },
                             "constexprs": {"stride_mask_s": 1, "HEAD_DIM": head_dim,
                                            "HAS_MASK": has_mask, "HAS_BIAS": has_bias, "INPUT_PRECISION": precision,
                                            "HAS_WINDOW": has_window, "HAS_ROTARY": has_rotary,
+                                           "HAS_C2P": has_c2p, "HAS_P2C": has_p2c,
                                            "BLOCK_M": bm, "BLOCK_N": bn,
-                                           **({} if has_bias else {"bias_reach": 1, "stride_bias_h": 1}),
+                                           **({} if has_bias else {"stride_bias_h": 1}),
+                                           **({} if has_bias or reach_args else {"bias_reach": 1}),
+                                           **({} if has_c2p else {"stride_c2p_t": 1, "stride_c2p_h": 1}),
+                                           **({} if has_p2c else {"stride_p2c_t": 1, "stride_p2c_h": 1}),
                                            **({} if has_window else {"window": 1}),
                                            **({} if has_rotary else {"stride_rot_t": 1})},
                             "hints": {"max_seqlen": None, "stride_mask_b": None, "seq_bucket": None,
-                                      **{arg: None for arg in bias_args}},
+                                      **{arg: None for arg in {**bias_args, **reach_args}}},
                             "num_warps": warps,
                             "num_stages": stages,
                             **({"maxnreg": config.maxnreg} if config.maxnreg else {}),

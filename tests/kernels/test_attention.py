@@ -315,6 +315,9 @@ EXPECTED_TILES = {
 
 # rotary q/k at hd 64 in fp16/bf16: 64x32 as the short-sequence tile (64x64 spilled on sm_80 under Triton 3.6)
 EXPECTED_ROTARY_TILES_HD64 = [(128, 64, 8, 2, 255), (64, 32, 4, 2, 255)]
+# DeBERTa's c2p/p2c in fp16/bf16: 64x32 as the short-sequence tile (64x64 spilled on sm_80); hd 128: 64x32 alone
+# (128x64 spilled)
+EXPECTED_DISENTANGLED_TILES = [(128, 64, 8, 2, 255), (64, 32, 4, 2, 255)]
 
 
 @pytest.mark.parametrize("dtype,precision,head_dim", list(EXPECTED_TILES), ids=str)
@@ -323,6 +326,12 @@ def test_attention_configs_are_the_documented_tiles(dtype, precision, head_dim):
     assert got == EXPECTED_TILES[dtype, precision, head_dim]
     rotary = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision, True)]
     assert rotary == (EXPECTED_ROTARY_TILES_HD64 if head_dim == 64 and dtype != torch.float32 else got)
+    disentangled = [attention_module._key(c) for c in
+                    attention_module.attention_configs(dtype, head_dim, precision, disentangled=True)]
+    if dtype == torch.float32:
+        assert disentangled == got
+    else:
+        assert disentangled == (EXPECTED_DISENTANGLED_TILES if head_dim <= 64 else [(64, 32, 4, 2, 255)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -330,6 +339,14 @@ def test_prune_keeps_the_rotary_tiles(dtype):
     kept = attention_module._prune(attention_module._all_configs(), {"qkv_ptr": torch.empty(0, dtype=dtype),
                                    "seq_bucket": 512}, HEAD_DIM=64, INPUT_PRECISION="ieee", HAS_ROTARY=True)
     assert sorted(attention_module._key(c) for c in kept) == sorted(EXPECTED_ROTARY_TILES_HD64)
+
+
+@pytest.mark.parametrize("terms", [dict(HAS_C2P=True), dict(HAS_P2C=True), dict(HAS_C2P=True, HAS_P2C=True)],
+                         ids=["c2p", "p2c", "both"])
+def test_prune_keeps_the_disentangled_tiles(terms):
+    kept = attention_module._prune(attention_module._all_configs(), {"qkv_ptr": torch.empty(0, dtype=torch.float16),
+                                   "seq_bucket": 512}, HEAD_DIM=64, INPUT_PRECISION="ieee", **terms)
+    assert sorted(map(str, (attention_module._key(c) for c in kept))) == sorted(map(str, EXPECTED_DISENTANGLED_TILES))
 
 
 @pytest.mark.parametrize("seq_bucket", [8, 64, 128, 512])
@@ -350,10 +367,11 @@ def test_aot_specs_well_formed():
     """Spec format (tests/tooling/test_aot.py compiles them): unique names, every kernel argument typed or constant, and
     exactly the documented tiles for each (dtype, precision, head dim) and mask variant: 48 kernels without a bias,
     the same tiles at head dim 64 (MPNet-base, DeBERTa-v3-base) with one: 12 more, and ModernBERT's window,
-    window + rotary and rotary variants in fp16/bf16 at head dims 32 and 64: 48 more."""
+    window + rotary and rotary variants in fp16/bf16 at head dims 32 and 64: 48 more, and DeBERTa's at head dim 64
+    (c2p + p2c in fp16 and bf16 packed, in fp16 padded; c2p alone in fp16 packed): 8 more."""
     specs = attention_module.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(names) == len(set(names)) == 108
+    assert len(names) == len(set(names)) == 116
     arg_names = set(attention_module._attention_fwd_kernel.arg_names)  # JITFunction or, here, InterpretedFunction
     for spec in specs:
         assert not set(spec["signature"]) & set(spec["constexprs"]), spec["name"]
@@ -361,12 +379,13 @@ def test_aot_specs_well_formed():
         assert set(spec["hints"]) <= set(spec["signature"]), spec["name"]
     tags = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 
-    def covered(with_bias, window=False, rotary=False):
+    def covered(with_bias, window=False, rotary=False, c2p=False, p2c=False):
         return sorted(str((s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
                            s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"],
                            s["num_warps"], s["num_stages"], s.get("maxnreg"))) for s in specs
-                      if (s["constexprs"]["HAS_BIAS"], s["constexprs"]["HAS_WINDOW"], s["constexprs"]["HAS_ROTARY"])
-                      == (with_bias, window, rotary))
+                      if tuple(s["constexprs"][flag] for flag in ("HAS_BIAS", "HAS_WINDOW", "HAS_ROTARY", "HAS_C2P",
+                                                                   "HAS_P2C"))
+                      == (with_bias, window, rotary, c2p, p2c))
 
     def expected(head_dims, dtypes=tuple(tags)):
         return sorted(str((tags[dtype], precision, hd, mask) + tile) for (dtype, precision, hd), tiles in
@@ -381,10 +400,23 @@ def test_aot_specs_well_formed():
                          for tile in EXPECTED_ROTARY_TILES_HD64)
     for window in (True, False):
         assert covered(False, window, True) == sorted(expected((32,), half) + rotary_hd64)
+
+    def disentangled(dtypes, masks):
+        return sorted(str((dtype, "ieee", 64, mask) + tile) for dtype in dtypes for mask in masks
+                      for tile in EXPECTED_DISENTANGLED_TILES)
+
+    assert covered(False, c2p=True, p2c=True) == sorted(disentangled(("*fp16", "*bf16"), (False,)) +
+                                                        disentangled(("*fp16",), (True,)))
+    assert covered(False, c2p=True) == disentangled(("*fp16",), (False,))
+    assert covered(False, p2c=True) == []
     for spec in specs:  # the variants off: their arguments are the constant 1 the launcher passes
         constexprs = spec["constexprs"]
         assert constexprs["HAS_WINDOW"] or constexprs["window"] == 1, spec["name"]
         assert constexprs["HAS_ROTARY"] or constexprs["stride_rot_t"] == 1, spec["name"]
+        assert constexprs["HAS_C2P"] or constexprs["stride_c2p_t"] == constexprs["stride_c2p_h"] == 1, spec["name"]
+        assert constexprs["HAS_P2C"] or constexprs["stride_p2c_t"] == constexprs["stride_p2c_h"] == 1, spec["name"]
+        terms = constexprs["HAS_C2P"] or constexprs["HAS_P2C"]
+        assert (terms or constexprs["HAS_BIAS"]) == ("bias_reach" in spec["signature"]), spec["name"]
 
 
 # --------------------------------------------------------------------------------------------------------------------

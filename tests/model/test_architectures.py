@@ -38,10 +38,7 @@ def hf(request):
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def fb(request, hf):
-    kernels = request.param
-    if hf.config.model_type == "deberta-v2" and kernels == "triton":  # no disentangled attention kernel yet
-        kernels = {**dict.fromkeys(fastbert.OPS, "triton"), "attention": "torch"}
-    return fastbert.BertModel.from_hf(hf, kernels=kernels)
+    return fastbert.BertModel.from_hf(hf, kernels=request.param)
 
 
 def check_outputs(out, ref, hf, ids, mask):

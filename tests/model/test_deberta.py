@@ -229,8 +229,18 @@ def test_custom_masks_are_refused():
         fb(ids, attention_mask=torch.ones(2, 5, 5))
 
 
-def test_triton_attention_says_it_has_no_disentangled_kernel():
-    fb = fastbert.BertModel.from_hf(hf_model(), kernels={**dict.fromkeys(fastbert.OPS, "torch"), "attention": "triton"})
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"op 'attention': backend 'triton' was requested but "
-                                                          r"the attention kernel has no disentangled \(DeBERTa"):
-        fb(torch.randint(2, VOCAB, (2, 5)))
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("kind", ["right", "left", "fully_padded_row"])
+def test_attention_kernel_in_the_model_matches_hf(kind, padding_free):
+    """attention="triton": the disentangled kernel (Triton's interpreter here) inside the model gives HF's numbers on
+    real tokens past the buckets and max_relative_positions, and with padding_free=False HF's values at padded
+    positions too (a padded query's uniform row, mask_i * mask_j)."""
+    hf = hf_model(max_len=64)
+    fb = fastbert.BertModel.from_hf(hf, kernels={**dict.fromkeys(fastbert.OPS, "torch"), "attention": "triton"},
+                                    padding_free=padding_free)
+    ids, mask = rows(kind)
+    with torch.no_grad():
+        ref, out = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
+        run = fb.resolve_ops()
+    assert "attention" in run.triton
+    assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, padding_free=padding_free)

@@ -87,16 +87,17 @@ def test_families_without_token_types_replay(arch):
     assert runner.stats.captures == 1 and runner.stats.replays == 2
 
 
-def test_deberta_is_refused_until_attention_has_its_disentangled_kernel(monkeypatch):
-    """A captured graph runs attention's kernel, and DeBERTa's c2p/p2c form has none yet: the runner says so when it
-    is built, for the kernel asked for and for the twin (which loops over lengths on the host)."""
+def test_deberta_replays_its_disentangled_terms():
+    """DeBERTa's c2p/p2c terms are computed inside the captured forward (two GEMMs a layer over the packed tokens)
+    and its attention kernel gathers them: the replay matches the eager model."""
     fb = fastbert.BertModel.from_hf(random_arch_model("deberta-v2", hidden=64, heads=2), kernels=KERNELS).eval()
-    with pytest.raises(RuntimeError, match=r"attention.*no disentangled \(DeBERTa c2p/p2c\) form"):
-        GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
-    fb.set_kernels(attention="auto")
-    monkeypatch.setattr(dispatch, "_WARNED", set())  # "auto" says once why attention takes its twin
-    with pytest.raises(ValueError, match="CUDA graphs need attention on its Triton kernel"):
-        GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
+    runner = GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
+    ids, types, mask = arch_inputs(fb, "right")
+    kw = {} if types is None else {"token_type_ids": types}
+    for _ in range(2):  # the capture, then a replay
+        assert_same(runner(ids, attention_mask=mask, **kw).last_hidden_state,
+                    eager(fb, ids, mask, **kw).last_hidden_state)
+    assert runner.stats.captures == 1 and runner.stats.replays == 2
 
 
 def test_capture_now_rather_than_on_first_use(hf):
