@@ -79,8 +79,6 @@ TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet", "tiny-modernbert")  # --
 # DeBERTa-v3-base (not in CUDA_MODELS: this one cell, bf16, is all it runs there) on the ragged batch
 MODEL_CUDA_CELLS = {"modernbert-base": (_fixed(8, 8192),), "deberta-v3-base": (_varlen(32, 16, 512),)}
 MODEL_CUDA_DTYPES = {"deberta-v3-base": ("bf16",)}  # models outside CUDA_MODELS: the dtypes of their own cells
-# Models whose attention has no Triton kernel yet: the kernel and graph variants are unavailable for them
-NO_ATTENTION_KERNEL = ("deberta-v3-base",)
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")
 CPU_DTYPES = ("fp32",)

@@ -34,8 +34,6 @@ def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str,
     """The callable to time (one forward on the cell's batch) and what to record about it."""
     batch = bank.batch(case.model, case.cell, device)
     info = {}
-    if case.model in harness.NO_ATTENTION_KERNEL and case.variant in ("fastbert-triton", "fastbert-graphs"):
-        raise harness.Unavailable(f"{case.model}: its disentangled attention has no Triton kernel yet")
     if case.variant == "fastbert-graphs":
         if device != "cuda" and not option(config, "--bench-tiny"):
             raise harness.Unavailable("CUDA graphs: CUDA only")
