@@ -59,6 +59,22 @@ def stock_and_fastbert(order, targets):
 ORDERS = ["peft-then-optimize", "optimize-then-peft"]
 
 
+def assert_forward_and_lora_grads_match(stock, ours):
+    """The logits (eval, no grad) and, after one training step's backward, every trainable parameter's gradient
+    equal stock PEFT's (fp32, 1e-5). Returns stock's logits."""
+    with torch.no_grad():
+        want = stock(IDS, attention_mask=MASK).logits
+        assert (ours(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+    for m in (stock, ours):
+        m.train()(IDS, attention_mask=MASK, labels=LABELS).loss.backward()
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    theirs = {n: p for n, p in stock.named_parameters() if p.requires_grad}
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert mine[name].grad is not None and (mine[name].grad - theirs[name].grad).abs().max() <= 1e-5, name
+    return want
+
+
 @pytest.mark.parametrize("targets", TARGETS)
 @pytest.mark.parametrize("order", ORDERS)
 def test_forward_gradients_and_trainable_parameters_equal_stock_peft(order, targets):
@@ -190,16 +206,7 @@ def test_query_value_of_other_families_equal_stock_peft(family, order):
     assert isinstance(encoder, fastbert.BertModel)
     adapted = [n for n, m in encoder.named_modules() if hasattr(m, "lora_A")]
     assert len(adapted) == 4, adapted  # two targets in each of the two layers
-    with torch.no_grad():
-        want = stock(IDS, attention_mask=MASK).logits
-        assert (ours(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
-    for m in (stock, ours):
-        m.train()(IDS, attention_mask=MASK, labels=LABELS).loss.backward()
-    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
-    theirs = {n: p for n, p in stock.named_parameters() if p.requires_grad}
-    assert mine.keys() == theirs.keys()
-    for name in theirs:
-        assert mine[name].grad is not None and (mine[name].grad - theirs[name].grad).abs().max() <= 1e-5, name
+    want = assert_forward_and_lora_grads_match(stock, ours)
     ours.eval()
     with torch.no_grad():
         restored = fastbert.restore(copy.deepcopy(ours))
@@ -226,16 +233,7 @@ def test_deberta_adapters_reach_the_position_terms_as_in_stock_peft(targets, v2s
     adapted = [n for n, m in ours.base_model.model.deberta.named_modules() if hasattr(m, "lora_A")]
     assert any("key_proj" in n for n in adapted) and (not v2style or targets == ["key_proj"]
                                                       or any("pos_key_proj" in n for n in adapted)), adapted
-    with torch.no_grad():
-        want = stock(IDS, attention_mask=MASK).logits
-        assert (ours(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
-    for m in (stock, ours):
-        m.train()(IDS, attention_mask=MASK, labels=LABELS).loss.backward()
-    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
-    theirs = {n: p for n, p in stock.named_parameters() if p.requires_grad}
-    assert mine.keys() == theirs.keys()
-    for name in theirs:
-        assert mine[name].grad is not None and (mine[name].grad - theirs[name].grad).abs().max() <= 1e-5, name
+    want = assert_forward_and_lora_grads_match(stock, ours)
     with torch.no_grad():
         merged = ours.eval().merge_and_unload()
         assert (merged(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
