@@ -596,8 +596,8 @@ _LAYER_FORWARD = getattr(BertLayer.forward, "__wrapped__", BertLayer.forward)
 
 def _layer_call(layers, run):
     """How `encode` calls its layers this forward. Where nothing can tell the difference, BertLayer's forward itself:
-    nn.Module.__call__ and the checkpointing wrapper cost ~17k instructions of host work a layer, a third of what a
-    small forward spends beyond the ops (callgrind, bench/RESULTS.md). Through the module otherwise: a hook on a
+    nn.Module.__call__ and the checkpointing wrapper cost ~17k instructions of host work a layer (callgrind,
+    bench/RESULTS.md, the host-bound cell). Through the module otherwise: a hook on a
     layer or a global one, a compiled, replaced or checkpointing layer, a trace (it records module scopes)."""
     if run.traced or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks \
             or _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks:
