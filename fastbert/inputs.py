@@ -87,7 +87,8 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
             output_attentions=False, cu_seqlens=None, max_seqlen=None, **kwargs) -> Batch:
     """Validate and lay out one call of BertModel.forward. Bad input is a ValueError / TypeError naming the argument
     and the value, here, never an IndexError, a device assert or NaN deep inside."""
-    hf_packed = {k: kwargs.pop(k) for k in HF_PACKED_ARGS if kwargs.get(k) is not None}
+    emb = model.embeddings  # (one nn.Module attribute lookup, not one per check)
+    hf_packed = {k: kwargs.pop(k) for k in HF_PACKED_ARGS if kwargs.get(k) is not None} if kwargs else {}
     if kwargs.get("is_causal"):
         raise NotImplementedError("is_causal=True is not supported: fastbert is an encoder (bidirectional attention)")
     for name, value in kwargs.items():
@@ -99,7 +100,7 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids and inputs_embeds "
                          f"(got {'both' if input_ids is not None else 'neither'})")
-    device = model.embeddings.word_embeddings.weight.device
+    device = emb.word_embeddings.weight.device
     first = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
     if first[1].device != device:
         raise ValueError(f"{first[0]} is on {first[1].device} but the model is on {device}; "
@@ -108,7 +109,7 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
     _check_index_dtype("input_ids", input_ids)
     if inputs_embeds is not None:
-        dtype = model.embeddings.word_embeddings.weight.dtype
+        dtype = emb.word_embeddings.weight.dtype
         given = inputs_embeds.dtype
         if given != dtype:
             # widening (fp16 / bf16 into fp32) is exact and is HF's own promotion, at its first add; a narrowing
@@ -125,12 +126,12 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but the model is on {device}; move it with .to({str(device)!r})")
         if t is not None and name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
-            hint = "" if name != "token_type_ids" or model.embeddings.token_type_embeddings is not None else (
+            hint = "" if name != "token_type_ids" or emb.token_type_embeddings is not None else (
                 f" ({model.config.model_type} has no token types: pass its other arguments by keyword)")
             raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}{hint}")
-        if name == "position_ids" or name == "token_type_ids" and model.embeddings.token_type_embeddings is not None:
+        if name == "position_ids" or name == "token_type_ids" and emb.token_type_embeddings is not None:
             _check_index_dtype(name, t)
-    if model.embeddings.token_type_embeddings is None:
+    if emb.token_type_embeddings is None:
         token_type_ids = None  # DistilBERT, MPNet: no token types; transformers' forward takes and ignores them too
 
     if hf_packed or cu_seqlens is not None:
@@ -144,14 +145,15 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
 # Padded input: [B, S] ids (or [B, S, H] embeddings) with an optional attention_mask
 # --------------------------------------------------------------------------------------------------------------------
 def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions):
+    emb = model.embeddings  # (one nn.Module attribute lookup, not one per check)
     cfg = model.config
-    device = model.embeddings.word_embeddings.weight.device
+    device = emb.word_embeddings.weight.device
     if input_ids is not None:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         shape, first = tuple(input_ids.shape), ("input_ids", input_ids)
     else:
-        width = model.embeddings.word_embeddings.embedding_dim  # hidden_size (ELECTRA: embedding_size)
+        width = emb.word_embeddings.embedding_dim  # hidden_size (ELECTRA: embedding_size)
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
             raise ValueError(f"inputs_embeds must be [batch, seq, {width}], got shape {tuple(inputs_embeds.shape)}")
         shape, first = tuple(inputs_embeds.shape[:2]), ("inputs_embeds", inputs_embeds)
@@ -159,7 +161,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     if S == 0:
         raise ValueError(f"{first[0]} has sequence length 0 (shape {tuple(first[1].shape)}); every row needs at "
                          f"least one position")
-    if S > model.embeddings.max_length and position_ids is None and model.embeddings.position_embeddings is not None:
+    if S > emb.max_length and position_ids is None and emb.position_embeddings is not None:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
     if custom and model.family.disentangled:
@@ -188,7 +190,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     # One host read for everything: index ranges (an out-of-range id would be a device assert on CUDA), 0/1 masks,
     # and from a 2-D mask the real-token count and each row's length.
     reads = _Reads()
-    reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    reads.ranges(emb, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
     zero_one = attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
     if zero_one:
         reads.add("mask_not_zero_one", not_zero_one(attention_mask))
@@ -220,7 +222,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     else:
         flags = None if values is None or keep is None else (
             values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
-        mask = AttentionMask.build(attention_mask, B, S, model.embeddings.word_embeddings.weight.dtype, flags)
+        mask = AttentionMask.build(attention_mask, B, S, emb.word_embeddings.weight.dtype, flags)
         if model.family.disentangled:
             mask = dataclasses.replace(mask, pairwise=True)
         real_tokens = mask.key_valid if model.padding_free else None
@@ -344,11 +346,12 @@ def _check_like(shape: tuple, described, **tensors) -> None:
 def _fill_defaults(model, shape: tuple, input_ids, token_type_ids, position_ids, index_in_sequence):
     """HF's defaults: token type 0, and positions from each token's index in its sequence (`index_in_sequence()`,
     asked only when needed); the embeddings turn indices into positions (RoBERTa counts from padding_idx)."""
-    device = model.embeddings.word_embeddings.weight.device
-    if token_type_ids is None and model.embeddings.token_type_embeddings is not None:
+    emb = model.embeddings  # (one nn.Module attribute lookup, not one per check)
+    device = emb.word_embeddings.weight.device
+    if token_type_ids is None and emb.token_type_embeddings is not None:
         token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
     if position_ids is None:
-        position_ids = model.embeddings.position_ids(input_ids, index_in_sequence())
+        position_ids = emb.position_ids(input_ids, index_in_sequence())
     return token_type_ids, position_ids
 
 
