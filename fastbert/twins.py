@@ -64,12 +64,11 @@ class Workspace:
         return buf
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, workspace: Workspace | None,
-            name: str) -> torch.Tensor:
-    """F.linear(x [T, K], W [N, K], b), into the workspace's buffer `name` when there is one (the same GEMM F.linear
-    calls: addmm with a bias, mm without)."""
-    if workspace is None:
-        return F.linear(x, weight, bias)
+def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, workspace: Workspace,
+                 name: str) -> torch.Tensor:
+    """F.linear(x [T, K], W [N, K], b) into the workspace's buffer `name` (the same GEMM F.linear calls: addmm with a
+    bias, mm without). The twins call F.linear themselves when there is no workspace: a call frame here would be
+    host work on every op of every layer."""
     out = workspace.take(name, (x.shape[0], weight.shape[0]), x)
     return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
 
@@ -77,8 +76,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wo
 def qkv_projection_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          num_heads: int, workspace: Workspace | None = None) -> torch.Tensor:
     """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
-    return _linear(x, weight, bias, workspace, "qkv").view(x.shape[0], 3, num_heads,
-                                                           weight.shape[0] // (3 * num_heads))
+    h = F.linear(x, weight, bias) if workspace is None else _linear_into(x, weight, bias, workspace, "qkv")
+    return h.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
 
 
 class Rotary(NamedTuple):
@@ -430,7 +429,7 @@ def bias_gelu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}. gated: W is
     [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for [a, g] = x @ W^T + b
     (GeGLU). `workspace`: see Workspace."""
-    h = _linear(x, weight, bias, workspace, "ffn")
+    h = F.linear(x, weight, bias) if workspace is None else _linear_into(x, weight, bias, workspace, "ffn")
     if gated and workspace is not None:
         a, g = h.chunk(2, dim=-1)
         out = workspace.take("gated", a.shape, a)
@@ -448,7 +447,7 @@ def residual_layernorm_torch(y: torch.Tensor, weight: torch.Tensor, bias: torch.
     is the LayerNorm). pre_norm: (s, LayerNorm(s)) for s = dropout(y @ W^T + b) + residual, the new residual stream
     and the next sublayer's input. ln_bias None: a LayerNorm without bias. `workspace`: see Workspace (s is then its
     buffer: the layer must not return it)."""
-    h = _linear(y, weight, bias, workspace, "stream")
+    h = F.linear(y, weight, bias) if workspace is None else _linear_into(y, weight, bias, workspace, "stream")
     if dropout_p > 0:
         h = dropout(h, dropout_p)
     h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation
