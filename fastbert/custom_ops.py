@@ -142,13 +142,14 @@ def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend):
 # ---- the op callables a traced forward's plan holds (the layer's signatures) -----------------------------------------
 def traced_ops(use: dict) -> dict:
     """op -> a callable with the twin's signature that records one custom op node. `use`: op -> its backend as
-    resolved ("torch", "triton", or "auto" for the kernel under the safety net)."""
-    def run_qkv(x, weight, bias, num_heads):
+    resolved ("torch", "triton", or "auto" for the kernel under the safety net). `workspace` is only in the
+    signature: a traced forward is never handed one (BertModel._workspace)."""
+    def run_qkv(x, weight, bias, num_heads, workspace=None):
         out = torch.ops.fastbert.qkv_projection(x, weight, bias, num_heads, use["qkv_projection"])
         return out.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
 
     def run_attention(qkv, attn, scale, dropout_p=0.0, return_probs=False, bias=None, window=None, rotary=None,
-                      disentangled=None):
+                      disentangled=None, workspace=None):
         if isinstance(attn, TokenLayout):
             cu_seqlens, max_seqlen, key_valid, pairwise = attn.cu_seqlens, attn.max_seqlen, None, False
         else:  # padded rows (what a traced forward runs): uniform cu_seqlens and the key mask
@@ -164,10 +165,11 @@ def traced_ops(use: dict) -> dict:
                                             bias, -1 if window is None else window, cos, sin, c2p, p2c,
                                             column, pairwise), None
 
-    def run_bias_gelu(x, weight, bias, activation="gelu", gated=False):
+    def run_bias_gelu(x, weight, bias, activation="gelu", gated=False, workspace=None):
         return torch.ops.fastbert.bias_gelu(x, weight, bias, activation, use["bias_gelu"], gated)
 
-    def run_residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False):
+    def run_residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False,
+                               workspace=None):
         # dropout_p is 0 here: a traced forward records the custom ops for inference only (dispatch.plan)
         if pre_norm:
             return torch.ops.fastbert.residual_layernorm_pre(y, weight, bias, residual, ln_weight, ln_bias, eps,
