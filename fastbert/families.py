@@ -123,7 +123,8 @@ DEBERTA_V2 = Family(
     pooler=False, disentangled=True, bounds={"type_vocab_size": 0},
     selects_hidden_states=False,  # HF's encoder always returns every hidden state; the model keeps all or none
     heads=("pooler.", "classifier.", "lm_predictions.", "cls.", "qa_outputs.", "dropout."),
-    output="BaseModelOutput")
+    output="BaseModelOutput",
+    min_transformers="4.48.0")  # the DeBERTa-v2 definition fastbert follows (earlier: StableDropout, XSoftmax)
 
 # model_type -> (family, transformers' encoder class of that model_type)
 MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel"),

@@ -594,6 +594,10 @@ def layer_dropouts(family: families.Family, config) -> tuple[float, float, float
 _LAYER_FORWARD = getattr(BertLayer.forward, "__wrapped__", BertLayer.forward)
 
 
+def _module_call(layer, *args):
+    return layer(*args)  # the layer's own __call__ (before transformers 4.52, checkpointing lives there)
+
+
 def _layer_call(layers, run):
     """How `encode` calls its layers this forward. Where nothing can tell the difference, BertLayer's forward itself:
     nn.Module.__call__ and the checkpointing wrapper cost ~17k instructions of host work a layer (callgrind,
@@ -601,12 +605,12 @@ def _layer_call(layers, run):
     layer or a global one, a compiled, replaced or checkpointing layer, a trace (it records module scopes)."""
     if run.traced or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks \
             or _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks:
-        return nn.Module.__call__
+        return _module_call
     for layer in layers:
         if type(layer) is not BertLayer or layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks \
                 or layer._backward_pre_hooks or layer._compiled_call_impl is not None or layer.gradient_checkpointing \
                 or "forward" in layer.__dict__:
-            return nn.Module.__call__
+            return _module_call
     return _LAYER_FORWARD
 
 

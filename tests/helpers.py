@@ -180,6 +180,13 @@ def has_modernbert() -> bool:
     return hasattr(transformers, "ModernBertModel")
 
 
+def has_deberta_v2() -> bool:
+    """transformers 4.48+: the DeBERTa-v2 definition fastbert follows (before it, StableDropout and XSoftmax)."""
+    import transformers
+    from packaging.version import Version
+    return Version(transformers.__version__) >= Version("4.48.0")
+
+
 def pad_id(hf):
     return hf.config.pad_token_id if hf.config.model_type in PADDING_IDX_TYPES else 0
 

@@ -13,17 +13,18 @@ import pytest
 import torch
 import transformers
 from helpers import ARCH_VOCAB as VOCAB
-from helpers import DEVICE, assert_close_on, has_modernbert, type_kwargs
+from helpers import DEVICE, assert_close_on, has_deberta_v2, has_modernbert, type_kwargs
 from helpers import arch_inputs as inputs
 from helpers import random_arch_model as random_hf
 
 import fastbert
 
 NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
+NEEDS_DEBERTA = pytest.mark.skipif(not has_deberta_v2(), reason="fastbert follows transformers 4.48+'s DeBERTa-v2")
 
 ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
          pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
-         "deberta-v2", "deberta-v2-v2style")
+         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA))
 BACKENDS = ("torch", "triton")
 
 
