@@ -52,12 +52,17 @@ def test_varlen_twin_matches_hf(window, theta):
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     layout = TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)
     got = twins.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary)[0]
+    assert (got.double() - hf_packed_reference(qkv, lengths, cos, sin, hd ** -0.5, window)).abs().max().item() <= 1e-5
+
+
+def hf_packed_reference(qkv, lengths, cos, sin, scale, window):
+    """HF's math (hf_reference) on each packed sequence of qkv [T, 3, nh, hd] alone, concatenated."""
     ref, start = [], 0
     for n in lengths:
         q, k, v = qkv[start:start + n].unbind(1)
-        ref.append(hf_reference(q, k, v, cos[start:start + n], sin[start:start + n], hd ** -0.5, window))
+        ref.append(hf_reference(q, k, v, cos[start:start + n], sin[start:start + n], scale, window))
         start += n
-    assert (got.double() - torch.cat(ref)).abs().max().item() <= 1e-5
+    return torch.cat(ref)
 
 
 @pytest.mark.parametrize("window", [None, 4, 64], ids=lambda w: f"w{w}")
@@ -80,12 +85,8 @@ def test_varlen_twin_into_a_workspace_matches_hf_and_the_allocating_twin(window)
         assert got.data_ptr() == ws.take("context", got.shape, got).data_ptr()
         fresh = twins.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary)[0]
         assert torch.equal(got, fresh)
-        ref, start = [], 0
-        for n in lengths:
-            q, k, v = qkv[start:start + n].unbind(1)
-            ref.append(hf_reference(q, k, v, cos[start:start + n], sin[start:start + n], hd ** -0.5, window))
-            start += n
-        assert (got.double() - torch.cat(ref)).abs().max().item() <= 1e-5
+        assert (got.double() - hf_packed_reference(qkv, lengths, cos, sin, hd ** -0.5, window)).abs().max().item() \
+            <= 1e-5
 
 
 def test_padded_twin_matches_hf_on_real_tokens():
