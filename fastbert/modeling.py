@@ -57,6 +57,42 @@ RELATIVE_REACH = 129
 _EMPTY_CROSS_ATTENTIONS = () if int(transformers.__version__.split(".")[0]) >= 5 else None
 
 
+def _plain(module: nn.Module | None, cls: type) -> bool:
+    """`module` is exactly a `cls` whose forward nothing could tell from the op the caller runs on its tensors instead:
+    no hook of its own or on every module, its forward neither replaced nor compiled on the instance. nn.Module's
+    call and its attribute lookups cost 10-20 k instructions of host work a module (bench/RESULTS.md, the host-bound
+    cell), more than a small batch's op itself."""
+    return type(module) is cls and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or module._compiled_call_impl is not None or "forward" in module.__dict__
+        or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks)
+
+
+def _embed(table: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """table(ids): nn.Embedding's forward (F.embedding without max_norm) on its weight where nothing can tell."""
+    if _plain(table, nn.Embedding) and table.max_norm is None:
+        pad = table.padding_idx
+        return torch.embedding(table._parameters["weight"], ids, -1 if pad is None else pad,
+                               table.scale_grad_by_freq, table.sparse)
+    return table(ids)
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm(x): nn.LayerNorm's forward on its parameters where nothing can tell."""
+    if _plain(norm, nn.LayerNorm):
+        p = norm._parameters
+        return torch.layer_norm(x, norm.normalized_shape, p["weight"], p["bias"], norm.eps)
+    return norm(x)
+
+
+def _drop(dropout: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """dropout(x): nn.Dropout's forward where nothing can tell (in eval mode, x itself)."""
+    if _plain(dropout, nn.Dropout):
+        return F.dropout(x, dropout.p, True, dropout.inplace) if dropout.training else x
+    return dropout(x)
+
+
 class BertEmbeddings(nn.Module):
     """word (+ token type) + position embeddings, LayerNorm, dropout, at `width` (hidden_size; ELECTRA:
     embedding_size). Position ids are each token's index in its sequence. DistilBERT and MPNet have no token types."""
@@ -83,14 +119,16 @@ class BertEmbeddings(nn.Module):
         return index
 
     def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds):
+        tables = self._modules  # (read once: each nn.Module attribute lookup is Python work on the host)
         if inputs_embeds is None:
-            inputs_embeds = self.word_embeddings(input_ids)
+            inputs_embeds = _embed(tables["word_embeddings"], input_ids)
         # HF's order of additions, so that fp32 sums round identically
         x = inputs_embeds
-        if self.token_type_embeddings is not None:
-            x = x + self.token_type_embeddings(token_type_ids)
-        x = x + self.position_embeddings(position_ids)
-        return self.dropout(self.LayerNorm(x))                                   # [T, width]
+        types = tables.get("token_type_embeddings")  # (None: the family has no token types)
+        if types is not None:
+            x = x + _embed(types, token_type_ids)
+        x = x + _embed(tables["position_embeddings"], position_ids)
+        return _drop(tables["dropout"], _norm(tables["LayerNorm"], x))           # [T, width]
 
 
 class RobertaEmbeddings(BertEmbeddings):
@@ -637,7 +675,11 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, first_token_states):
-        return torch.tanh(self.dense(first_token_states))                        # [n, H] from each [CLS] token
+        dense = self._modules["dense"]
+        if _plain(dense, nn.Linear):
+            p = dense._parameters
+            return torch.tanh(F.linear(first_token_states, p["weight"], p["bias"]))  # [n, H] from each [CLS] token
+        return torch.tanh(dense(first_token_states))
 
 
 def _same(h):
@@ -972,7 +1014,9 @@ class BertModel(TransformersModelMixin, nn.Module):
         cross = _EMPTY_CROSS_ATTENTIONS if output_attentions else None  # as the installed transformers reports it
         if kind == "BaseModelOutputWithPastAndCrossAttentions":  # ELECTRA: no pooler either
             return BaseModelOutputWithPastAndCrossAttentions(**out, cross_attentions=cross)
-        out["pooler_output"] = self.pooler(first(x)) if self.pooler is not None else None
+        pooler = self.pooler
+        out["pooler_output"] = None if pooler is None else \
+            (pooler.forward if _plain(pooler, BertPooler) else pooler)(first(x))
         if kind == "BaseModelOutputWithPooling":  # MPNet
             return BaseModelOutputWithPooling(**out)
         return BaseModelOutputWithPoolingAndCrossAttentions(**out, cross_attentions=cross)
