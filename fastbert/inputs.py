@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,22 @@ def _transformers_kwargs() -> tuple:
 IGNORED_ARGS = tuple(dict.fromkeys(
     ("num_items_in_batch", "output_router_logits", "seq_idx", "is_causal", "shift_labels", "ignore_index",
      *_transformers_kwargs())))
+
+
+class Tables(NamedTuple):
+    """The model's embedding tables as one call reads them (once: each nn.Module attribute lookup is ~0.6 us of host
+    work). types / positions: None where the family has none."""
+    embeddings: torch.nn.Module
+    word: torch.nn.Module
+    types: torch.nn.Module | None
+    positions: torch.nn.Module | None
+    weight: torch.Tensor  # the word table's weight: the model's device and dtype
+
+    @staticmethod
+    def of(model) -> "Tables":
+        embeddings = model.embeddings
+        word, types, positions = embeddings.tables()
+        return Tables(embeddings, word, types, positions, word.weight)
 
 
 @dataclass(frozen=True)
@@ -87,7 +104,7 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
             output_attentions=False, cu_seqlens=None, max_seqlen=None, **kwargs) -> Batch:
     """Validate and lay out one call of BertModel.forward. Bad input is a ValueError / TypeError naming the argument
     and the value, here, never an IndexError, a device assert or NaN deep inside."""
-    emb = model.embeddings  # (one nn.Module attribute lookup, not one per check)
+    tables = Tables.of(model)
     hf_packed = {k: kwargs.pop(k) for k in HF_PACKED_ARGS if kwargs.get(k) is not None} if kwargs else {}
     if kwargs.get("is_causal"):
         raise NotImplementedError("is_causal=True is not supported: fastbert is an encoder (bidirectional attention)")
@@ -100,7 +117,7 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids and inputs_embeds "
                          f"(got {'both' if input_ids is not None else 'neither'})")
-    device = emb.word_embeddings.weight.device
+    device = tables.weight.device
     first = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
     if first[1].device != device:
         raise ValueError(f"{first[0]} is on {first[1].device} but the model is on {device}; "
@@ -109,7 +126,7 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
     _check_index_dtype("input_ids", input_ids)
     if inputs_embeds is not None:
-        dtype = emb.word_embeddings.weight.dtype
+        dtype = tables.weight.dtype
         given = inputs_embeds.dtype
         if given != dtype:
             # widening (fp16 / bf16 into fp32) is exact and is HF's own promotion, at its first add; a narrowing
@@ -126,34 +143,34 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but the model is on {device}; move it with .to({str(device)!r})")
         if t is not None and name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
-            hint = "" if name != "token_type_ids" or emb.token_type_embeddings is not None else (
+            hint = "" if name != "token_type_ids" or tables.types is not None else (
                 f" ({model.config.model_type} has no token types: pass its other arguments by keyword)")
             raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}{hint}")
-        if name == "position_ids" or name == "token_type_ids" and emb.token_type_embeddings is not None:
+        if name == "position_ids" or name == "token_type_ids" and tables.types is not None:
             _check_index_dtype(name, t)
-    if emb.token_type_embeddings is None:
+    if tables.types is None:
         token_type_ids = None  # DistilBERT, MPNet: no token types; transformers' forward takes and ignores them too
 
     if hf_packed or cu_seqlens is not None:
-        return _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+        return _prepare_packed(model, tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_attentions, cu_seqlens, max_seqlen, hf_packed)
-    return _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+    return _prepare_padded(model, tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                            output_attentions)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Padded input: [B, S] ids (or [B, S, H] embeddings) with an optional attention_mask
 # --------------------------------------------------------------------------------------------------------------------
-def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions):
-    emb = model.embeddings  # (one nn.Module attribute lookup, not one per check)
+def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                    output_attentions):
     cfg = model.config
-    device = emb.word_embeddings.weight.device
+    device = tables.weight.device
     if input_ids is not None:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         shape, first = tuple(input_ids.shape), ("input_ids", input_ids)
     else:
-        width = emb.word_embeddings.embedding_dim  # hidden_size (ELECTRA: embedding_size)
+        width = tables.word.embedding_dim  # hidden_size (ELECTRA: embedding_size)
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
             raise ValueError(f"inputs_embeds must be [batch, seq, {width}], got shape {tuple(inputs_embeds.shape)}")
         shape, first = tuple(inputs_embeds.shape[:2]), ("inputs_embeds", inputs_embeds)
@@ -161,7 +178,7 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     if S == 0:
         raise ValueError(f"{first[0]} has sequence length 0 (shape {tuple(first[1].shape)}); every row needs at "
                          f"least one position")
-    if S > emb.max_length and position_ids is None and emb.position_embeddings is not None:
+    if tables.positions is not None and position_ids is None and S > tables.embeddings.max_length:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
     if custom and model.family.disentangled:
@@ -190,39 +207,43 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
     # One host read for everything: index ranges (an out-of-range id would be a device assert on CUDA), 0/1 masks,
     # and from a 2-D mask the real-token count and each row's length.
     reads = _Reads()
-    reads.ranges(emb, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
-    zero_one = attention_mask is not None and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
+    reads.ranges(tables, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    zero_one = attention_mask is not None and attention_mask.dtype != torch.bool \
+        and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
     if zero_one:
         reads.add("mask_not_zero_one", not_zero_one(attention_mask))
-    keep = attention_mask != 0 if attention_mask is not None and attention_mask.dim() == 2 else None
-    if keep is not None:
-        lengths = keep.sum(dim=1)
-        reads.add("real_tokens", lengths.sum())
-        reads.add("lengths", lengths)
+    key_mask = attention_mask is not None and attention_mask.dim() == 2
+    if key_mask:
+        # a 0/1 mask's row sums are its rows' lengths (the 0/1 check is in the same read); their sum, the real
+        # tokens, is added up on the host
+        reads.add("lengths", attention_mask.sum(dim=1))
         # a row whose real tokens are not one run: packing would change j - i, which a relative bias (MPNet), a
         # sliding window (ModernBERT) and disentangled attention (DeBERTa) read
         if model.family.relative_bias or model.family.pre_norm or model.family.disentangled:
+            keep = attention_mask != 0
             runs = (keep[:, 1:] & ~keep[:, :-1]).sum(dim=1) + keep[:, 0]
             reads.add("holes", (runs > 1).any())
     values = reads.read()
+    if values is not None and key_mask:
+        values["real_tokens"] = sum(values["lengths"])
     if values is not None and zero_one and values["mask_not_zero_one"]:
         raise ValueError(f"attention_mask holds values other than 0 and 1 (dtype {attention_mask.dtype}, "
                          f"{attention_mask.dim()}-D); only a floating 4-D mask may be additive (see README, Masks)")
 
-    token_type_ids, position_ids = _fill_defaults(model, shape, input_ids, token_type_ids, position_ids,
+    token_type_ids, position_ids = _fill_defaults(tables, shape, input_ids, token_type_ids, position_ids,
                                                   lambda: torch.arange(S, device=device).expand(B, S))
 
     # (a relative position bias counts padding inside a row as distance, as HF does: such rows run padded)
     padded_rows = output_attentions or custom or not model.padding_free or tracing() or bool(
         values is not None and values.get("holes", False))
-    if not padded_rows and (keep is None or values["real_tokens"] == B * S):
+    if not padded_rows and (not key_mask or values["real_tokens"] == B * S):
         layout = TokenLayout.dense(B, S, device)  # nothing padded: packed order is batch order
     elif not padded_rows:
-        layout = TokenLayout.from_mask(keep, values["lengths"], values["real_tokens"])
+        layout = TokenLayout.from_mask(attention_mask != 0, values["lengths"], values["real_tokens"])
     else:
-        flags = None if values is None or keep is None else (
+        flags = None if values is None or not key_mask else (
             values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
-        mask = AttentionMask.build(attention_mask, B, S, emb.word_embeddings.weight.dtype, flags)
+        mask = AttentionMask.build(attention_mask, B, S, tables.weight.dtype, flags)
         if model.family.disentangled:
             mask = dataclasses.replace(mask, pairwise=True)
         real_tokens = mask.key_valid if model.padding_free else None
@@ -238,9 +259,9 @@ def _prepare_padded(model, input_ids, attention_mask, token_type_ids, position_i
 # --------------------------------------------------------------------------------------------------------------------
 # Packed input: sequences back to back, cu_seqlens says where each starts
 # --------------------------------------------------------------------------------------------------------------------
-def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+def _prepare_packed(model, tables: Tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                     output_attentions, cu_seqlens, max_seqlen, hf_packed):
-    device = model.embeddings.word_embeddings.weight.device
+    device = tables.weight.device
     if hf_packed:  # transformers' form: [1, T] ids, cu_seq_lens_q / max_length_q, position_ids restarting per sequence
         if cu_seqlens is not None:
             raise ValueError("give cu_seqlens or HF's cu_seq_lens_q, not both")
@@ -279,7 +300,7 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the model is on {device}")
     if input_ids is not None and input_ids.dim() != 1:
         raise ValueError(f"with cu_seqlens, input_ids must be 1-D [total_tokens], got shape {tuple(input_ids.shape)}")
-    width = model.embeddings.word_embeddings.embedding_dim
+    width = tables.word.embedding_dim
     if inputs_embeds is not None and (inputs_embeds.dim() != 2 or inputs_embeds.shape[1] != width):
         raise ValueError(f"with cu_seqlens, inputs_embeds must be [total_tokens, {width}], got shape "
                          f"{tuple(inputs_embeds.shape)}")
@@ -288,7 +309,7 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
                 position_ids=position_ids)
 
     reads = _Reads()
-    reads.ranges(model.embeddings, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    reads.ranges(tables, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     reads.add("cu_first", cu_seqlens[0])
     reads.add("cu_last", cu_seqlens[-1])
@@ -305,15 +326,15 @@ def _prepare_packed(model, input_ids, attention_mask, token_type_ids, position_i
         max_seqlen = int(max_seqlen)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen!r} must be an int >= the longest sequence ({longest} tokens)")
-    if position_ids is None and longest > model.embeddings.max_length \
-            and model.embeddings.position_embeddings is not None:  # rotary positions have no table to run out of
+    if position_ids is None and tables.positions is not None \
+            and longest > tables.embeddings.max_length:  # rotary positions have no table to run out of
         raise ValueError(f"a sequence of {longest} tokens exceeds {_max_length_words(model)}")
 
     def index_in_sequence():  # token index minus its sequence's start
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long(), output_size=T)
         return torch.arange(T, device=device) - starts
 
-    token_type_ids, position_ids = _fill_defaults(model, (T,), input_ids, token_type_ids, position_ids,
+    token_type_ids, position_ids = _fill_defaults(tables, (T,), input_ids, token_type_ids, position_ids,
                                                   index_in_sequence)
     layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, values["lengths"])
     return Batch(input_ids, token_type_ids, position_ids, inputs_embeds, layout, output,
@@ -343,15 +364,13 @@ def _check_like(shape: tuple, described, **tensors) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but {described()}")
 
 
-def _fill_defaults(model, shape: tuple, input_ids, token_type_ids, position_ids, index_in_sequence):
+def _fill_defaults(tables: Tables, shape: tuple, input_ids, token_type_ids, position_ids, index_in_sequence):
     """HF's defaults: token type 0, and positions from each token's index in its sequence (`index_in_sequence()`,
     asked only when needed); the embeddings turn indices into positions (RoBERTa counts from padding_idx)."""
-    emb = model.embeddings  # (one nn.Module attribute lookup, not one per check)
-    device = emb.word_embeddings.weight.device
-    if token_type_ids is None and emb.token_type_embeddings is not None:
-        token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
+    if token_type_ids is None and tables.types is not None:
+        token_type_ids = torch.zeros(shape, dtype=torch.long, device=tables.weight.device)
     if position_ids is None:
-        position_ids = emb.position_ids(input_ids, index_in_sequence())
+        position_ids = tables.embeddings.position_ids(input_ids, index_in_sequence())
     return token_type_ids, position_ids
 
 
@@ -368,38 +387,37 @@ class _Reads:
     checks become asynchronous asserts)."""
 
     def __init__(self):
-        self.names, self.sizes, self.tensors, self.checks = [], [], [], []
+        self.tensors, self.checks = {}, []  # name -> tensor; (name, limit) of each range check
+        self.tracing = tracing()
 
     def add(self, name: str, tensor: torch.Tensor):
-        self.names.append(name)
-        self.sizes.append(tensor.numel() if tensor.dim() else None)
-        self.tensors.append(tensor.reshape(-1).long())
+        self.tensors[name] = tensor
 
-    def ranges(self, embeddings, **tensors):
+    def ranges(self, tables: Tables, **tensors):
         """Index ranges by the tables' sizes (a resized vocabulary included)."""
-        types = embeddings.token_type_embeddings
-        limits = {"input_ids": embeddings.word_embeddings.num_embeddings,
-                  "token_type_ids": None if types is None else types.num_embeddings,
-                  "position_ids": None if embeddings.position_embeddings is None
-                  else embeddings.position_embeddings.num_embeddings}
+        limits = {"input_ids": tables.word.num_embeddings,
+                  "token_type_ids": None if tables.types is None else tables.types.num_embeddings,
+                  "position_ids": None if tables.positions is None else tables.positions.num_embeddings}
         for name, t in tensors.items():
             if t is not None and t.numel() and limits[name] is not None:
-                low, high = t.min(), t.max()  # (aminmax's full reduction has no ONNX translation)
+                # (aminmax's full reduction has no ONNX translation: a trace takes two reductions)
+                low, high = (t.min(), t.max()) if self.tracing else torch.aminmax(t)
                 self.add(name + " min", low)
                 self.add(name + " max", high)
                 self.checks.append((name, limits[name]))
 
     def read(self) -> dict | None:
-        if tracing():
+        if self.tracing:
             for name, limit in self.checks:
-                low, high = (self.tensors[self.names.index(f"{name} {end}")] for end in ("min", "max"))
-                torch._assert_async(((low >= 0) & (high < limit)).all(), f"{name} out of range")
+                low, high = self.tensors[name + " min"], self.tensors[name + " max"]
+                torch._assert_async((low >= 0) & (high < limit), f"{name} out of range")
             return None
-        flat = torch.cat(self.tensors).tolist() if self.tensors else []
+        flat = torch.cat([t.reshape(-1).long() for t in self.tensors.values()]).tolist() if self.tensors else []
         values, at = {}, 0
-        for name, size in zip(self.names, self.sizes):
-            values[name] = flat[at] if size is None else flat[at:at + size]
-            at += 1 if size is None else size
+        for name, t in self.tensors.items():
+            size = t.numel()
+            values[name] = flat[at:at + size] if t.dim() else flat[at]
+            at += size
         for name, limit in self.checks:
             low, high = values[name + " min"], values[name + " max"]
             if low < 0 or high >= limit:

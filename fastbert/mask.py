@@ -86,4 +86,6 @@ def not_zero_one(mask: torch.Tensor) -> torch.Tensor:
     """0-dim bool: does a 0/1 mask hold any other value? (Always False for a bool mask.)"""
     if mask.dtype == torch.bool:
         return torch.zeros((), dtype=torch.bool, device=mask.device)
+    if not mask.is_floating_point():  # 0 and 1 are the integers with no bit set above the lowest: one op, not three
+        return mask.bitwise_and(-2).any()
     return ((mask != 0) & (mask != 1)).any()

@@ -113,6 +113,11 @@ class BertEmbeddings(nn.Module):
         """The longest sequence the position table covers (read off the table: resize_position_embeddings swaps it)."""
         return self.position_embeddings.num_embeddings
 
+    def tables(self) -> tuple:
+        """(word, token type, position) tables as they are now; None where the family has none."""
+        tables = self._modules
+        return tables["word_embeddings"], tables.get("token_type_embeddings"), tables.get("position_embeddings")
+
     def position_ids(self, input_ids, index):
         """The default position ids: `index` holds each token's index in its sequence (the shape of input_ids, [B, S]
         or packed [T]; input_ids is None when the caller gave inputs_embeds)."""
@@ -178,6 +183,9 @@ class TokenEmbeddings(nn.Module):
     def word_embeddings(self) -> nn.Embedding:  # the name the rest of fastbert reads
         return self.tok_embeddings
 
+    def tables(self) -> tuple:
+        return self._modules["tok_embeddings"], None, None
+
     def position_ids(self, input_ids, index):
         return index
 
@@ -213,6 +221,8 @@ class DebertaEmbeddings(nn.Module):
         """The position table's rows (without one, v3's relative positions: max_position_embeddings, not enforced)."""
         table = self.position_embeddings
         return self._max_positions if table is None else table.num_embeddings
+
+    tables = BertEmbeddings.tables
 
     def position_ids(self, input_ids, index):
         return index
