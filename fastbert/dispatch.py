@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -92,9 +91,9 @@ def resolve(op: str, backend: str, device: torch.device, reason) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class Situation:
-    """Everything the backend choice of a forward depends on (the model's cache key)."""
+class Situation(NamedTuple):
+    """Everything the backend choice of a forward depends on (the model's cache key: a tuple, so that building and
+    hashing one per forward is C work, not a dataclass's Python __init__ and __hash__)."""
     kernels: tuple  # the requested backend of each op, in OPS order
     device: torch.device
     dtype: torch.dtype

@@ -1037,9 +1037,9 @@ class BertModel(TransformersModelMixin, nn.Module):
         does, and on a GPU the token and sequence-length buckets "auto" measured for, and whether the sequences'
         lengths differ), resolved once and cached: a forward pays one dictionary lookup for its backend choices. A
         kernel failure under "auto" (fallback.kernel_failed) drops the cache, so the plans say what runs."""
-        weight = self.embeddings.word_embeddings.weight
+        weight = self._modules["embeddings"].tables()[0].weight  # the word table: the model's device and dtype
         cfg = self.config
-        kernels = tuple(self._kernels[op] for op in OPS)
+        kernels = tuple(map(self._kernels.__getitem__, OPS))
         shapes = None
         if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
                 and not self.training and tokens:
