@@ -7,7 +7,7 @@ starts and ends through `cu_seqlens` (FlashAttention's varlen contract). Padding
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,15 +33,16 @@ class TokenLayout:
     indices: torch.Tensor | None = None
     batch_size: int = 0
     seq_len: int = 0
+    # every sequence has the same length (no padding): attention can run as one dense batch of batch_size x seq_len
+    # (set once here: every layer asks)
+    uniform: bool = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "uniform", self.indices is None and self.num_tokens == self.batch_size * self.seq_len)
 
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.shape[0] - 1
-
-    @property
-    def uniform(self) -> bool:
-        """Every sequence has the same length (no padding): attention can run as one dense batch."""
-        return self.indices is None and self.num_tokens == self.batch_size * self.seq_len
 
     @staticmethod
     def dense(batch_size: int, seq_len: int, device) -> "TokenLayout":

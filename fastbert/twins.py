@@ -293,7 +293,7 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     # BERT's inference: sdpa as it is, no host work around it (a forward of short rows is Python-bound)
     plain = bias is None and window is None and dropout_p == 0.0 and disentangled is None
     if layout.uniform and disentangled is None:
-        B, S = layout.num_seqs, layout.max_seqlen
+        B, S = layout.batch_size, layout.seq_len
         q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
         if rotary is not None:
             q, k, v = _rotated(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
