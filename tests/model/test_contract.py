@@ -391,6 +391,63 @@ def test_hooks_on_the_layers_run_as_on_any_module(where):
     assert (got[real] - want[real]).abs().max() <= 1e-5 and (got[real] - plain[real]).abs().max() > 1e-2
 
 
+class _Doubled(torch.nn.Module):
+    """A module put where another was: twice its output (the type fastbert's shortcuts do not know). Like PEFT's
+    wrappers, it shows the inner module's attributes (the model reads the word table's size, device and dtype)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+    def forward(self, *args):
+        return self.inner(*args) * 2
+
+
+@pytest.mark.parametrize("how", ["forward hook", "global forward hook", "replaced"])
+@pytest.mark.parametrize("where", ["embeddings.word_embeddings", "embeddings.token_type_embeddings",
+                                   "embeddings.position_embeddings", "embeddings.LayerNorm", "embeddings.dropout",
+                                   "pooler", "pooler.dense"])
+def test_hooks_on_the_embeddings_and_pooler_run_as_on_any_module(where, how):
+    """The embeddings' tables, LayerNorm and dropout and the pooler run as their ops on their parameters only where
+    nothing could tell: a hook on one (its own or a global one), or another module in its place, is honoured as in
+    stock transformers. Each doubles that module's output, so the classifier's logits say whether it ran."""
+    reference = hf_head("bert", head=transformers.BertForSequenceClassification)
+    model, stock = with_fastbert(reference), copy.deepcopy(reference)
+    targets = [m.bert.get_submodule(where) for m in (model, stock)]
+    seen = []
+
+    def double(module, args, output):
+        if module in targets:
+            seen.append(module)
+            return output * 2
+
+    handles = []
+    if how == "forward hook":
+        handles = [t.register_forward_hook(double) for t in targets]
+    elif how == "global forward hook":
+        handles = [torch.nn.modules.module.register_module_forward_hook(double)]
+    else:
+        parent, _, name = where.rpartition(".")
+        for m, target in zip((model, stock), targets):
+            m.bert.get_submodule(parent).add_module(name, _Doubled(target)) if parent else \
+                m.bert.add_module(name, _Doubled(target))
+    try:
+        with torch.no_grad():
+            got, want = model(IDS, attention_mask=MASK).logits, stock(IDS, attention_mask=MASK).logits
+            plain = reference(IDS, attention_mask=MASK).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert how == "replaced" or targets[0] in seen and targets[1] in seen
+    assert (got - want).abs().max() <= 1e-5 and (got - plain).abs().max() > 1e-3
+
+
 # ---- no silent speed cliff: an eval-mode forward with autograd on, under "auto" on a GPU ---------------------------
 def test_autograd_in_eval_warns_once_per_model_not_in_train_mode(monkeypatch):
     """On a GPU (here: the CPU standing in for one, the interpreter making Triton runnable) an eval-mode forward

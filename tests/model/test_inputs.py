@@ -190,10 +190,12 @@ def test_every_mask_rank_and_dtype_means_what_the_readme_says(hf_and_fb, form):
 
 @pytest.mark.parametrize("mask", [
     torch.tensor([[1, 1, 1, 1], [1, 1, 0, 2]]),
+    torch.tensor([[1, 1, 1, 1], [1, 1, -1, 1]], dtype=torch.int32),  # (row sums as a 0/1 mask's: 4 and 2)
+    torch.tensor([[1, 1, 1, 3], [1, 1, 0, 0]]),
     torch.tensor([[1.0, 1.0, 0.5, 1.0], [1.0, 1.0, 0.0, 0.0]]),
     torch.tensor([[1, 1, 1, 1], [1, 1, -1, 0]])[:, None, :].expand(2, 4, 4),
     torch.full((2, 1, 4, 4), 3),
-], ids=["2d-int-2", "2d-float-half", "3d-int-minus-one", "4d-int-3"])
+], ids=["2d-int-2", "2d-int32-minus-one", "2d-int-3", "2d-float-half", "3d-int-minus-one", "4d-int-3"])
 def test_masks_that_are_not_zero_one_are_refused(fb, mask):
     with pytest.raises(ValueError, match="attention_mask holds values other than 0 and 1"):
         fb(IDS, attention_mask=mask)

@@ -50,3 +50,20 @@ def test_dropout_is_active_in_train_mode_only():
     with torch.no_grad():
         assert torch.equal(fb(IDS, attention_mask=MASK).last_hidden_state,
                            fb(IDS, attention_mask=MASK).last_hidden_state)
+
+
+def test_embeddings_dropout_draws_what_hf_draws():
+    """In train mode the embeddings' dropout is HF's: under one seed, fastbert's embeddings of the packed tokens are
+    HF's embeddings of the same tokens, row by row, dropped elements included (a full forward's dropout order differs
+    from HF's in the layers, so the embeddings are compared on their own)."""
+    hf = random_hf_bert(hidden=32, heads=2, layers=1, intermediate=40, vocab=50, max_pos=16)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    hf.train(), fb.train()
+    ids = IDS[:1]  # one unpadded row: packed order is the row's order
+    positions, types = torch.arange(ids.shape[1]), torch.zeros(ids.shape[1], dtype=torch.long)
+    torch.manual_seed(0)
+    want = hf.embeddings(input_ids=ids)[0]
+    torch.manual_seed(0)
+    got = fb.embeddings(ids[0], types, positions, None)
+    assert hf.config.hidden_dropout_prob > 0 and (want == 0).any()
+    assert torch.equal(got, want)
