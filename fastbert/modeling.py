@@ -421,6 +421,11 @@ class BertLayer(GradientCheckpointingLayer):
         # stay; the module in one is read at every forward, since PEFT and from_hf put theirs there. Not submodules.
         self.__dict__["_slots"] = {role: (self.get_submodule(".".join(paths[role][:-1])), paths[role][-1])
                                    for role in family.layer}
+        if not family.pre_norm:  # what `weights` reads: the fused QKV's holder, then each linear's and LayerNorm's
+            # container dict and name
+            self.__dict__["_leaves"] = (self._slots["query"][0], *(
+                (self._slots[role][0]._modules, self._slots[role][1])
+                for role in ("query", "key", "value", "attn_out", "ffn_in", "ffn_out", "ln1", "ln2")))
         # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
         self.num_heads = config.num_attention_heads
         self.eps = eps
@@ -599,22 +604,16 @@ class BertLayer(GradientCheckpointingLayer):
     def weights(self, run) -> LayerWeights | None:
         """The layer's current parameters for a forward of plan `run` (dispatch.Ops), read through the module dicts
         (see `module`). None when an adapter wraps one of the linears (BertLayer._forward_adapted)."""
-        s = self._slots
-        (sa, nq), (_, nk), (_, nv) = s["query"], s["key"], s["value"]
-        qkv_parts = sa._modules
-        q, k, v = qkv_parts[nq], qkv_parts[nk], qkv_parts[nv]
-        (p, n), (p1, n1), (p2, n2) = s["attn_out"], s["ffn_in"], s["ffn_out"]
-        attn_out, ffn_in, ffn_out = p._modules[n], p1._modules[n1], p2._modules[n2]
-        if not (type(q) is type(k) is type(v) is type(attn_out) is type(ffn_in) is type(ffn_out) is nn.Linear):
+        sa, (dq, q), (dk, k), (dv, v), (do, o), (di, i), (df, f), (d1, ln1), (d2, ln2) = self._leaves
+        q, k, v, o, i, f = dq[q], dk[k], dv[v], do[o], di[i], df[f]
+        if not (type(q) is type(k) is type(v) is type(o) is type(i) is type(f) is nn.Linear):
             return None
-        q, k, v = q._parameters, k._parameters, v._parameters
+        q, k, v, o, i, f = q._parameters, k._parameters, v._parameters, o._parameters, i._parameters, f._parameters
+        ln1, ln2 = d1[ln1]._parameters, d2[ln2]._parameters
         qkv, qkv_bias = sa.fused((q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]), run.traced,
                                  run.grad)
-        o, f, ffn_in = attn_out._parameters, ffn_out._parameters, ffn_in._parameters
-        (p, n), (p2, n2) = s["ln1"], s["ln2"]
-        ln1, ln2 = p._modules[n]._parameters, p2._modules[n2]._parameters
         return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"],
-                            ffn_in["weight"], ffn_in["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
+                            i["weight"], i["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
 
 
 _NO_DROPOUT = (0.0, 0.0, 0.0)
