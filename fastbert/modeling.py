@@ -520,7 +520,7 @@ class BertLayer(GradientCheckpointingLayer):
         bias = None if self.family.disentangled else positions
         w, eps = self.weights(run), self.eps
         p_attn, p_attn_out, p_ffn_out = self.dropouts() if self.training else _NO_DROPOUT
-        if w is None:  # an adapter (PEFT) wraps one of the layer's linears
+        if w is None:  # an adapter (PEFT) wraps one of the layer's linears, or another module sits at one
             return self._forward_adapted(x, attn, run, output_attentions, positions, p_attn, p_attn_out, p_ffn_out)
 
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
@@ -543,15 +543,17 @@ class BertLayer(GradientCheckpointingLayer):
         plain = adapters.is_plain_linear
         ws = {} if workspace is None else {"workspace": workspace}  # the twins' buffers; what the layer returns is
         # never one of them (the addmm below or x + wo(g) allocates the new stream)
-        h = x if isinstance(ln1, nn.Identity) else torch.layer_norm(x, (x.shape[-1],), ln1.weight, ln1.bias,
-                                                                    self.eps)
+        if type(ln1) is nn.LayerNorm:
+            h = torch.layer_norm(x, (x.shape[-1],), ln1.weight, ln1.bias, self.eps)
+        else:  # layer 0's nn.Identity, or another module in the norm's place
+            h = ln1(x)
         if plain(qkv_in):
             qkv = run.qkv_projection(h, qkv_in.weight, qkv_in.bias, self.num_heads, **ws)        # [T, 3, nh, hd]
         else:
             qkv = qkv_in(h).view(h.shape[0], 3, self.num_heads, -1)
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, window=self.window,
                                    rotary=rotary, **ws)                                         # [T, H]
-        if plain(out):
+        if plain(out) and type(ln2) is nn.LayerNorm:
             x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, ln2.bias, self.eps, p_attn_out,
                                           pre_norm=True, **ws)                                  # [T, H] each
         else:
@@ -594,7 +596,7 @@ class BertLayer(GradientCheckpointingLayer):
     def _dense_residual_layernorm(self, dense_role, ln_role, y, residual, run, p):
         """LayerNorm(dropout(dense(y)) + residual), on the fused op when `dense` is a plain linear."""
         dense, ln = self.module(dense_role), self.module(ln_role)
-        if adapters.is_plain_linear(dense):
+        if adapters.is_plain_linear(dense) and type(ln) is nn.LayerNorm:
             return run.residual_layernorm(y, dense.weight, dense.bias, residual, ln.weight, ln.bias, self.eps, p)
         h = dense(y)
         if p > 0:
@@ -603,13 +605,15 @@ class BertLayer(GradientCheckpointingLayer):
 
     def weights(self, run) -> LayerWeights | None:
         """The layer's current parameters for a forward of plan `run` (dispatch.Ops), read through the module dicts
-        (see `module`). None when an adapter wraps one of the linears (BertLayer._forward_adapted)."""
+        (see `module`). None when a linear or LayerNorm is not the plain torch module (an adapter PEFT put there, a norm
+        of another kind): BertLayer._forward_adapted calls those."""
         sa, (dq, q), (dk, k), (dv, v), (do, o), (di, i), (df, f), (d1, ln1), (d2, ln2) = self._leaves
-        q, k, v, o, i, f = dq[q], dk[k], dv[v], do[o], di[i], df[f]
-        if not (type(q) is type(k) is type(v) is type(o) is type(i) is type(f) is nn.Linear):
+        q, k, v, o, i, f, ln1, ln2 = dq[q], dk[k], dv[v], do[o], di[i], df[f], d1[ln1], d2[ln2]
+        if not (type(q) is type(k) is type(v) is type(o) is type(i) is type(f) is nn.Linear
+                and type(ln1) is type(ln2) is nn.LayerNorm):
             return None
         q, k, v, o, i, f = q._parameters, k._parameters, v._parameters, o._parameters, i._parameters, f._parameters
-        ln1, ln2 = d1[ln1]._parameters, d2[ln2]._parameters
+        ln1, ln2 = ln1._parameters, ln2._parameters
         qkv, qkv_bias = sa.fused((q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]), run.traced,
                                  run.grad)
         return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"],

@@ -391,9 +391,9 @@ def test_hooks_on_the_layers_run_as_on_any_module(where):
     assert (got[real] - want[real]).abs().max() <= 1e-5 and (got[real] - plain[real]).abs().max() > 1e-2
 
 
-class _Doubled(torch.nn.Module):
-    """A module put where another was: twice its output (the type fastbert's shortcuts do not know). Like PEFT's
-    wrappers, it shows the inner module's attributes (the model reads the word table's size, device and dtype)."""
+class _Changed(torch.nn.Module):
+    """A module put where another was: its output times 2 plus 0.5 (a type fastbert's shortcuts do not know). Like
+    PEFT's wrappers, it shows the inner module's attributes (the model reads the word table's size, device, dtype)."""
 
     def __init__(self, inner):
         super().__init__()
@@ -406,7 +406,7 @@ class _Doubled(torch.nn.Module):
             return getattr(super().__getattr__("inner"), name)
 
     def forward(self, *args):
-        return self.inner(*args) * 2
+        return self.inner(*args) * 2 + 0.5
 
 
 @pytest.mark.parametrize("how", ["forward hook", "global forward hook", "replaced"])
@@ -435,8 +435,8 @@ def test_hooks_on_the_embeddings_and_pooler_run_as_on_any_module(where, how):
     else:
         parent, _, name = where.rpartition(".")
         for m, target in zip((model, stock), targets):
-            m.bert.get_submodule(parent).add_module(name, _Doubled(target)) if parent else \
-                m.bert.add_module(name, _Doubled(target))
+            m.bert.get_submodule(parent).add_module(name, _Changed(target)) if parent else \
+                m.bert.add_module(name, _Changed(target))
     try:
         with torch.no_grad():
             got, want = model(IDS, attention_mask=MASK).logits, stock(IDS, attention_mask=MASK).logits
@@ -445,7 +445,33 @@ def test_hooks_on_the_embeddings_and_pooler_run_as_on_any_module(where, how):
         for h in handles:
             h.remove()
     assert how == "replaced" or targets[0] in seen and targets[1] in seen
-    assert (got - want).abs().max() <= 1e-5 and (got - plain).abs().max() > 1e-3
+    assert (got - want).abs().max() <= 1e-5 and (got - plain).abs().max() > 1e-4  # (the module mattered)
+
+
+LAYER_PATHS = [("bert", "attention.output.LayerNorm"), ("bert", "output.LayerNorm"), ("bert", "intermediate.dense")]
+if has_modernbert():  # pre-norm: the norms before attention and before the MLP
+    LAYER_PATHS += [("modernbert", "attn_norm"), ("modernbert", "mlp_norm")]
+
+
+@pytest.mark.parametrize("family, where", LAYER_PATHS)
+def test_another_module_at_a_layer_path_runs_as_that_module(family, where):
+    """A module other than the plain nn.LayerNorm / nn.Linear at one of a layer's paths (a norm of another kind, a
+    wrapper) is called as the module it is, as in stock transformers: the fused ops never read its parameters as if
+    it were the plain one."""
+    head = transformers.ModernBertForSequenceClassification if family == "modernbert" else \
+        transformers.BertForSequenceClassification
+    reference = hf_head(family, head=head)
+    model, stock = with_fastbert(reference), copy.deepcopy(reference)
+    for m in (model, stock):
+        base = m.base_model
+        layer = (base.layers if family == "modernbert" else base.encoder.layer)[1]
+        parent, _, name = where.rpartition(".")
+        container = layer.get_submodule(parent) if parent else layer
+        container.add_module(name, _Changed(container.get_submodule(name)))
+    with torch.no_grad():
+        got, want = model(IDS, attention_mask=MASK).logits, stock(IDS, attention_mask=MASK).logits
+        plain = reference(IDS, attention_mask=MASK).logits
+    assert (got - want).abs().max() <= 1e-5 and (got - plain).abs().max() > 1e-4  # (the module mattered)
 
 
 # ---- no silent speed cliff: an eval-mode forward with autograd on, under "auto" on a GPU ---------------------------
