@@ -167,7 +167,8 @@ def _masks_equivalent_to(mask2):
     keep3 = mask2[:, None, :].expand(B, S, S)  # query i may attend to key j
     additive = (1.0 - keep3[:, None].float()) * torch.finfo(torch.float32).min
     return {
-        "2d-long": mask2, "2d-int32": mask2.int(), "2d-bool": mask2.bool(), "2d-float": mask2.float(),
+        "2d-long": mask2, "2d-int32": mask2.int(), "2d-uint8": mask2.to(torch.uint8), "2d-bool": mask2.bool(),
+        "2d-float": mask2.float(),
         "3d-long": keep3, "3d-bool": keep3.bool(), "3d-float": keep3.float(), "3d-half": keep3.half(),
         "4d-long": keep3[:, None], "4d-bool": keep3[:, None].bool(),
         "4d-bool-per-head": keep3[:, None].bool().expand(B, 2, S, S),
@@ -192,10 +193,12 @@ def test_every_mask_rank_and_dtype_means_what_the_readme_says(hf_and_fb, form):
     torch.tensor([[1, 1, 1, 1], [1, 1, 0, 2]]),
     torch.tensor([[1, 1, 1, 1], [1, 1, -1, 1]], dtype=torch.int32),  # (row sums as a 0/1 mask's: 4 and 2)
     torch.tensor([[1, 1, 1, 3], [1, 1, 0, 0]]),
+    torch.tensor([[1, 1, 1, 1], [1, 1, 255, 0]], dtype=torch.uint8),
     torch.tensor([[1.0, 1.0, 0.5, 1.0], [1.0, 1.0, 0.0, 0.0]]),
     torch.tensor([[1, 1, 1, 1], [1, 1, -1, 0]])[:, None, :].expand(2, 4, 4),
     torch.full((2, 1, 4, 4), 3),
-], ids=["2d-int-2", "2d-int32-minus-one", "2d-int-3", "2d-float-half", "3d-int-minus-one", "4d-int-3"])
+], ids=["2d-int-2", "2d-int32-minus-one", "2d-int-3", "2d-uint8-255", "2d-float-half", "3d-int-minus-one",
+        "4d-int-3"])
 def test_masks_that_are_not_zero_one_are_refused(fb, mask):
     with pytest.raises(ValueError, match="attention_mask holds values other than 0 and 1"):
         fb(IDS, attention_mask=mask)
