@@ -347,6 +347,17 @@ def test_a_part_given_new_storage_is_packed_again():
     assert (got[MASK.bool()] - want[MASK.bool()]).abs().max() <= 1e-5 and fused_rows_alias_parts(model.bert)
 
 
+def logits_of(*models, handles=()):
+    """Each model's logits on IDS / MASK without autograd; the hook `handles` are removed afterwards, whatever
+    happens."""
+    try:
+        with torch.no_grad():
+            return tuple(m(IDS, attention_mask=MASK).logits for m in models)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @pytest.mark.parametrize("where", ["layer forward", "layer pre-forward", "global forward", "global pre-forward",
                                    "instance forward"])
 def test_hooks_on_the_layers_run_as_on_any_module(where):
@@ -379,13 +390,7 @@ def test_hooks_on_the_layers_run_as_on_any_module(where):
         hook = torch.nn.modules.module.register_module_forward_hook if where == "global forward" else \
             torch.nn.modules.module.register_module_forward_pre_hook
         handles = [hook(lambda m, *a: (double if len(a) == 2 else double_input)(m, *a) if m in layers else None)]
-    try:
-        with torch.no_grad():
-            got, want = model(IDS, attention_mask=MASK).logits, stock(IDS, attention_mask=MASK).logits
-            plain = reference(IDS, attention_mask=MASK).logits
-    finally:
-        for h in handles:
-            h.remove()
+    got, want, plain = logits_of(model, stock, reference, handles=handles)
     real = MASK.bool()
     assert layers[0] in seen and layers[1] in seen
     assert (got[real] - want[real]).abs().max() <= 1e-5 and (got[real] - plain[real]).abs().max() > 1e-2
@@ -437,13 +442,7 @@ def test_hooks_on_the_embeddings_and_pooler_run_as_on_any_module(where, how):
         for m, target in zip((model, stock), targets):
             m.bert.get_submodule(parent).add_module(name, _Changed(target)) if parent else \
                 m.bert.add_module(name, _Changed(target))
-    try:
-        with torch.no_grad():
-            got, want = model(IDS, attention_mask=MASK).logits, stock(IDS, attention_mask=MASK).logits
-            plain = reference(IDS, attention_mask=MASK).logits
-    finally:
-        for h in handles:
-            h.remove()
+    got, want, plain = logits_of(model, stock, reference, handles=handles)
     assert how == "replaced" or targets[0] in seen and targets[1] in seen
     assert (got - want).abs().max() <= 1e-5 and (got - plain).abs().max() > 1e-4  # (the module mattered)
 
@@ -468,9 +467,7 @@ def test_another_module_at_a_layer_path_runs_as_that_module(family, where):
         parent, _, name = where.rpartition(".")
         container = layer.get_submodule(parent) if parent else layer
         container.add_module(name, _Changed(container.get_submodule(name)))
-    with torch.no_grad():
-        got, want = model(IDS, attention_mask=MASK).logits, stock(IDS, attention_mask=MASK).logits
-        plain = reference(IDS, attention_mask=MASK).logits
+    got, want, plain = logits_of(model, stock, reference)
     assert (got - want).abs().max() <= 1e-5 and (got - plain).abs().max() > 1e-4  # (the module mattered)
 
 
