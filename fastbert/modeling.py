@@ -654,13 +654,10 @@ def _layer_call(layers, run):
     nn.Module.__call__ and the checkpointing wrapper cost ~17k instructions of host work a layer (callgrind,
     bench/RESULTS.md, the host-bound cell). Through the module otherwise: a hook on a
     layer or a global one, a compiled, replaced or checkpointing layer, a trace (it records module scopes)."""
-    if run.traced or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks \
-            or _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks:
+    if run.traced:
         return _module_call
     for layer in layers:
-        if type(layer) is not BertLayer or layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks \
-                or layer._backward_pre_hooks or layer._compiled_call_impl is not None or layer.gradient_checkpointing \
-                or "forward" in layer.__dict__:
+        if not _plain(layer, BertLayer) or layer.gradient_checkpointing:
             return _module_call
     return _LAYER_FORWARD
 

@@ -421,7 +421,8 @@ class _Changed(torch.nn.Module):
 def test_hooks_on_the_embeddings_and_pooler_run_as_on_any_module(where, how):
     """The embeddings' tables, LayerNorm and dropout and the pooler run as their ops on their parameters only where
     nothing could tell: a hook on one (its own or a global one), or another module in its place, is honoured as in
-    stock transformers. Each doubles that module's output, so the classifier's logits say whether it ran."""
+    stock transformers. Each changes that module's output (a hook doubles it), so the classifier's logits say whether
+    it ran."""
     reference = hf_head("bert", head=transformers.BertForSequenceClassification)
     model, stock = with_fastbert(reference), copy.deepcopy(reference)
     targets = [m.bert.get_submodule(where) for m in (model, stock)]
