@@ -113,11 +113,52 @@ def untuned_in_capture(tuner, args, kwargs) -> bool:
     return capturing(args[0]) and autotune_key(tuner, args, kwargs) not in tuner.cache
 
 
+# The CUDA errors after which the context is lost: the driver documents each as "the process must be terminated and
+# relaunched" (or, for a device-side assert, "the context cannot be used anymore"), so every later call on the device
+# fails with the same error. Codes are cudaError_t's, equal to the driver's CUresult for these nine; the messages are
+# what cudaGetErrorString and cuGetErrorString say for them: torch raises "CUDA error: <message>" (torch >= 2.8 as
+# torch.AcceleratorError, carrying `error_code`), Triton's launcher and module loader "Triton Error [CUDA]: <message>"
+# as a RuntimeError. Not sticky, though raised the same ways: "invalid argument", "out of memory", "operation not
+# permitted when stream is capturing" (the call fails, the context lives on).
+STICKY_CUDA_ERRORS = {
+    700: "an illegal memory access was encountered",
+    702: "the launch timed out and was terminated",
+    710: "device-side assert triggered",
+    714: "hardware stack error",
+    715: "an illegal instruction was encountered",
+    716: "misaligned address",
+    717: "operation not supported on global/shared address space",
+    718: "invalid program counter",
+    719: "unspecified launch failure",
+}
+_ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+
+
+def sticky_cuda_error(error: BaseException) -> bool:
+    """Whether `error`, or an exception it was raised from (its cause or context: a wrapper such as the autotuner's
+    "every config failed"), is a CUDA error that leaves the context unusable (STICKY_CUDA_ERRORS): an
+    AcceleratorError with one of those codes, or any exception whose message holds one of those messages."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        code = getattr(error, "error_code", None) if _ACCELERATOR_ERROR and isinstance(error, _ACCELERATOR_ERROR) \
+            else None
+        message = str(error).lower()
+        if code in STICKY_CUDA_ERRORS or any(text in message for text in STICKY_CUDA_ERRORS.values()):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class Benchmark:
     """`do_bench` for triton.autotune that times a config raising anything as inf, so the autotuner skips it (its
     own handler skips only OutOfResources, CompileTimeAssertionFailure and PTXASError; any other error ended the
     whole call). When every config of a tuning round has failed it raises RuntimeError naming the kernel, the last
-    error attached; the autotuner then records no choice for that key. A round is what `prune` kept."""
+    error attached; the autotuner then records no choice for that key. A round is what `prune` kept.
+
+    A sticky CUDA error (`sticky_cuda_error`: an illegal address, an illegal instruction, ...) is raised as it is, at
+    once: the context is lost, so every later config would fail too, and "every config failed" would blame the
+    configs for it."""
 
     def __init__(self, kernel: str, bench=None):
         self.kernel = kernel
@@ -140,6 +181,8 @@ class Benchmark:
         try:
             return self._bench(kernel_call, quantiles=quantiles, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure of one config only disqualifies that config
+            if sticky_cuda_error(exc):
+                raise
             self.failed += 1
             if self.failed >= self.round:
                 raise RuntimeError(f"{self.kernel}: every autotune config failed ({self.failed} of {self.round}); "
