@@ -8,12 +8,18 @@ runs Triton; explicit "torch" always the twin.
 
     Choices.choose(key, kernel_fn, twin_fn) -> True when the kernel wins (ties go to the kernel)
     the table: ~/.cache/fastbert/auto/<gpu>-torch<v>-triton<v>-fastbert<v>.json  (FASTBERT_CACHE_DIR overrides)
+
+The kernel's timing is its first launch for those shapes (compile, autotune, load, run). A CUDA fault there can take
+the process down (an illegal address loses the context: nothing after it runs, the twin included), so the table on
+disk says "pending" for the key before that launch; a process that finds an entry still pending reads it as the
+kernel's failure and runs the twin there, instead of crashing the same way.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +50,19 @@ class Shapes:
 
 
 def default_timer(fn) -> float:
-    """Milliseconds per call on the device: Triton's do_bench (median over warmed-up repetitions, L2 flushed)."""
+    """Milliseconds per call on the device: Triton's do_bench (median over warmed-up repetitions, L2 flushed; its
+    default summary is the mean, which one stall in 40 ms of repetitions moves)."""
     import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+class KernelFailed(Exception):
+    """`Choices.choose`: the kernel raised while it was compiled, autotuned or timed (`error`, also the cause). The
+    twin's own errors are not wrapped: they are not the kernel's to answer for."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
 
 
 class Choices:
@@ -71,9 +87,17 @@ class Choices:
         try:
             with open(self.path, encoding="utf-8") as f:
                 table = json.load(f)
-            return table if isinstance(table, dict) else {}
         except (OSError, ValueError):  # absent, unreadable or corrupt: measure again
             return {}
+        if not isinstance(table, dict):
+            return {}
+        for key, entry in table.items():
+            # left by a process that ended inside the kernel's first launch: that kernel failed there
+            if isinstance(entry, dict) and "pending" in entry:
+                table[key] = {"choice": "torch", "error": f"a process ended during the kernel's first launch for "
+                                                          f"these shapes ({entry['pending']}): most likely a CUDA "
+                                                          f"fault that lost its context, or a kill"}
+        return table
 
     def _save(self) -> None:
         """Atomically (another process may be measuring too; the last complete table wins)."""
@@ -89,15 +113,35 @@ class Choices:
 
     def choose(self, key: str, kernel_fn, twin_fn) -> bool:
         """True when the kernel is at least as fast as the twin for `key`; measured the first time only. A kernel
-        that raises while it is compiled, autotuned or timed propagates its error (the caller records it with
-        `record_failure`); a key recorded as failed is never timed again."""
+        that raises while it is compiled, autotuned or timed raises KernelFailed (the caller records it with
+        `record_failure`); the twin's errors propagate as they are and record nothing. A key recorded as failed is
+        never timed again."""
         entry = self.table.get(key)
-        if entry is None:
-            kernel_ms, twin_ms = self.timer(kernel_fn), self.timer(twin_fn)
-            entry = self.table[key] = {"triton_ms": kernel_ms, "torch_ms": twin_ms,
-                                       "choice": "triton" if kernel_ms <= twin_ms else "torch"}
-            self._save()
+        if entry is None or "choice" not in entry:  # new, or a process ended while timing the twin: measure
+            entry = self._measure(key, kernel_fn, twin_fn)
         return entry["choice"] == "triton"
+
+    def _measure(self, key: str, kernel_fn, twin_fn) -> dict:
+        """Times kernel, then twin, with the table on disk saying at each point what a process that dies there
+        leaves behind: "pending" during the kernel's launch (read as its failure), its time alone during the twin's
+        (measured again)."""
+        self.table[key] = {"pending": f"process {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}"}
+        self._save()  # flushed to disk before the launch (write_atomically fsyncs)
+        try:
+            kernel_ms = self.timer(kernel_fn)
+        except Exception as error:
+            raise KernelFailed(error) from error  # still pending: the caller records the failure over it
+        except BaseException:  # an interrupt, not the kernel's fault: as if never started
+            del self.table[key]
+            self._save()
+            raise
+        self.table[key] = {"triton_ms": kernel_ms}
+        self._save()
+        twin_ms = self.timer(twin_fn)  # outside the kernel's try: a twin that raises is not the kernel's failure
+        entry = self.table[key] = {"triton_ms": kernel_ms, "torch_ms": twin_ms,
+                                   "choice": "triton" if kernel_ms <= twin_ms else "torch"}
+        self._save()
+        return entry
 
     def record_failure(self, key: str, error: str) -> None:
         """The kernel failed for `key`: the twin from now on, in this process and (the table is on disk, named by the

@@ -227,8 +227,10 @@ def _measured(op: str, situation: Situation) -> bool:
                                          getattr(twins, _TWINS[op]))
     try:
         return choices.choose(key, kernel_fn, twin_fn)
-    except Exception as error:  # compiling, autotuning or timing the kernel
-        kernel_failed(failed, error, situation.device, key)
+    except auto.KernelFailed as failure:  # compiling, autotuning or timing the kernel (the twin's errors propagate)
+        kernel_failed(failed, failure.error, situation.device, key)
+        if fallback.sticky(failure.error):  # recorded; but the context is lost, for the twin too
+            raise failure.error from None
         return False
 
 
