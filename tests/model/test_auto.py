@@ -418,3 +418,48 @@ def test_windowed_rotary_attention_is_measured_as_that_variant(measured_here, mo
             (plain, shapes, auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3),
              auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, rotary=True))}
     assert len(keys) == 4
+
+
+# ---- what "auto" times, and what it blames on the kernel ------------------------------------------------------------
+def test_a_failing_twin_is_not_recorded_against_the_kernel(measured_here, monkeypatch, no_failures_yet):
+    """The twin raises while it is timed: its own error reaches the caller, nothing is recorded against the kernel
+    (in this process or on disk), and the key is measured again next time."""
+    def twin(*args, **kwargs):
+        raise ValueError("the twin cannot run this")
+
+    monkeypatch.setattr(twins, "bias_gelu_torch", twin)
+    timer = FakeTimer([1.0, 2.0, 1.0])
+    choices = auto.choices_for(torch.device("cpu"), timer)
+    shapes = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu")
+    situation = dispatch.Situation(("auto",) * 4, torch.device("cpu"), torch.float32, 16, False, 0.0, 0.0, None,
+                                   shapes)
+    with pytest.raises(ValueError, match="the twin cannot run this"):
+        dispatch._measured("bias_gelu", situation)
+    key = auto.op_key("bias_gelu", torch.float32, shapes)
+    assert fallback._FAILED == {} and choices.failure(key) is None
+    assert json.loads(open(choices.path).read())[key] == {"triton_ms": 1.0}  # the kernel's time, no choice
+    monkeypatch.setattr(twins, "bias_gelu_torch", lambda *args, **kwargs: None)
+    # measured again, both: the kernel 2 ms, the twin 1 ms (the timer counts the calls that returned)
+    assert dispatch._measured("bias_gelu", situation) is False and timer.calls == 3 and timer.script == []
+    assert auto.Choices(torch.device("cpu"), FakeTimer([]), choices.path).table[key]["choice"] == "torch"
+
+
+def test_auto_times_the_median(monkeypatch):
+    """default_timer asks do_bench for the median: here nine runs of 1 ms and one stall of 100 ms (mean 10.9 ms).
+    The stand-in has do_bench's signature and summarises with Triton's own function."""
+    import inspect
+
+    import triton.testing
+
+    times = [1.0] * 9 + [100.0]
+    asked = []
+
+    def do_bench(fn, warmup=25, rep=100, grad_to_none=None, quantiles=None, return_mode="mean"):
+        fn()
+        asked.append(return_mode)
+        return triton.testing._summarize_statistics(times, quantiles, return_mode)
+
+    assert inspect.signature(do_bench) == inspect.signature(triton.testing.do_bench)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    ran = []
+    assert auto.default_timer(lambda: ran.append(1)) == 1.0 and ran == [1] and asked == ["median"]
