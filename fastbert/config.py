@@ -133,13 +133,20 @@ DEBERTA_NORM_REL_EBD = ("layer_norm", "none")
 
 
 def deberta_pos_att_type(config) -> list:
-    """pos_att_type as HF's attention reads it: a list ("p2c|c2p" strings are split, as its config class does)."""
+    """pos_att_type as HF's attention reads it: a list ("p2c|c2p" strings are split and lower-cased, as its config
+    class does; None is no term). HF computes c2p and p2c where the list holds exactly those names, nothing else:
+    transformers' own model tests run pos_att_type="None" (["none"]) as plain attention."""
     value = getattr(config, "pos_att_type", None)
     if value is None:
         return []
     if isinstance(value, str):
         return [x.strip() for x in value.lower().split("|")]
     return list(value)
+
+
+def _no_term(entry) -> bool:
+    """An entry that asks for no term: "none" in any case, or empty ("c2p|" leaves one)."""
+    return isinstance(entry, str) and entry.strip().lower() in ("none", "")
 
 
 def deberta_norm_rel_ebd(config) -> list:
@@ -152,11 +159,17 @@ def check_deberta(config, where: str = "config") -> None:
     if not isinstance(conv, int) or isinstance(conv, bool) or conv > 0:
         raise NotImplementedError(f"{where}: conv_kernel_size={conv!r} is not supported: DeBERTa-v2's ConvLayer "
                                   f"after the first layer (deberta-v2-xlarge/xxlarge) is not implemented by fastbert")
-    pos_att_type = deberta_pos_att_type(config)
-    bad = [t for t in pos_att_type if t not in DEBERTA_POS_ATT_TYPES]
-    if bad or not all(isinstance(t, str) for t in pos_att_type):
-        raise NotImplementedError(f"{where}: pos_att_type={getattr(config, 'pos_att_type', None)!r} is not "
-                                  f"supported: its entries must be among {', '.join(DEBERTA_POS_ATT_TYPES)}")
+    value = getattr(config, "pos_att_type", None)
+    if not isinstance(value, (str, list, tuple, type(None))):
+        raise ValueError(f"{where}: field 'pos_att_type' must be a string like \"p2c|c2p\", a list of names or null, "
+                         f"got {value!r} ({type(value).__name__})")
+    # HF computes no term for an entry it does not know, silently: an entry naming a term it skips ("p2p", "C2P" in a
+    # list) is refused rather than run as less than it says; "none" asks for no term, and gets none
+    bad = [t for t in deberta_pos_att_type(config) if t not in DEBERTA_POS_ATT_TYPES and not _no_term(t)]
+    if bad:
+        raise NotImplementedError(f"{where}: pos_att_type={value!r} is not supported: its entries must be among "
+                                  f"{', '.join(DEBERTA_POS_ATT_TYPES)} or 'none' (transformers computes no term for "
+                                  f"{', '.join(map(repr, bad))})")
     norms = deberta_norm_rel_ebd(config)
     if any(n not in DEBERTA_NORM_REL_EBD for n in norms):
         raise NotImplementedError(f"{where}: norm_rel_ebd={getattr(config, 'norm_rel_ebd', None)!r} is not "

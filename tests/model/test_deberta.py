@@ -102,6 +102,12 @@ VARIANTS = {
     "embedding-projection": dict(embedding_size=48),
     "no-buckets": dict(position_buckets=-1),
     "no-relative-attention": dict(relative_attention=False),  # HF's scale still counts pos_att_type
+    # transformers' own DeBERTa-v2 model tests: plain attention over absolute positions and 16 token types (HF's
+    # config turns "None" into ["none"], which names no term)
+    "transformers-tests": dict(relative_attention=False, position_biased_input=True, pos_att_type="None",
+                               type_vocab_size=16, share_att_key=False, norm_rel_ebd="none", heads=4,
+                               intermediate=37),
+    "relative-attention-without-terms": dict(pos_att_type="none"),  # rel_embeddings and their LayerNorm, unused
 }
 
 
@@ -202,10 +208,55 @@ def test_training_step_gradients_are_hfs(variant):
         assert p.grad is not None and (p.grad - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), name
 
 
+# pos_att_type as transformers takes it: None, a "|"-joined string in any case, a list; "none" names no term
+POS_ATT_TYPES = {"null": None, "None": "None", "none": "none", "p2c|c2p": "p2c|c2p", "P2C|C2P": "P2C|C2P",
+                 "list": ["p2c", "c2p"], "list-None": ["None"], "c2p|none": "c2p|none", "list-p2c": ["p2c"]}
+
+
+@pytest.mark.parametrize("relative_attention", [True, False], ids=["relative", "no-relative"])
+@pytest.mark.parametrize("pos_att_type", POS_ATT_TYPES)
+def test_every_pos_att_type_transformers_runs_matches_hf(pos_att_type, relative_attention):
+    """Each spelling builds the model HF builds (the same terms, position projections and scale) and gives HF's
+    numbers on real tokens, with and without relative attention."""
+    value = POS_ATT_TYPES[pos_att_type]
+    hf = hf_model(max_len=64, pos_att_type=value, relative_attention=relative_attention, share_att_key=False)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    terms = {t for t in ("c2p", "p2c") if t in hf.encoder.layer[0].attention.self.pos_att_type}
+    assert {t for t in ("c2p", "p2c") if getattr(fb.layers[0], t)} == (terms if relative_attention else set())
+    assert list(fb.state_dict()) == list(hf.state_dict())
+    ids, mask = rows("right")
+    with torch.no_grad():
+        assert_close_on(fb(ids, attention_mask=mask).last_hidden_state,
+                        hf(ids, attention_mask=mask).last_hidden_state, mask)
+
+
+def test_transformers_model_tests_config_matches_hf():
+    """DebertaV2ModelTester's config as transformers' tests build it (dropout 0.1, in eval mode): fastbert runs it
+    as HF does, plain attention at 1/sqrt(hd) over absolute positions, token types and all."""
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=512,
+        type_vocab_size=16, initializer_range=0.02, relative_attention=False, position_biased_input=True,
+        pos_att_type="None")
+    hf = perturb_(transformers.DebertaV2Model(config), weight_std=0.05).eval()
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    assert fb.layers[0].scale == pytest.approx(hf.encoder.layer[0].attention.self.attention_head_size ** -0.5)
+    ids, mask = rows("left")
+    types = torch.randint(0, 16, ids.shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = fb(ids, attention_mask=mask, token_type_ids=types, output_hidden_states=True)
+        ref = hf(ids, attention_mask=mask, token_type_ids=types, output_hidden_states=True)
+    for got, want in zip(out.hidden_states, ref.hidden_states, strict=True):
+        assert_close_on(got, want, mask)
+
+
 # ---- refusals -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, words", [
     ("conv_kernel_size", 3, r"conv_kernel_size=3 is not supported: DeBERTa-v2's ConvLayer"),
-    ("pos_att_type", ["c2p", "p2p"], r"pos_att_type=\['c2p', 'p2p'\] is not supported"),
+    ("pos_att_type", ["c2p", "p2p"], r"pos_att_type=\['c2p', 'p2p'\] is not supported: .* no term for 'p2p'"),
+    ("pos_att_type", ["C2P"], r"pos_att_type=\['C2P'\] is not supported"),  # HF matches list entries exactly
+    ("pos_att_type", "c2p|p2p", r"pos_att_type='c2p\|p2p' is not supported"),
     ("norm_rel_ebd", "batch_norm", r"norm_rel_ebd='batch_norm' is not supported"),
     ("attention_head_size", 16, r"attention_head_size=16 is not supported"),
 ])
@@ -213,6 +264,13 @@ def test_unimplemented_fields_are_refused_by_name(field, value, words):
     config = deberta_config()
     setattr(config, field, value)
     with pytest.raises(NotImplementedError, match=words):
+        fastbert.BertModel(config)
+
+
+def test_pos_att_type_of_another_type_is_refused_by_name():
+    config = deberta_config()
+    object.__setattr__(config, "pos_att_type", 3)  # (transformers 5's config validates its fields; 4's does not)
+    with pytest.raises(ValueError, match=r"field 'pos_att_type' must be a string .* got 3 \(int\)"):
         fastbert.BertModel(config)
 
 
@@ -231,16 +289,18 @@ def test_custom_masks_are_refused():
 
 @pytest.mark.parametrize("padding_free", [True, False])
 @pytest.mark.parametrize("kind", ["right", "left", "fully_padded_row"])
-def test_attention_kernel_in_the_model_matches_hf(kind, padding_free):
+@pytest.mark.parametrize("variant", ["v3", "transformers-tests"])
+def test_attention_kernel_in_the_model_matches_hf(variant, kind, padding_free):
     """attention="triton": the disentangled kernel (Triton's interpreter here) inside the model gives HF's numbers on
     real tokens past the buckets and max_relative_positions, and with padding_free=False HF's values at padded
-    positions too (a padded query's uniform row, mask_i * mask_j)."""
-    hf = hf_model(max_len=64)
+    positions too (a padded query's uniform row, mask_i * mask_j); transformers' test config runs the plain kernel."""
+    hf = hf_model(max_len=64, **VARIANTS[variant])
     fb = fastbert.BertModel.from_hf(hf, kernels={**dict.fromkeys(fastbert.OPS, "torch"), "attention": "triton"},
                                     padding_free=padding_free)
     ids, mask = rows(kind)
     with torch.no_grad():
-        ref, out = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
+        ref = hf(ids, attention_mask=mask, **types_for(hf, ids))
+        out = fb(ids, attention_mask=mask, **types_for(hf, ids))
         run = fb.resolve_ops()
     assert "attention" in run.triton
     assert_close_on(out.last_hidden_state, ref.last_hidden_state, mask, padding_free=padding_free)
