@@ -61,5 +61,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
 
 def aot_specs() -> list:
     """Every kernel x dtype x config x activation (gelu, gelu_tanh, relu) x {bias, no bias}, and the gated epilogue
-    for gelu and gelu_tanh in fp16/bf16 with its tiles, on the archs each runs on."""
+    for gelu and gelu_tanh in every dtype with its tiles, on the archs each runs on."""
     return gemm_aot_specs(OP, ACTIVATIONS, GATED_AOT_ACTIVATIONS)

@@ -313,9 +313,11 @@ def _autotuned(fn, configs):
     return utils.autotune(fn, [_triton_config(c) for c in configs], _AUTOTUNE_KEY, prune_configs)
 
 
-def kernel_configs(kernel: str, element_size: int, gated: bool = False) -> list:
-    """The autotune list of one (kernel, element size, gated) variant."""
-    configs = gemm_tma_configs() if kernel == "tma" else gemm_configs(element_size)
+def kernel_configs(kernel: str, element_size: int, gated: bool = False,
+                   warp_specialize: bool = utils.WARP_SPECIALIZE) -> list:
+    """The autotune list of one (kernel, element size, gated) variant; `warp_specialize` as gemm_tma_configs'
+    (the AOT list takes the opt-in tiles always: `gemm_aot_specs`)."""
+    configs = gemm_tma_configs(warp_specialize) if kernel == "tma" else gemm_configs(element_size)
     return gated_configs(configs) if gated else configs
 
 
@@ -523,16 +525,18 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
 # --------------------------------------------------------------------------------------------------------------------
 # Ahead-of-time compile list
 # --------------------------------------------------------------------------------------------------------------------
-# The pointer kernel's sm_90 role is fp32 and the odd layout TMA cannot take: on sm_90 its 16-bit types compile only
-# for this one tile (the fallback's proof), the full matrix compiles for sm_80, where it is the only kernel.
-_PTR_SM90_16BIT = (128, 128, 64, 8, 3)
+# Where each kernel runs: the TMA kernel on sm_90 only; the pointer kernel everywhere, since sm_90 takes it for fp32
+# and for any 16-bit layout TMA cannot describe (`tma_compatible`), and there its autotuner benchmarks every tile of
+# its list, as on sm_80. So each arch compiles every tile it can autotune: `kernel_configs`, the autotuners' own list.
+AOT_ARCHS = {"tma": (90,), "ptr": (90, 80)}
 
 
 def gemm_aot_specs(prefix: str, activations, gated_activations=()) -> list:
     """The kernels x dtypes x configs x activations x {bias, no bias} that run, named like
     "bias_gelu-fp16-gelu-tma-128x256x64-w8-s3" ("-nobias" after the activation without one), each with the archs it
-    runs on ("archs"). `gated_activations`: the gated (GeGLU) epilogue for these activations, fp16/bf16 only (the
-    dtypes ModernBERT runs in; fp32 gated tiles are not in the list), with the `gated_configs` tiles, named
+    runs on ("archs", AOT_ARCHS). The configs are `kernel_configs`' with the warp-specialized TMA opt-in, i.e. every
+    tile an autotuner can hold. `gated_activations`: the gated (GeGLU) epilogue for these activations in every dtype
+    (fp32 too: a float32 ModernBERT runs it), with the `gated_configs` tiles, named
     "bias_gelu-bf16-gelu-gated-nobias-...". Pointers and the integers the JIT sees as multiples of 16 at BERT's sizes
     are compiled with that divisibility (tests/tooling/aot_compile.py's default); "hints" {"M": None} takes it back
     for the token count, which is arbitrary. stride_wk is the constant 1 the JIT specialises a contiguous weight to.
@@ -542,20 +546,11 @@ def gemm_aot_specs(prefix: str, activations, gated_activations=()) -> list:
         ptr = "*" + short
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
         size = torch.empty((), dtype=dtype).element_size()
-        variants = [("ptr", cfg, False) for cfg in gemm_configs(size)]
-        if size == 2:
-            variants += [("tma", cfg, False) for cfg in gemm_tma_configs(warp_specialize=True)]
-            if gated_activations:
-                variants += [("ptr", cfg, True) for cfg in gated_configs(gemm_configs(size))]
-                variants += [("tma", cfg, True) for cfg in gated_configs(gemm_tma_configs(warp_specialize=True))]
+        kinds = ("ptr", "tma") if size == 2 else ("ptr",)
+        variants = [(kind, cfg, gated) for gated in ((False, True) if gated_activations else (False,))
+                    for kind in kinds for cfg in kernel_configs(kind, size, gated, warp_specialize=True)]
         for kind, cfg, gated in variants:
-            warps, stages = cfg[3], cfg[4]
-            if kind == "tma":
-                archs = (90,)
-            elif size == 2 and cfg != (gated_configs([_PTR_SM90_16BIT])[0] if gated else _PTR_SM90_16BIT):
-                archs = (80,)
-            else:
-                archs = (90, 80)
+            warps, stages, archs = cfg[3], cfg[4], AOT_ARCHS[kind]
             for activation, has_bias, precision in itertools.product(gated_activations if gated else activations,
                                                                      (True, False), precisions):
                 parts = [prefix, short] + ([activation] if activation else []) + (["gated"] if gated else []) \
