@@ -5,28 +5,42 @@
                                                    through the interpreter, the CUDA tests only collected)
     python bench/gpu_check.py --plan               print the steps, run nothing
 
+    python bench/gpu_check.py --dry-run --cold-compile-s S [OUT_DIR]
+                                                   the dry run on a simulated cold GPU machine: the first launch of
+                                                   each JIT key the GPU run would compile costs S seconds
+
 Every step is its own process with its own timeout, and writes its results as they come: one JSON line per step,
 per kernel check and per benchmark case is appended (and flushed) to OUT_DIR/results.jsonl, and gpu_check.json is
-rewritten after every step. The steps, most important first, under one deadline (--budget-s, 450 s):
-  1. env: versions, nvidia-smi, measured ceilings (copy GB/s, bf16 GEMM TFLOP/s);
-     smoke-kernels: each kernel family against its twin and fp64, bf16 and fp16, at a few shapes (the TMA and the
-     pointer GEMM with each epilogue, varlen attention, residual_layernorm; then ModernBERT's forms, last so a cap
-     cuts only them: the pre-norm row kernel, windowed rotary attention, the gated epilogue); smoke-forward: a
-     BERT-base-shaped forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x HF's own error
-  1b. configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin, fp16 and
-     bf16 (four processes at once)
-  2. headline, bf16, one process per case, HF first in every cell. BERT-base: 32x128 (hf-sdpa, hf-compile,
-     fastbert-triton, fastbert-graphs); 32 ragged rows of 16..512 (hf-sdpa, fastbert-triton, fastbert-graphs with
-     a graph bucket just above the real tokens, harness.graph_bucket); 1x128 (hf-sdpa, fastbert-graphs,
-     fastbert-triton). Then the same ragged cell for DistilBERT (hf-sdpa first) and MPNet (hf-eager first: HF's
-     MPNet has no sdpa), base-sized random weights, steps headline/<model>/32xvar16-512/<variant>; ModernBERT-base
-     last: 32xvar16-512 and 8x8192 (hf-sdpa first)
-  3. ops: per-op figures, each fused GEMM next to a plain F.linear (cuBLAS)
-  4. choices: the autotuner's configs and the "auto" table (kernel vs twin per op, measured on this GPU)
-  5. memcheck: compute-sanitizer on one small forward; "skipped" where the sanitizer cannot attach to the device
-     (sandboxed GPU containers, gVisor, refuse it), "failed" only on errors it reports
-  6. tests-*: the CUDA tests in the time left
-  7. summary.md (+ tokens_per_s.png)
+rewritten after every step. The steps, the headline first, under one deadline (--budget-s, 450 s):
+  env: versions, nvidia-smi, measured ceilings (copy GB/s, bf16 GEMM TFLOP/s)
+  smoke-bf16: every kernel variant once against its twin and fp64 in the headline's dtype, each with one pinned
+     config: the row kernels (post-norm, without the dense bias, pre-norm), the TMA and the pointer GEMM with each
+     epilogue (none, GELU, tanh GELU, ReLU, gated), attention (plain varlen, MPNet's bias table, ModernBERT's window
+     + rotary, DeBERTa's disentangled terms); each check is named for its variant
+  headline, bf16, one process per case, HF's baseline first and fastbert right after it. BERT-base: 32x128 (hf-sdpa,
+     fastbert-triton, fastbert-graphs); 32 ragged rows of 16..512 (hf-sdpa, fastbert-triton, fastbert-graphs with a
+     graph bucket just above the real tokens, harness.graph_bucket); 1x128 (hf-sdpa, fastbert-graphs,
+     fastbert-triton)
+  smoke-fp16: the same variants in fp16
+  the other families' ragged cell: DistilBERT (hf-sdpa first), MPNet (hf-eager first: HF's MPNet has no sdpa),
+     ModernBERT-base (32xvar16-512 and 8x8192), base-sized random weights, steps headline/<model>/<cell>/<variant>
+  smoke-forward: a BERT-base-shaped forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x
+     HF's own error, bf16 and fp16
+  configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin (four processes
+     at once)
+  headline/32x128/hf-compile: torch.compile of HF, after every headline case (Inductor's cold start is unproven)
+  ops (per-op figures, each fused GEMM next to cuBLAS), choices (the autotuner's picks and the "auto" table),
+     memcheck (compute-sanitizer; "skipped" where it cannot attach), tests-* (the CUDA tests in the time left);
+     then summary.md (+ tokens_per_s.png)
+
+Compiles. A cold machine JIT-compiles every distinct (kernel, specialisation, constexprs, options) key once; Triton
+keeps the binary on disk for later processes. bench/compile_keys.json is the estimate: the keys each step's jobs
+launch at the GPU run's shapes (`python -m bench.compile_keys --estimate` records it on CPU). Each step's cap is its
+RUN_S plus COMPILE_S for each key it is the first to need. While the foreground runs, WORKERS background processes
+compile the jobs' keys in the order the steps need them (bench/compile_keys.Launches "warmup": compiled, never
+launched); a step with jobs first waits for them, at most as long as compiling its own share would take. Each step's
+record says what it compiled (the dry run: `compiles` on the simulated machine; the GPU: `new_binaries` in Triton's
+cache), and summary.md ends with the timeline. docs/benchmarks.md has the estimate per step.
 FASTBERT_GPU_CHECK_FAULT="STEP=crash,STEP=hang,STEP:CHECK=crash" replaces those steps by a process that aborts or
 hangs (a hang is cut after 5 s), or aborts a step's process at that check: the dry run then shows that every other
 result survives (bench/test_bench_tools.py).
@@ -45,6 +59,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +70,7 @@ SCRIPT = os.path.abspath(__file__)
 PROBE = "import fastbert, fastbert.kernels; print(fastbert.__file__)"
 KERNEL_TESTS = ("tests/kernels/test_attention.py", "tests/kernels/test_gemm.py",
                 "tests/kernels/test_residual_layernorm.py", "tests/kernels/test_relative_bias.py",
-                "tests/kernels/test_attention_window.py")
+                "tests/kernels/test_attention_window.py", "tests/kernels/test_attention_disentangled.py")
 MODEL_TESTS = ("tests/model/test_triton_model.py", "tests/model/test_packed.py", "tests/model/test_auto.py",
                "tests/model/test_fuzz.py")
 FAULT_ENV = "FASTBERT_GPU_CHECK_FAULT"
@@ -94,24 +109,43 @@ class Step:
     cap: float  # seconds
     group: str | None = None  # consecutive steps of one group run at the same time
     bench_json: str | None = None  # the pytest-benchmark JSON it writes (under OUT_DIR)
+    jobs: list = field(default_factory=list)  # what it launches, for the compile estimate (bench/compile_keys.py)
+    compiles: list = field(default_factory=list)  # the JIT keys it is the first step to need (set by `plan`)
     info: dict = field(default_factory=dict)
 
 
-# The headline cells in order, each cell's variants in order: the baselines first, so a fault in a fastbert kernel
-# can never cost HF's numbers. The other families come after BERT's cells, so BERT's figures keep their place.
-# MPNet's baseline is HF eager: transformers' MPNet has no sdpa path. The dry run runs each cell as its tiny stand-in.
-HEADLINE = (("bert-base", "32x128", ("hf-sdpa", "hf-compile", "fastbert-triton", "fastbert-graphs")),
+# The headline cells in order, each cell's variants in order: the baseline first, then fastbert, so a fault in a
+# fastbert kernel can never cost HF's number and fastbert's number comes right after it. hf-compile (Inductor, whose
+# cold start on the GPU image is unproven) runs after every headline case. MPNet's baseline is HF eager:
+# transformers' MPNet has no sdpa path. The dry run runs each cell as its tiny stand-in.
+HEADLINE = (("bert-base", "32x128", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
             ("bert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
-            ("bert-base", "1x128", ("hf-sdpa", "fastbert-graphs", "fastbert-triton")),
-            ("distilbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
+            ("bert-base", "1x128", ("hf-sdpa", "fastbert-graphs", "fastbert-triton")))
+FAMILIES = (("distilbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
             ("mpnet-base", "32xvar16-512", ("hf-eager", "fastbert-triton", "fastbert-graphs")),
             ("modernbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
             ("modernbert-base", "8x8192", ("hf-sdpa", "fastbert-triton")))
+COMPILE_CELLS = (("bert-base", "32x128", ("hf-compile",)),)
 TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16", "8x8192": "4x32"}
 TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-base": "tiny-mpnet",
               "modernbert-base": "tiny-modernbert"}
-CASE_CAP = {"hf-sdpa": 45, "hf-eager": 45, "hf-compile": 120, "fastbert-triton": 60, "fastbert-graphs": 60}
 CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
+FORWARD_CHECK_CELL = "8xvar1-256"  # smoke-forward: BERT-base on ragged rows
+
+# Seconds each step needs on the GPU besides compiling (generous: model builds, HF's runs, the timed rounds).
+RUN_S = {"env": 15, "smoke": 30, "smoke-forward": 35, "configs": 60, "hf-sdpa": 45, "hf-eager": 45,
+         "hf-compile": 120, "fastbert-triton": 45, "fastbert-graphs": 45, "ops": 60, "choices": 60, "memcheck": 60,
+         "tests": 120}
+# A cold compile of one key, allowed for in the caps: twice the ~3 s the ahead-of-time compile's slowest kernel takes
+# here per config (the GPU machine's CPU is unknown). A step's cap is RUN_S + COMPILE_S x the keys it is the first
+# to need (bench/compile_keys.json: the estimate), so a step still fits where compiles take twice as long.
+COMPILE_S = 6.0
+# Background workers that compile (without launching) the keys of BACKGROUND_JOBS while the foreground runs the
+# steps before them: HF's baselines mostly. Each key goes to one worker (crc32 of the key), so W workers divide a
+# job's compile time by about W; a step that needs a job waits for its workers (at most its compile share).
+WORKERS = 4
+UNKNOWN_COMPILES = 20  # the allowance of a job the estimate lacks (about one model's forward with autotuning)
+ESTIMATE = os.path.join(REPO, "bench", "compile_keys.json")
 
 
 def _child(name: str, dry_run: bool) -> list:
@@ -125,17 +159,15 @@ def _pytest(args: list, json_path: str | None = None) -> list:
     return cmd
 
 
-def plan(dry_run: bool) -> list[Step]:
-    """Every step of the check in run order. The dry run has the same steps under the same names; only sizes,
-    caps and the tests (collected, not run) differ."""
-    slow = 3 if dry_run else 1  # the interpreter and CPU inductor are slower than a GPU
-    steps = [Step("1", "env", _child("env", dry_run), 15 * slow),
-             Step("1", "smoke-kernels", _child("smoke-kernels", dry_run), 40 * slow),
-             Step("1", "smoke-forward", _child("smoke-forward", dry_run), 35 * slow)]
-    steps += [Step("1b", f"configs-{family}", _child(f"configs-{family}", dry_run), 90 * slow, group="configs")
-              for family in CONFIG_FAMILIES]
+def forward_job(model: str, cell: str, dtype: str = "bf16") -> str:
+    return f"forward:{model}:{cell}:{dtype}"
+
+
+def _cases(cells, dry_run: bool) -> list[Step]:
+    """One pytest process per (cell, variant), in order."""
     tiny = ["--bench-tiny", "--bench-target-s", "0.01", "--bench-min-rounds", "1"]  # the interpreter: ~1 s a call
-    for model, cell, variants in HEADLINE:
+    steps = []
+    for model, cell, variants in cells:
         runs_as = TINY_CELL[cell] if dry_run else cell
         if dry_run:
             selection = [*tiny, "--bench-models", TINY_MODEL[model]]
@@ -148,21 +180,92 @@ def plan(dry_run: bool) -> list[Step]:
             args = ["bench/test_bench_model.py", *selection, "--bench-cells", runs_as, "--bench-variants", variant]
             if variant == "hf-compile":
                 args.append("--bench-compile")
-            steps.append(Step("2", name, _pytest(args, path), CASE_CAP[variant] * slow, bench_json=path,
+            jobs = [forward_job(model, cell)] if variant.startswith("fastbert-") else []
+            steps.append(Step("2", name, _pytest(args, path), RUN_S[variant], bench_json=path, jobs=jobs,
                               info={"model": model, "cell": cell, "runs_as": runs_as, "variant": variant}))
-    ops = ["bench/test_bench_ops.py"] + (tiny if dry_run else ["--bench-dtypes", "bf16"])
-    steps.append(Step("3", "ops", _pytest(ops + ["--bench-deadline", "{deadline}"], "bench/ops.json"), 60 * slow,
+    return steps
+
+
+def plan(dry_run: bool, estimate: dict | None = None, with_estimate: bool = True) -> list[Step]:
+    """Every step of the check in run order; the dry run has the same steps under the same names (only sizes, caps
+    and the tests, collected and not run, differ). The order: what the headline needs first, the proof of every
+    kernel variant early, the sweeps and what is unproven (hf-compile) after the headline.
+      env -> smoke-bf16 (every kernel variant, the headline's dtype) -> BERT's headline cells -> smoke-fp16 ->
+      the other families' cells -> smoke-forward -> the config sweeps -> hf-compile -> ops, choices, memcheck, tests
+    Each step's cap is its RUN_S plus COMPILE_S for each JIT key it is the first to need (`compile_estimate`)."""
+    slow = 3 if dry_run else 1  # the interpreter and CPU inductor are slower than a GPU
+    steps = [Step("1", "env", _child("env", dry_run), RUN_S["env"]),
+             Step("1", "smoke-bf16", _child("smoke-bf16", dry_run), RUN_S["smoke"], jobs=["smoke:bf16"])]
+    steps += _cases(HEADLINE, dry_run)
+    steps.append(Step("1", "smoke-fp16", _child("smoke-fp16", dry_run), RUN_S["smoke"], jobs=["smoke:fp16"]))
+    steps += _cases(FAMILIES, dry_run)
+    steps.append(Step("1", "smoke-forward", _child("smoke-forward", dry_run), RUN_S["smoke-forward"],
+                      jobs=[forward_job("bert-base", FORWARD_CHECK_CELL, d) for d in ("bf16", "fp16")]))
+    steps += [Step("1b", f"configs-{family}", _child(f"configs-{family}", dry_run), RUN_S["configs"],
+                   group="configs", jobs=[f"configs:{family}"]) for family in CONFIG_FAMILIES]
+    steps += _cases(COMPILE_CELLS, dry_run)
+    ops = ["bench/test_bench_ops.py"] + (["--bench-tiny", "--bench-target-s", "0.01", "--bench-min-rounds", "1"]
+                                         if dry_run else ["--bench-dtypes", "bf16"])
+    steps.append(Step("3", "ops", _pytest(ops + ["--bench-deadline", "{deadline}"], "bench/ops.json"), RUN_S["ops"],
                       bench_json="bench/ops.json"))
-    steps.append(Step("4", "choices", [sys.executable, "-c", CHOICES, "{out}/choices.json"], 60 * slow))
+    steps.append(Step("4", "choices", [sys.executable, "-c", CHOICES, "{out}/choices.json"], RUN_S["choices"]))
     steps.append(Step("5", "memcheck", ["{sanitizer}", "--tool", "memcheck", "--error-exitcode", "3",
-                                        sys.executable, "-c", MEMCHECK], 60))
+                                        sys.executable, "-c", MEMCHECK], RUN_S["memcheck"]))
     collect = ["--collect-only"] if dry_run else []
     for name, files, extra in (("tests-bf16", KERNEL_TESTS, ["-k", "bfloat16"]),
                                ("tests-kernels", KERNEL_TESTS, ["-k", "not bfloat16"]),
                                ("tests-model", MODEL_TESTS, [])):
         steps.append(Step("6", name, [sys.executable, "-m", "pytest", *files, *extra, "--maxfail=20", "-q", "-rfs",
-                                      "-p", "no:cacheprovider", *collect], 120))
+                                      "-p", "no:cacheprovider", *collect], RUN_S["tests"]))
+    if not with_estimate:  # bench/compile_keys.py --estimate: the jobs, before there is an estimate of them
+        return steps
+    estimate = load_estimate() if estimate is None else estimate
+    for step, new in zip(steps, compile_estimate(steps, estimate)):
+        step.compiles = new
+        step.cap = step.cap * slow + COMPILE_S * len(new)
     return steps
+
+
+def background_jobs(steps: list[Step]) -> list[str]:
+    """The jobs the background workers compile, in the order the foreground needs them."""
+    return list(dict.fromkeys(job for step in steps for job in step.jobs))
+
+
+def load_estimate(path: str = ESTIMATE) -> dict:
+    """{job: [key, ...]}: the JIT keys each job launches at the GPU run's shapes (python -m bench.compile_keys);
+    empty when the file is missing (every step then gets the UNKNOWN_COMPILES allowance)."""
+    if not os.path.exists(path):
+        log(f"{path} is missing: every step's cap allows {UNKNOWN_COMPILES} compiles")
+        return {}
+    with open(path) as f:
+        return json.load(f)["jobs"]
+
+
+def compile_estimate(steps: list[Step], estimate: dict) -> list[list]:
+    """For each step, the keys it is the first to need in run order (the steps of a group start together, so each
+    counts what the steps before the group compiled). A job the estimate lacks (a kernel changed without
+    `python -m bench.compile_keys --estimate`; bench/test_bench_tools.py catches it) counts as UNKNOWN_COMPILES
+    keys of its own: the one GPU run must not stop over a stale estimate."""
+    compiled: set = set()
+    out = []
+    i = 0
+    while i < len(steps):
+        batch = [steps[i]]
+        while steps[i].group and i + len(batch) < len(steps) and steps[i + len(batch)].group == steps[i].group:
+            batch.append(steps[i + len(batch)])
+        i += len(batch)
+        met = []
+        for step in batch:
+            keys = list(dict.fromkeys(k for job in step.jobs for k in estimate.get(job, ())))
+            missing = [job for job in step.jobs if job not in estimate]
+            if missing:
+                log(f"step {step.name}: the estimate has no keys for {missing}; allowing {UNKNOWN_COMPILES} "
+                    f"compiles each (python -m bench.compile_keys --estimate)")
+                keys += [f"unknown:{job}:{n}" for job in missing for n in range(UNKNOWN_COMPILES)]
+            out.append([k for k in keys if k not in compiled])
+            met += keys
+        compiled.update(met)
+    return out
 
 
 # ====================================================================================================================
@@ -309,10 +412,24 @@ def fill(cmd: list, values: dict) -> list:
     return filled
 
 
-def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, values: dict) -> None:
+@dataclass
+class Compiling:
+    """How the run compiles: the background workers' handles and marker folder, and on the simulated cold machine
+    (cold_s set) the seconds a compile takes and the estimate the steps' keys come from."""
+    folder: str
+    handles: list = field(default_factory=list)
+    cold_s: float | None = None
+    estimate: dict | None = None
+    start: float = field(default_factory=time.time)
+
+
+def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, values: dict,
+              compiling: Compiling | None = None) -> None:
     """Runs the steps in order (a group's steps at the same time), each to its cap or the deadline, whichever is
-    first; after each, its record goes to results.jsonl and the report is saved."""
+    first; after each, its record goes to results.jsonl and the report is saved. A step with jobs first waits for
+    the background workers to compile them (at most its own compile estimate)."""
     injected = {k: v for k, v in faults().items() if ":" not in k}
+    compile_s = compiling.cold_s if compiling and compiling.cold_s is not None else COMPILE_S
     i = 0
     while i < len(steps):
         batch = [steps[i]]
@@ -321,6 +438,10 @@ def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, valu
         i += len(batch)
         running = []
         for step in batch:
+            waited = None
+            if compiling and compiling.handles and step.jobs and step.name not in injected:
+                limit = min(compile_s * len(step.compiles), max(0.0, deadline - time.time() - 15))
+                waited = wait_for_background(step, compiling.handles, compiling.folder, limit)
             left = deadline - time.time()
             if left < 15 or step.info.get("skip"):
                 why = step.info.get("skip") or f"{max(0, left):.0f} s left of the budget"
@@ -330,6 +451,14 @@ def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, valu
                 log(f"{step.name}: skipped ({why})")
                 continue
             cmd, step_deadline = fill(step.cmd, values), time.time() + min(step.cap, left)
+            cold_keys = None
+            if compiling and compiling.cold_s is not None and step.jobs:  # the simulated compiles, in its process
+                cold_keys = os.path.join(compiling.folder, "steps", _safe(step.name) + ".json")
+                os.makedirs(os.path.dirname(cold_keys), exist_ok=True)
+                with open(cold_keys, "w") as f:
+                    json.dump(list(dict.fromkeys(k for job in step.jobs for k in compiling.estimate.get(job, ()))), f)
+                cmd = [sys.executable, SCRIPT, "--cold-step", cold_keys, str(compiling.cold_s), compiling.folder,
+                       "--", *cmd]
             if step.name in injected:
                 cmd = [sys.executable, "-c", FAULT_CODE[injected[step.name]]]
                 if injected[step.name] == "hang":
@@ -337,12 +466,23 @@ def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, valu
             if step.bench_json and os.path.exists(os.path.join(rec.out_dir, step.bench_json)):
                 os.remove(os.path.join(rec.out_dir, step.bench_json))  # never read an earlier run's figures
             log_path = os.path.join(rec.out_dir, "logs", step.name.replace("/", "__") + ".log")
-            running.append((step, cmd, step_deadline, log_path, start(cmd, env, log_path)))
-        for step, cmd, step_deadline, log_path, handle in running:
+            binaries = triton_binaries() if not values.get("dry_run") else None
+            started = round(time.time() - (compiling.start if compiling else rec.start), 1)
+            running.append((step, cmd, step_deadline, log_path, start(cmd, env, log_path),
+                            {"started_s": started, "waited_s": waited, "cold_keys": cold_keys,
+                             "binaries": binaries}))
+        for step, cmd, step_deadline, log_path, handle, extra in running:
             result = finish(handle, step_deadline, log_path)
             record = {"stage": step.stage, "step": step.name, **status_of(step, result, rec.out_dir),
                       "rc": result["rc"], "seconds": result["seconds"], **step.info,
-                      "injected_fault": injected.get(step.name), "log": os.path.relpath(log_path, rec.out_dir)}
+                      "injected_fault": injected.get(step.name), "log": os.path.relpath(log_path, rec.out_dir),
+                      "started_s": extra["started_s"], "waited_s": extra["waited_s"],
+                      "estimated_compiles": len(step.compiles) if step.jobs else None, "cap_s": round(step.cap, 1)}
+            if extra["cold_keys"] and os.path.exists(extra["cold_keys"] + ".done"):
+                with open(extra["cold_keys"] + ".done") as f:
+                    record.update(json.load(f))
+            if extra["binaries"] is not None:
+                record["new_binaries"] = triton_binaries() - extra["binaries"]  # the background's too
             record = {k: v for k, v in record.items() if v is not None}
             rec.append(record)
             rec.report["steps"].append({**record, "cmd": " ".join(cmd), "tail": result["tail"]})
@@ -360,12 +500,132 @@ def describe(record: dict) -> str:
     text = f"{record['step']}: {record['status']}"
     if "seconds" in record:
         text += f" in {record['seconds']} s (rc={record.get('rc')})"
+    if record.get("compiles") is not None or record.get("waited_s"):
+        text += f"; {record.get('compiles', 0)} compiles, waited {record.get('waited_s') or 0} s for the background"
     if record.get("median_ms") is not None:
         text += f"; {figures(record)}"
     for key in ("why", "skip_reason", "memcheck"):
         if record.get(key):
             text += f"; {record[key]}"
     return text
+
+
+# ====================================================================================================================
+# Compiles: the background workers, a simulated cold machine (--dry-run --cold-compile-s S), the count per step
+# ====================================================================================================================
+class ColdMachine:
+    """Triton's on-disk cache on a simulated cold GPU machine: a key compiled once, by any process, is there for
+    every later one. `compile` sleeps `seconds` for each key not yet there, as Triton would spend compiling it, then
+    files it (compiled.jsonl: one line per key). Two processes that need one key at once both compile it, as two
+    Triton processes do (neither waits for the other's)."""
+
+    def __init__(self, folder: str):
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, "compiled.jsonl")
+
+    def compiled(self) -> set:
+        return {r["key"] for r in read_records(self.path)}
+
+    def compile(self, keys, seconds: float) -> int:
+        done = 0
+        for key in keys:
+            if key in self.compiled():  # read each time: a background worker may have filed it meanwhile
+                continue
+            time.sleep(seconds)
+            append_record(self.path, {"key": key, "at": round(time.time(), 3), "pid": os.getpid()})
+            done += 1
+        return done
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def owner(key: str, workers: int) -> int:
+    """The background worker that compiles `key`: the same in every process (crc32, not Python's salted hash)."""
+    return zlib.crc32(key.encode()) % workers
+
+
+def marker(folder: str, job: str, worker: int) -> str:
+    return os.path.join(folder, f"{_safe(job)}.{worker}.done")
+
+
+def cold_step_main(argv: list[str]) -> int:
+    """`gpu_check.py --cold-step KEYS_FILE S FOLDER -- CMD...`: a step's process on the simulated cold machine: the
+    compiles its keys would cost first (in the step's own process, so they count against its cap), then CMD."""
+    keys_file, seconds, folder, sep, *cmd = argv
+    assert sep == "--" and cmd, argv
+    with open(keys_file) as f:
+        keys = json.load(f)
+    t0 = time.time()
+    done = ColdMachine(folder).compile(keys, float(seconds))
+    with open(keys_file + ".done", "w") as f:
+        json.dump({"compiles": done, "compile_s": round(time.time() - t0, 2)}, f)
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+
+
+def precompile_main(worker: int, workers: int, results: str, folder: str, cold_s: float | None) -> int:
+    """A background worker: for each job in BACKGROUND order, compile its share of the job's keys, then leave a
+    marker. On the GPU: the job runs with every launch turned into a compile (bench/compile_keys.Launches "warmup");
+    on the simulated cold machine: its keys from the estimate, S seconds each."""
+    steps = plan(dry_run=False, with_estimate=False)
+    os.makedirs(folder, exist_ok=True)
+    estimate = load_estimate() if cold_s is not None else None
+    for job in background_jobs(steps):
+        t0 = time.time()
+        record = {"stage": "bg", "step": f"precompile-{worker}", "check": job}
+        try:
+            if cold_s is not None:
+                mine = [k for k in estimate.get(job, ()) if owner(k, workers) == worker]
+                record.update(status="ok", compiles=ColdMachine(folder).compile(mine, cold_s), keys=len(mine))
+            else:
+                import torch
+
+                from bench import compile_keys
+
+                with compile_keys.Launches("warmup", mine=lambda k: owner(k, workers) == worker) as launches, \
+                        torch.inference_mode():
+                    compile_keys.run_job(job, "cuda")
+                record.update(status="ok", keys=len(launches.keys))
+        except Exception as e:  # noqa: BLE001 - a job that cannot be compiled in the background is compiled later
+            record.update(status="failed", error=f"{type(e).__name__}: {e}"[:800])
+        record["seconds"] = round(time.time() - t0, 2)
+        append_record(results, record)
+        open(marker(folder, job, worker), "w").close()
+    return 0
+
+
+def start_background(env: dict, out_dir: str, results: str, folder: str, cold_s: float | None) -> list:
+    """WORKERS background processes (`precompile_main`), each in its own session so that the end of the run can
+    stop them with everything they started."""
+    handles = []
+    for i in range(WORKERS):
+        cmd = [sys.executable, SCRIPT, "--child", f"precompile-{i}", "--results", results, "--cold-dir", folder]
+        if cold_s is not None:
+            cmd += ["--cold-compile-s", str(cold_s)]
+        handles.append(start(cmd, env, os.path.join(out_dir, "logs", f"precompile-{i}.log")))
+    return handles
+
+
+def wait_for_background(step: Step, handles: list, folder: str, limit: float) -> float:
+    """Waits until the background workers have compiled `step`'s jobs, they have all ended, or `limit` seconds have
+    passed (no longer than compiling its share itself would take). Returns the seconds waited."""
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if all(os.path.exists(marker(folder, job, i)) for job in step.jobs for i in range(WORKERS)):
+            break
+        if all(proc.poll() is not None for proc, _, _ in handles):
+            break
+        time.sleep(0.2)
+    return round(time.time() - t0, 2)
+
+
+def triton_binaries() -> int:
+    """Compiled kernels in Triton's on-disk cache ($TRITON_CACHE_DIR, else ~/.triton/cache): counted before and
+    after each step on the GPU, the real compile count (background workers add theirs meanwhile)."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return sum(name.endswith(".cubin") for _, _, names in os.walk(folder) for name in names)
 
 
 # ====================================================================================================================
@@ -437,8 +697,8 @@ def child_main(name: str, results: str, dry_run: bool) -> int:
         emit("versions", versions)
         from bench import harness
         emit("ceilings", lambda: harness.measure_ceilings(device))
-    elif name == "smoke-kernels":
-        for check, fn in KernelChecks(device, dry_run).smoke():
+    elif name.startswith("smoke-") and name[len("smoke-"):] in ("bf16", "fp16"):
+        for check, fn in KernelChecks(device, dry_run).smoke(name[len("smoke-"):]):
             emit(check, fn)
     elif name == "smoke-forward":
         for dtype in ("bf16", "fp16"):
@@ -465,19 +725,21 @@ def versions() -> dict:
 
 
 class KernelChecks:
-    """Each kernel against its torch twin (fastbert/ops.py) and an fp64 reference from the same rounded inputs,
-    outputs poisoned with NaN first. fp16/bf16 pass at most 2x the twin's own error against fp64 (+1e-6); fp32
-    at most the twin's error + 1e-5."""
+    """Each kernel variant against its torch twin (fastbert/ops.py) and an fp64 reference from the same rounded
+    inputs, outputs poisoned with NaN first. fp16/bf16 pass at most 2x the twin's own error against fp64 (+1e-6);
+    fp32 at most the twin's error + 1e-5. `launch_only`: launch the kernel and stop (bench/compile_keys.py records
+    what a check launches; no twin, no reference)."""
 
-    def __init__(self, device: str, dry_run: bool):
+    def __init__(self, device: str, dry_run: bool, launch_only: bool = False):
         import torch
 
         from fastbert.kernels import utils
 
-        self.torch, self.device, self.dry_run = torch, device, dry_run
+        self.torch, self.device, self.dry_run, self.launch_only = torch, device, dry_run, launch_only
         self.interpret = utils.INTERPRET
         self.dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-        self.sm90 = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+        self.sm90 = launch_only or (device == "cuda" and torch.cuda.get_device_capability()[0] == 9)
+        self.tiny = dry_run and device == "cpu"
 
     def make(self, shape, dtype, scale=1.0, shift=0.0, seed=0):
         torch = self.torch
@@ -504,7 +766,7 @@ class KernelChecks:
             raise Skipped(utils.INTERPRETER_BF16_DOT)
 
     # ---- one check of each kind ------------------------------------------------------------------------------------
-    def gemm(self, dtype, kernel, activation, config, M, N, K, gated=False):
+    def gemm(self, dtype, kernel, activation, config, M, N, K, gated=False, bias=True):
         import torch.nn.functional as F
 
         from fastbert import twins
@@ -514,9 +776,15 @@ class KernelChecks:
         if kernel == "tma" and not (self.sm90 or self.interpret):
             raise Skipped("the TMA GEMM is built for sm_90; this GPU is not one")
         rows = 2 * N if gated else N  # gated (ModernBERT's GeGLU): W holds the input half, then the gate half
-        a, w, b = self.make((M, K), dtype), self.make((rows, K), dtype, K ** -0.5, seed=1), self.make((rows,), dtype,
-                                                                                                     0.5, seed=2)
-        h64 = F.linear(a.double(), w.double(), b.double())
+        a, w = self.make((M, K), dtype), self.make((rows, K), dtype, K ** -0.5, seed=1)
+        b = self.make((rows,), dtype, 0.5, seed=2) if bias else None
+        out = gemm_core.gemm(a, w, b, self.poisoned((M, N), dtype), activation, gated=gated, config=config,
+                             kernel=kernel)
+        facts = {"shape": f"M{M} N{N} K{K}", "config": gemm_core.config_name(config) if config else "autotuned",
+                 "gated": gated, "bias": bias}
+        if self.launch_only:
+            return facts
+        h64 = F.linear(a.double(), w.double(), None if b is None else b.double())
         if gated:
             half, gate = h64.chunk(2, dim=-1)
             ref64 = twins._activation_torch(half, activation) * gate
@@ -524,12 +792,12 @@ class KernelChecks:
         else:
             ref64 = twins._activation_torch(h64, activation) if activation else h64
             twin = twins.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
-        out = gemm_core.gemm(a, w, b, self.poisoned((M, N), dtype), activation, gated=gated, config=config,
-                             kernel=kernel)
-        return {**self.compare(out, twin, ref64), "shape": f"M{M} N{N} K{K}", "config": gemm_core.config_name(config),
-                "gated": gated}
+        return {**self.compare(out, twin, ref64), **facts}
 
-    def attention(self, dtype, lengths, num_heads, head_dim, config=None, window=None, rotary=False):
+    def attention(self, dtype, lengths, num_heads, head_dim, config=None, window=None, rotary=False, bias=False,
+                  disentangled=False):
+        """Varlen attention; `bias`: MPNet's per-(head, distance) table; `window` + `rotary`: ModernBERT's local
+        layers; `disentangled`: DeBERTa's c2p + p2c terms through a column table."""
         from fastbert import ops, twins
         from fastbert.kernels import attention as attention_module
         from fastbert.layout import TokenLayout
@@ -546,70 +814,100 @@ class KernelChecks:
             inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
             tables = twins.rotary_tables(positions, inv_freq)
         on_device = None if tables is None else twins.Rotary(tables.cos.to(self.device), tables.sin.to(self.device))
+        reach = max(lengths)
+        table = self.make((num_heads, 2 * reach - 1), torch.float32, seed=6) if bias else None
+        terms = None
+        if disentangled:  # DeBERTa-v3's span of 256 buckets: columns P = 512, reached through a clamped table
+            P, span = (16, 4) if self.tiny else (512, 256)
+            distance = torch.arange(-(reach - 1), reach)
+            column = (distance.clamp(-span, span - 1) + span).to(torch.int32).to(self.device)
+            terms = twins.Disentangled(self.make((T, num_heads, P), dtype, seed=7),
+                                       self.make((T, num_heads, P), dtype, seed=8), column)
+        extra = {} if terms is None else {"c2p": terms.c2p, "p2c": terms.p2c, "column": terms.column}
         out = attention_module.attention(qkv, layout.cu_seqlens, max(lengths), scale,
                                          out=self.poisoned((T, num_heads * head_dim), dtype), config=config,
-                                         window=window, rotary=on_device)
-        twin = ops.attention_varlen_torch(qkv, layout, scale, window=window, rotary=on_device)
-        ref64 = ops.attention_varlen_torch(qkv.double().cpu(), TokenLayout.from_cu_seqlens(cu, max(lengths), lengths),
-                                           scale, window=window, rotary=tables)
+                                         window=window, rotary=on_device, bias=table, **extra)
         name = None if config is None else f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}-w{config.num_warps}"
-        return {**self.compare(out, twin, ref64.to(self.device)), "lengths": lengths, "heads": num_heads,
-                "head_dim": head_dim, "config": name or "autotuned", "window": window, "rotary": rotary}
+        facts = {"lengths": lengths, "heads": num_heads, "head_dim": head_dim, "config": name or "autotuned",
+                 "window": window, "rotary": rotary, "bias": bias, "disentangled": disentangled}
+        if self.launch_only:
+            return facts
+        twin = ops.attention_varlen_torch(qkv, layout, scale, window=window, rotary=on_device, bias=table,
+                                          disentangled=terms)
+        terms64 = None if terms is None else twins.Disentangled(terms.c2p.double().cpu(), terms.p2c.double().cpu(),
+                                                                terms.column.cpu())
+        ref64 = ops.attention_varlen_torch(qkv.double().cpu(), TokenLayout.from_cu_seqlens(cu, max(lengths), lengths),
+                                           scale, window=window, rotary=tables,
+                                           bias=None if table is None else table.double().cpu(),
+                                           disentangled=terms64)
+        return {**self.compare(out, twin, ref64.to(self.device)), **facts}
 
-    def residual_layernorm(self, dtype, T, K, H, pre_norm=False):
+    def residual_layernorm(self, dtype, T, K, H, pre_norm=False, bias=True):
+        """Post-norm (BERT), post-norm without the dense bias, or ModernBERT's pre-norm form (no bias anywhere,
+        (s, LN(s)) back)."""
         import torch.nn.functional as F
 
         from fastbert import ops
         from fastbert.kernels.residual_layernorm import residual_layernorm
 
-        y, w, b = self.make((T, K), dtype), self.make((H, K), dtype, K ** -0.5, seed=1), self.make((H,), dtype, 0.5,
-                                                                                                  seed=2)
+        y, w = self.make((T, K), dtype), self.make((H, K), dtype, K ** -0.5, seed=1)
+        b = self.make((H,), dtype, 0.5, seed=2) if bias and not pre_norm else None
         res = self.make((T, H), dtype, seed=3)
-        gamma, beta = self.make((H,), dtype, 0.2, 1.0, seed=4), self.make((H,), dtype, 0.2, seed=5)
-        if pre_norm:  # ModernBERT's form: no bias anywhere, (s, LN(s)) back
-            b = beta = None
+        gamma = self.make((H,), dtype, 0.2, 1.0, seed=4)
+        beta = None if pre_norm else self.make((H,), dtype, 0.2, seed=5)
+        out = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, pre_norm=pre_norm, out=self.poisoned((T, H), dtype))
+        facts = {"shape": f"T{T} K{K} H{H}", "pre_norm": pre_norm, "bias": b is not None}
+        if self.launch_only:
+            return facts
         d = [None if t is None else t.double() for t in (y, w, b, res, gamma, beta)]
         h64 = F.linear(d[0], d[1], d[2]) + d[3]
         ref64 = F.layer_norm(h64, (H,), d[4], d[5], 1e-12)
-        out = residual_layernorm(y, w, b, res, gamma, beta, 1e-12, pre_norm=pre_norm, out=self.poisoned((T, H), dtype))
         twin = ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-12, pre_norm=pre_norm)
         if pre_norm:  # the normed output is the one whose error compounds; s is checked against its own twin
             (s, out), (twin_s, twin) = out, twin
             if not bool(self.torch.isfinite(s).all()) or (s.double() - twin_s.double()).abs().max().item() > 0.05:
-                return {"ok": False, "error": "the pre-norm stream s differs from the twin's", "shape": f"T{T} H{H}"}
-        return {**self.compare(out, twin, ref64), "shape": f"T{T} K{K} H{H}", "pre_norm": pre_norm}
+                return {"ok": False, "error": "the pre-norm stream s differs from the twin's", **facts}
+        return {**self.compare(out, twin, ref64), **facts}
+
+    def attention_tile(self, dtype, head_dim, extra):
+        """The pinned attention tile of a smoke check: the first of its autotune list (the interpreter: its own)."""
+        from fastbert.kernels import attention as attention_module
+
+        if self.interpret:
+            return None
+        return attention_module.attention_configs(dtype, head_dim, rotary=extra.get("rotary", False),
+                                                  disentangled=extra.get("disentangled", False))[0]
 
     # ---- the lists -------------------------------------------------------------------------------------------------
-    def smoke(self):
-        """A few shapes of each family, cheapest and safest first (the row kernel has no tl.dot): pinned GEMM tiles
-        (no autotuning here), BERT-base widths on the GPU, tiny ones in the dry run."""
+    def smoke(self, short: str):
+        """Every kernel variant once in dtype `short`, each with one pinned config (no autotuning: one compile per
+        variant), the row kernels first (no tl.dot), then the GEMMs (TMA and pointer, each epilogue), then
+        attention (plain varlen, MPNet's bias table, ModernBERT's window + rotary, DeBERTa's disentangled terms).
+        BERT-base widths on the GPU, tiny ones in the dry run. The check's name is its variant."""
         from fastbert.kernels import gemm as gemm_core
 
+        dtype = self.dtypes[short]
         tma_tile, ptr_tile = gemm_core.gemm_tma_configs()[2], gemm_core.gemm_configs(2)[0]
         gated_tma, gated_ptr = gemm_core.gated_configs([tma_tile])[0], gemm_core.gated_configs([ptr_tile])[0]
-        tiny = self.dry_run and self.device == "cpu"
-        M, H, I = (13, 32, 48) if tiny else (203, 768, 3072)
-        lengths, heads, hd = ([1, 7, 20], 2, 16) if tiny else ([1, 17, 128, 77, 300, 512], 12, 64)
-        for short in ("bf16", "fp16"):
-            dtype = self.dtypes[short]
-            yield f"residual_layernorm-{short}", lambda d=dtype: self.residual_layernorm(d, M, I, H)
-            yield f"attention-varlen-{short}", lambda d=dtype: self.attention(d, lengths, heads, hd)
-            for kernel, tile, activations in (("tma", tma_tile, (None, "gelu", "gelu_tanh", "relu")),
-                                              ("ptr", ptr_tile, (None, "gelu"))):
-                for act in activations:
-                    N = 3 * H if act is None else I
-                    yield (f"gemm-{kernel}-{short}-{act or 'bias'}",
-                           lambda d=dtype, k=kernel, t=tile, a=act, n=N: self.gemm(d, k, a, t, M, n, H))
-        # ModernBERT's forms, after BERT's: the pre-norm row kernel, windowed rotary attention, the gated epilogue
-        window = 3 if tiny else 64
-        for short in ("bf16", "fp16"):
-            dtype = self.dtypes[short]
-            yield f"residual_layernorm-prenorm-{short}", lambda d=dtype: self.residual_layernorm(d, M, H, H, True)
-            yield (f"attention-window-rotary-{short}",
-                   lambda d=dtype: self.attention(d, lengths, heads, hd, window=window, rotary=True))
-            for kernel, tile in (("tma", gated_tma), ("ptr", gated_ptr)):
-                yield (f"gemm-{kernel}-{short}-gelu-gated",
-                       lambda d=dtype, k=kernel, t=tile: self.gemm(d, k, "gelu", t, M, I // 2, H, gated=True))
+        M, H, I = (13, 32, 48) if self.tiny else (203, 768, 3072)
+        lengths, heads, hd = ([1, 7, 20], 2, 16) if self.tiny else ([1, 17, 128, 77, 300, 512], 12, 64)
+        window = 3 if self.tiny else 64
+        yield f"residual_layernorm-postnorm-{short}", lambda: self.residual_layernorm(dtype, M, I, H)
+        yield f"residual_layernorm-nobias-{short}", lambda: self.residual_layernorm(dtype, M, I, H, bias=False)
+        yield f"residual_layernorm-prenorm-{short}", lambda: self.residual_layernorm(dtype, M, H, H, pre_norm=True)
+        for kernel, tile, gated_tile in (("tma", tma_tile, gated_tma), ("ptr", ptr_tile, gated_ptr)):
+            for act in (None, "gelu", "gelu_tanh", "relu"):
+                N = 3 * H if act is None else I
+                yield (f"gemm-{kernel}-{act or 'bias'}-{short}",
+                       lambda k=kernel, t=tile, a=act, n=N: self.gemm(dtype, k, a, t, M, n, H))
+            yield (f"gemm-{kernel}-gelu-gated-{short}",  # ModernBERT's GeGLU: no bias
+                   lambda k=kernel, t=gated_tile: self.gemm(dtype, k, "gelu", t, M, I // 2, H, gated=True, bias=False))
+        for variant, extra in (("varlen", {}), ("bias", {"bias": True}), ("window-rotary", {"window": window,
+                                                                                          "rotary": True}),
+                               ("disentangled", {"disentangled": True})):
+            yield (f"attention-{variant}-{short}",
+                   lambda e=extra: self.attention(dtype, lengths, heads, hd, config=self.attention_tile(dtype, hd, e),
+                                                  **e))
 
     def every_config(self, family: str):
         """Every autotune config of a family on edges in M, N and K (131 x 104 x 200: partial tiles everywhere,
@@ -787,6 +1085,31 @@ def check_summary(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def timeline(records: list[dict], cold_s: float | None) -> str:
+    """The run as it went: when each step started, how long it waited for the background, what it compiled itself
+    (the simulated cold machine: its compiles; the GPU: the new binaries in Triton's cache, the background's
+    included), what the estimate said, its cap and its status."""
+    where = f"a simulated cold machine, {cold_s:g} s a compile" if cold_s is not None else "this machine"
+    lines = [f"### Timeline ({where})", "",
+             "| start s | step | waited s | compiles (estimate) | seconds | cap s | status |",
+             "|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "check" in r or r.get("stage") == "bg":
+            continue
+        compiles = r.get("compiles", r.get("new_binaries", "–"))
+        estimate = r.get("estimated_compiles")
+        lines.append(f"| {r.get('started_s', '–')} | {r['step']} | {r.get('waited_s') or 0} | {compiles}"
+                     + (f" ({estimate})" if estimate is not None else "")
+                     + f" | {r.get('seconds', '–')} | {r.get('cap_s', '–')} | {r['status']} |")
+    workers = [r for r in records if r.get("stage") == "bg"]
+    if workers:
+        total = sum(r.get("compiles", 0) or 0 for r in workers)
+        lines += ["", f"Background workers: {len({r['step'] for r in workers})}, {len(workers)} jobs done, "
+                      f"{total} compiles" + ("" if cold_s is not None else " (the GPU: keys warmed, not counted)")]
+        lines += [f"- FAILED {r['step']} {r['check']}: {r.get('error')}" for r in workers if r["status"] != "ok"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT") or os.path.join(REPO, ".out", "gpu-check"),
@@ -795,16 +1118,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=450, help="deadline for the whole check (default 450 s)")
     parser.add_argument("--only", default=None, help="comma list of step names or prefixes to run (default: all)")
     parser.add_argument("--plan", action="store_true", help="print the steps in run order and exit")
+    parser.add_argument("--cold-compile-s", type=float, default=None, metavar="S",
+                        help="with --dry-run: simulate a cold GPU machine, where the first launch of each JIT key "
+                             "the GPU run would compile (bench/compile_keys.json) costs S seconds")
+    parser.add_argument("--no-background", action="store_true",
+                        help="no background compile workers (every step compiles what it needs itself)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a step's own process
     parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cold-dir", default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--cold-step"]:
+        return cold_step_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.cold_compile_s is not None and not args.dry_run:
+        parser.error("--cold-compile-s simulates a cold machine in the dry run: add --dry-run")
+    if args.child and args.child.startswith("precompile-"):
+        return precompile_main(int(args.child.split("-")[1]), WORKERS, args.results, args.cold_dir,
+                               args.cold_compile_s)
     if args.child:
         return child_main(args.child, args.results, args.dry_run)
     steps = select(plan(args.dry_run), args.only)
     if args.plan:
         for step in steps:
             together = f"  (at once with the rest of {step.group})" if step.group else ""
-            print(f"{step.stage:>3} {step.name:<40} cap {step.cap:>4.0f} s{together}")
+            compiles = f"  {len(step.compiles)} compiles" if step.jobs else ""
+            print(f"{step.stage:>3} {step.name:<48} cap {step.cap:>4.0f} s{compiles}{together}")
         return 0
 
     start_time = time.time()
@@ -834,8 +1172,23 @@ def main(argv: list[str] | None = None) -> int:
             step.info["skip"] = "no CUDA device" if not cuda else "compute-sanitizer not found"
     rec.save()
     values = {"out": out_dir, "results": rec.results, "deadline": f"{deadline - 20:.0f}",
-              "sanitizer": sanitizer or "compute-sanitizer"}
-    run_steps(steps, rec, env, deadline, values)
+              "sanitizer": sanitizer or "compute-sanitizer", "dry_run": "1" if args.dry_run else ""}
+    # Compiles: on the GPU the background workers compile the jobs' keys for real; in the dry run only on the
+    # simulated cold machine (the interpreter has nothing to compile).
+    folder = os.path.join(out_dir, "cold" if args.cold_compile_s is not None else "precompile")
+    shutil.rmtree(folder, ignore_errors=True)
+    compiling = Compiling(folder, cold_s=args.cold_compile_s, start=start_time,
+                          estimate=load_estimate() if args.cold_compile_s is not None else None)
+    rec.report["cold_compile_s"] = args.cold_compile_s
+    if not args.no_background and (cuda or args.cold_compile_s is not None):
+        compiling.handles = start_background(env, out_dir, rec.results, folder, args.cold_compile_s)
+    try:
+        run_steps(steps, rec, env, deadline, values, compiling)
+    finally:
+        for proc, out, _ in compiling.handles:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+            out.close()
 
     records = read_records(rec.results)
     text = check_summary(records)
@@ -851,6 +1204,7 @@ def main(argv: list[str] | None = None) -> int:
         rec.report["headline"] = headline(benchmarks)
         for line in rec.report["headline"]:
             log(f"headline: {line}")
+    text += "\n" + timeline(records, args.cold_compile_s)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(text)
     print(text, flush=True)

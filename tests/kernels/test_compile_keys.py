@@ -1,0 +1,99 @@
+"""bench/compile_keys.py's model of Triton's JIT key against the installed Triton's own binder.
+
+The cold-start budget of the first GPU run (bench/gpu_check.py) counts compiles by that model: if it drifted from
+Triton (a new specialisation rule, an argument fastbert adds), the budget would count the wrong thing. Each kernel
+fastbert launches is recorded at the shapes the GPU run uses (and at awkward ones: 1 token, a prime count, an
+unaligned view) and its modelled key compared with Triton's, here in Triton 3.9 and, in CI's Triton 3.6 virtualenv,
+in the GPU image's Triton. The recording needs the compiled kernels (not the interpreter this test session runs),
+so it runs in a subprocess.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = r'''
+import json, sys
+import torch
+from bench import compile_keys
+from bench.gpu_check import KernelChecks
+
+def gemm_calls(checks):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for kernel in ("tma", "ptr") if dtype != torch.float32 else ("ptr",):
+            for M in (1, 13, 203, 4096):
+                for act, gated, bias in ((None, False, True), ("gelu", False, True), ("gelu", True, False)):
+                    if gated and dtype == torch.float32:
+                        continue
+                    checks.gemm(dtype, kernel, act, None, M, 96, 64, gated=gated, bias=bias)
+
+results = []
+with compile_keys.Launches("record", keep_calls=True) as launches, compile_keys.pretend_sm90(), \
+        torch.inference_mode():
+    checks = KernelChecks("cpu", dry_run=False, launch_only=True)
+    gemm_calls(checks)
+    for short in ("bf16", "fp16"):
+        for _, check in checks.smoke(short):
+            check()
+    for lengths in ([1], [3, 17, 0, 128], [300, 512, 77]):
+        for extra in ({}, {"bias": True}, {"window": 8, "rotary": True}, {"disentangled": True}):
+            checks.attention(torch.float16, lengths, 2, 64, **extra)
+    checks.attention(torch.float32, [5, 9], 2, 32)
+    x = torch.randn(7, 3, 2, 64, dtype=torch.float16)[1:]  # an unaligned view: the pointer is not 16-byte aligned
+    from fastbert.kernels import residual_layernorm as rl
+    y = torch.randn(11, 48, dtype=torch.float16)
+    w = torch.randn(32, 48, dtype=torch.float16)
+    rl.residual_layernorm(y[1:], w, None, torch.randn(10, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16),
+                          torch.zeros(32, dtype=torch.float16), 1e-5)
+for fn, args, kwargs in launches.calls:
+    name, spec, options = compile_keys.launch_key(fn, args, kwargs)
+    t_spec, t_options = compile_keys.triton_key(fn, args, kwargs)
+    results.append({"kernel": name, "model": [list(s) for s in spec], "triton": [list(s) for s in t_spec],
+                    "model_options": [list(o) for o in options], "triton_options": [list(o) for o in t_options]})
+json.dump(results, sys.stdout, default=str)
+'''
+
+
+@pytest.fixture(scope="module")
+def launches():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout)
+
+
+def test_every_kernel_is_recorded(launches):
+    """The recording reaches each kernel fastbert launches, so the comparisons below cover them all."""
+    assert {r["kernel"] for r in launches} == {"gemm_kernel", "gemm_tma_kernel", "_attention_fwd_kernel",
+                                               "bias_residual_layernorm_kernel"}
+
+
+def test_modelled_key_is_tritons_key(launches):
+    """Argument by argument, the modelled specialisation is the one Triton's binder computes, and so are the
+    launch options: a difference names the kernel, the argument and both values."""
+    for r in launches:
+        model, triton_spec = r["model"], r["triton"]
+        assert len(model) == len(triton_spec), r["kernel"]
+        diffs = [(i, m, t) for i, (m, t) in enumerate(zip(model, triton_spec)) if m != t]
+        assert not diffs, f"{r['kernel']}: argument (index, model, triton) {diffs}"
+        assert r["model_options"] == r["triton_options"], r["kernel"]
+
+
+def test_token_counts_share_one_binary(launches):
+    """Token counts are not specialised: the GEMMs at 1, 13, 203 and 4,096 rows (one config, one dtype, one
+    epilogue) launch one key, so a cold machine compiles each GEMM config once, whatever the batch."""
+    by_config: dict = {}
+    for r in launches:
+        if r["kernel"] in ("gemm_kernel", "gemm_tma_kernel"):
+            constexprs = tuple(json.dumps(s) for s in r["model"] if s[0] == "constexpr")
+            by_config.setdefault((r["kernel"], r["model"][0][0], constexprs, json.dumps(r["model_options"])),
+                                 set()).add(json.dumps(r["model"]))
+    assert by_config
+    many = {k: len(v) for k, v in by_config.items() if len(v) > 1}
+    assert not many, f"one GEMM config compiles once per token count: {many}"
