@@ -117,7 +117,12 @@ def _disentangled(column_ptr, c2p_base, p2c_base, stride_c2p_t, stride_p2c_t, of
 # --------------------------------------------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------------------------------------------
-@triton.jit
+# The sequence length and its bucket (and the padded layout's row stride S) change with every batch and only feed
+# cdiv, masks and loop bounds: not specialised, so one binary per config serves every batch (kernels/__init__.py).
+ATTENTION_DO_NOT_SPECIALIZE = ("max_seqlen", "stride_mask_b", "seq_bucket")
+
+
+@triton.jit(do_not_specialize=ATTENTION_DO_NOT_SPECIALIZE)
 def _attention_fwd_kernel(
     # pointers
     qkv_ptr,  # [T, 3, nh, hd], hd unit-stride

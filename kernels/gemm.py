@@ -130,7 +130,13 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 # --------------------------------------------------------------------------------------------------------------------
 # The kernels
 # --------------------------------------------------------------------------------------------------------------------
-@triton.jit
+# The token count M (and the TMA kernel's program count, which follows it at small T) only feed cdiv, masks, the
+# wrap-around and descriptor shapes: not specialised, so every T shares one binary per config (kernels/__init__.py).
+GEMM_DO_NOT_SPECIALIZE = ("M",)
+GEMM_TMA_DO_NOT_SPECIALIZE = ("M", "NUM_PROGRAMS")
+
+
+@triton.jit(do_not_specialize=GEMM_DO_NOT_SPECIALIZE)
 def gemm_kernel(
     # pointers: A [M, K] (unit last stride), W [N, K] (any strides; [2N, K] when GATED), bias [N] ([2N] when GATED,
     # contiguous), C [M, N] (unit last stride)
@@ -185,7 +191,7 @@ def gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GEMM_TMA_DO_NOT_SPECIALIZE)
 def gemm_tma_kernel(
     # pointers: A [M, K], W [N, K] ([2N, K] when GATED), C [M, N], all with unit last stride and 16-byte aligned
     # rows; bias [N] ([2N] when GATED)

@@ -91,7 +91,11 @@ def _store_chunk(out_ptr, o_rows, centred, rstd, ln_w_ptr, ln_b_ptr, cols, param
     tl.store(out_ptr + o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# The row count T only feeds the row mask: not specialised, so one binary per width serves every token count.
+RESIDUAL_LAYERNORM_DO_NOT_SPECIALIZE = ("T",)
+
+
+@triton.jit(do_not_specialize=RESIDUAL_LAYERNORM_DO_NOT_SPECIALIZE)
 def bias_residual_layernorm_kernel(
     # pointers: h [T, H] (the GEMM output), bias [H], residual [T, H], LayerNorm gamma/beta [H], out [T, H],
     # s [T, H] (pre-norm: the new residual stream)

@@ -1,0 +1,154 @@
+"""How the launchers launch, checked without running a kernel: which arguments Triton specialises (one binary for
+every token count).
+
+Here the kernels are Triton's InterpretedFunctions (tests/conftest.py), which keep the decorator's arguments; a GPU
+builds a JITFunction from the same function and arguments. `jit_of` builds that JITFunction here, and its binder is
+Triton's own (create_function_from_signature over an sm_90 backend, no driver needed): the specialisation key it
+returns for a launch is the one a GPU's JIT files the launch's binary under. Launches are recorded by replacing the
+kernel's run, so nothing executes unless a test says so.
+"""
+import functools
+
+import pytest
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from fastbert.kernels import attention as attention_mod
+from fastbert.kernels import gemm as gemm_core
+from fastbert.kernels import residual_layernorm as rln_mod
+from fastbert.kernels import utils as kernel_utils
+
+TOKENS = (1, 203, 4096)  # a single token (Triton's ==1 constant), an odd count, a multiple of 16
+SM90 = GPUTarget("cuda", 90, 32)
+
+# kernel -> the arguments that follow the batch and must not be specialised
+TOKEN_ARGUMENTS = {
+    gemm_core.gemm_kernel: {"M"},
+    gemm_core.gemm_tma_kernel: {"M", "NUM_PROGRAMS"},
+    attention_mod._attention_fwd_kernel: {"max_seqlen", "seq_bucket", "stride_mask_b"},
+    rln_mod.bias_residual_layernorm_kernel: {"T"},
+}
+
+
+def jit_of(kernel) -> JITFunction:
+    """The JITFunction a GPU builds for `kernel` (the kernel itself there; here, from its function and the
+    decorator's keyword arguments, which the InterpretedFunction keeps)."""
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn, **kernel.kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def binder_of(kernel):
+    jit = jit_of(kernel)
+    return create_function_from_signature(jit.signature, jit.params, make_backend(SM90))
+
+
+def jit_key(kernel, args, kwargs) -> tuple:
+    """What the JIT keys a launch's binary by: the specialisation of every argument and the launch options."""
+    _, specialization, options = binder_of(kernel)(*args, **kwargs)
+    return tuple(specialization), str(options)
+
+
+def record(monkeypatch, kernel) -> list:
+    """Replace `kernel`'s run: each launch is recorded as (args, kwargs) and nothing runs."""
+    calls = []
+    monkeypatch.setattr(kernel, "run", lambda *args, grid, warmup, **kwargs: calls.append((args, kwargs)))
+    return calls
+
+
+def test_token_count_arguments_are_not_specialised():
+    """Each kernel's do_not_specialize (the attribute a GPU's JITFunction carries) lists its batch-dependent
+    integer arguments, and each name is one of the kernel's parameters (Triton ignores a misspelt one)."""
+    for kernel, names in TOKEN_ARGUMENTS.items():
+        jit = jit_of(kernel)
+        listed = set(jit.do_not_specialize)
+        assert listed == names, (kernel.fn.__name__, listed)
+        assert listed <= set(jit.arg_names)
+        assert {p.name for p in jit.params if p.do_not_specialize} == names
+
+
+def _gemm_launches(monkeypatch, kind):
+    kernel = gemm_core.gemm_tma_kernel if kind == "tma" else gemm_core.gemm_kernel
+    calls = record(monkeypatch, kernel)
+    w = torch.randn(96, 64, dtype=torch.float16)
+    for m in TOKENS:
+        a = torch.randn(m, 64, dtype=torch.float16)
+        gemm_core.gemm(a, w, torch.randn(96, dtype=torch.float16), torch.empty(m, 96, dtype=torch.float16), "gelu",
+                       kernel=kind)
+    return kernel, calls
+
+
+def _attention_launches(monkeypatch, padded):
+    calls = record(monkeypatch, attention_mod._attention_fwd_kernel)
+    for t in TOKENS:
+        qkv = torch.randn(t, 3, 2, 16, dtype=torch.float16)
+        if padded:  # one row of S = t keys, the last one padding (S is the mask's row stride)
+            keep = torch.ones(1, t, dtype=torch.bool)
+            keep[0, -1] = t == 1
+            attention_mod.launch(qkv, attention_mod.uniform_cu_seqlens(1, t, "cpu"), t, 0.25, key_valid=keep)
+        else:
+            attention_mod.launch(qkv, torch.tensor([0, t], dtype=torch.int32), t, 0.25)
+    return attention_mod._attention_fwd_kernel, calls
+
+
+def _row_launches(monkeypatch):
+    calls = record(monkeypatch, rln_mod.bias_residual_layernorm_kernel)
+    for t in TOKENS:
+        h, r = torch.randn(t, 64), torch.randn(t, 64)
+        rln_mod.bias_residual_layernorm(h, torch.randn(64), r, torch.ones(64), torch.zeros(64), 1e-12)
+    return rln_mod.bias_residual_layernorm_kernel, calls
+
+
+LAUNCHES = {
+    "gemm-ptr": lambda mp: _gemm_launches(mp, "ptr"),
+    "gemm-tma": lambda mp: _gemm_launches(mp, "tma"),
+    "attention-varlen": lambda mp: _attention_launches(mp, False),
+    "attention-padded": lambda mp: _attention_launches(mp, True),
+    "residual_layernorm": _row_launches,
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCHES))
+def test_one_binary_serves_every_token_count(case, monkeypatch):
+    """The launcher's own arguments at 1, 203 and 4096 tokens get one JIT key from Triton's binder: one compile
+    on a cold GPU, not three. Without the do_not_specialize lists they would get three (checked too, so the launches
+    really do differ in those arguments)."""
+    kernel, calls = LAUNCHES[case](monkeypatch)
+    assert len(calls) == len(TOKENS)
+    keys = {jit_key(kernel, args, kwargs) for args, kwargs in calls}
+    assert len(keys) == 1, keys
+    plain = jit_of(kernel)
+    plain = JITFunction(plain.fn)  # the same kernel, everything specialised
+    binder = create_function_from_signature(plain.signature, plain.params, make_backend(SM90))
+    assert len({str(binder(*args, **kwargs)[1]) for args, kwargs in calls}) == len(TOKENS)
+
+
+def test_the_gemm_autotuner_still_keys_on_the_token_bucket(monkeypatch):
+    """do_not_specialize changes the JIT's key, not the autotuner's: that reads argument values (M_BUCKET)."""
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    tuned = []
+    tuner = gemm_core._AUTOTUNED[("ptr", 4, False)]
+    monkeypatch.setattr(tuner, "run", lambda *args, **kwargs: tuned.append(
+        kernel_utils.autotune_key(tuner, args, {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")})))
+    w = torch.randn(40, 64)
+    for m in (203, 4096):
+        gemm_core.gemm(torch.randn(m, 64), w, None, torch.empty(m, 40))
+    assert [key[:3] for key in tuned] == [(40, 64, 256), (40, 64, 4096)]
+
+
+def test_aot_specs_compile_the_unspecialised_arguments_unhinted():
+    """tests/tooling/test_aot.py compiles what the JIT compiles: an argument in do_not_specialize is a plain i32
+    there too (in the signature, hint None, never a constant)."""
+    from fastbert.kernels import bias_gelu, qkv_projection
+
+    checked = 0
+    for module in (qkv_projection, bias_gelu, attention_mod, rln_mod):
+        for spec in module.aot_specs():
+            for name in jit_of(spec["fn"]).do_not_specialize:
+                assert spec["signature"].get(name) == "i32" and name not in spec["constexprs"], (spec["name"], name)
+                assert name in spec.get("hints", {}) and spec["hints"][name] is None, (spec["name"], name)
+                checked += 1
+    assert checked > 100
