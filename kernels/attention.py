@@ -432,7 +432,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
            column: torch.Tensor | None = None, uniform_padded_queries: bool = False) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
     forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
-    first config of attention_configs() for its dtype and head dim (benchmarking would sync). Runs on qkv's device."""
+    first config of attention_configs() for its dtype and head dim (benchmarking would sync), and a binary not loaded
+    yet is refused (utils.NotWarmedUp: warm up first). Runs on qkv's device."""
     T, _, num_heads, head_dim = qkv.shape
     has_c2p, has_p2c = c2p is not None, p2c is not None
     if has_c2p or has_p2c:
@@ -491,16 +492,19 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
-        if config is None and utils.untuned_in_capture(_attention_fwd, args, meta):
-            config = attention_configs(qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary,
-                                       has_c2p or has_p2c)[0]
+        capture = utils.capturing(qkv)
+        if config is None and capture:
+            config = utils.capture_config(_attention_fwd, args, meta, attention_configs(
+                qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary, has_c2p or has_p2c)[0])
         if config is None:
             _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
         else:
-            grid = launch_grid(num_seqs, max_seqlen, num_heads, config.kwargs["BLOCK_M"])
-            _attention_fwd_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
-                                        num_stages=config.num_stages,
-                                        **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
+            # the Config's own keyword arguments, as the autotuner launches its choice: one JIT key for both
+            kwargs = {**meta, **config.all_kwargs()}
+            if capture:
+                utils.require_loaded(_attention_fwd_kernel, args, kwargs, "attention")
+            _attention_fwd_kernel[launch_grid(num_seqs, max_seqlen, num_heads, config.kwargs["BLOCK_M"])](*args,
+                                                                                                      **kwargs)
     if key_valid is not None and has_window:
         _uniform_where(qkv, _window_is_empty(key_valid, int(window)), out)
     if key_valid is not None and uniform_padded_queries:

@@ -303,7 +303,10 @@ def _meta(cfg) -> dict:
     return meta
 
 
-def _triton_config(cfg) -> "triton.Config":
+@functools.lru_cache(maxsize=None)
+def _triton_config(cfg: tuple) -> "triton.Config":
+    """The Config of a tile tuple, one object per tuple. A pinned launch passes its `all_kwargs()`, as the autotuner
+    does: both then file under one JIT key and share one binary (and a capture finds the tuned launch's loaded)."""
     return triton.Config(_meta(cfg), num_warps=cfg[3], num_stages=cfg[4])
 
 
@@ -473,7 +476,8 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
     [a, g] = a @ weight^T + bias (see the header). Cheap asserts only. `kernel` ("tma" / "ptr") and `config`
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) pin a kernel and a tile instead of the per-arch choice and the
     autotuner (the tests run every config of both kernels with them). Runs on a's device (a device guard). While a
-    CUDA graph is captured, a key the autotuner has not tuned takes CAPTURE_CONFIGS (benchmarking would sync)."""
+    CUDA graph is captured, a key the autotuner has not tuned takes CAPTURE_CONFIGS (benchmarking would sync), and
+    a binary that is not loaded yet is refused (utils.NotWarmedUp: warm up first)."""
     assert activation is None or activation in ACTIVATIONS, activation
     assert a.dim() == 2 and weight.dim() == 2 and a.shape[1] == weight.shape[1], (a.shape, weight.shape)
     assert out.shape == (a.shape[0], weight.shape[0] // (2 if gated else 1)), (out.shape, weight.shape, gated)
@@ -494,37 +498,45 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
                 GATED=bool(gated))
     m_bucket = max(16, triton.next_power_of_2(M))
     variant = (kernel, a.element_size(), bool(gated))
-    tuner = _AUTOTUNED.get(variant)
+    tma = kernel == "tma"
 
     with utils.device_guard(a):
-        if kernel == "tma":
+        if tma:
             if a.device.type == "cuda":
                 _ensure_allocator()
             # NUM_PROGRAMS is a runtime argument: the SM count, whatever tile wins (the grid clips it per config).
             args = [a, weight, bias_arg, out, M, N, K, m_bucket, num_programs(a.device, M, N, 1, 1),
                     a.stride(0), weight.stride(0), out.stride(0)]
-            if config is None and utils.untuned_in_capture(tuner, args, meta):
-                config = CAPTURE_CONFIGS[variant]
-            if config is not None:
-                config = tuple(config) + (False,) * (6 - len(config))
-                args[8] = num_programs(a.device, M, N, config[0], config[1])
-                gemm_tma_kernel[(args[8],)](*args, **meta, **_meta(config), num_warps=config[3],
-                                            num_stages=config[4])
-            else:
-                grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731
-                tuner[grid](*args, **meta)
-            return out
-
-        args = (a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1),
-                out.stride(0))
-        if config is None and utils.untuned_in_capture(tuner, args, meta):
-            config = CAPTURE_CONFIGS[variant]
-        if config is not None:
-            grid = (triton.cdiv(M, config[0]) * triton.cdiv(N, config[1]),)
-            gemm_kernel[grid](*args, **meta, **_meta(config[:5]), num_warps=config[3], num_stages=config[4])
         else:
-            grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
-            tuner[grid](*args, **meta)
+            args = [a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1),
+                    out.stride(0)]
+        capture = utils.capturing(a)
+        if config is None and not capture:
+            if tma:
+                grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731
+            else:
+                grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
+            _AUTOTUNED[variant][grid](*args, **meta)
+            return out
+        # A pinned tile, or a capture: launch the JIT function with the Config's own keyword arguments, as the
+        # autotuner launches its choice (one JIT key for both).
+        if config is None:
+            config = utils.capture_config(_AUTOTUNED[variant], args, meta, _triton_config(CAPTURE_CONFIGS[variant]))
+        elif tma:
+            config = _triton_config(tuple(config) + (False,) * (6 - len(config)))
+        else:
+            config = _triton_config(tuple(config[:5]))
+        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        kwargs = {**meta, **config.all_kwargs()}
+        fn = gemm_tma_kernel if tma else gemm_kernel
+        if tma:
+            args[8] = num_programs(a.device, M, N, block_m, block_n)
+            grid = (args[8],)
+        else:
+            grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+        if capture:
+            utils.require_loaded(fn, args, kwargs, "gemm")
+        fn[grid](*args, **kwargs)
     return out
 
 

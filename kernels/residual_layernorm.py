@@ -268,15 +268,14 @@ def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual
         return result
     stream = residual_out if pre_norm else out  # s_ptr is never written unless PRE_NORM
     rows, chunk, num_chunks, num_warps = row_config(H)
+    args = (h, bias if bias is not None else h, residual, ln_weight, ln_bias if ln_bias is not None else ln_weight,
+            out, stream, T, H, float(eps), h.stride(0), residual.stride(0), out.stride(0), stream.stride(0))
+    kwargs = dict(HAS_BIAS=bias is not None, HAS_LN_BIAS=ln_bias is not None, PRE_NORM=bool(pre_norm), ROWS=rows,
+                  CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H, num_warps=num_warps)
     with utils.device_guard(h):  # Triton launches on the current device: make it h's
-        bias_residual_layernorm_kernel[(triton.cdiv(T, rows),)](
-            h, bias if bias is not None else h, residual, ln_weight, ln_bias if ln_bias is not None else ln_weight,
-            out, stream,
-            T, H, float(eps),
-            h.stride(0), residual.stride(0), out.stride(0), stream.stride(0),
-            HAS_BIAS=bias is not None, HAS_LN_BIAS=ln_bias is not None, PRE_NORM=bool(pre_norm),
-            ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H,
-            num_warps=num_warps)
+        if utils.capturing(h):  # a binary not loaded yet cannot be loaded inside a capture
+            utils.require_loaded(bias_residual_layernorm_kernel, args, kwargs, OP)
+        bias_residual_layernorm_kernel[(triton.cdiv(T, rows),)](*args, **kwargs)
     return result
 
 

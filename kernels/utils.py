@@ -106,11 +106,67 @@ def autotune_key(tuner, args, kwargs) -> tuple:
     return tuple(key)
 
 
-def untuned_in_capture(tuner, args, kwargs) -> bool:
-    """True while a CUDA graph is captured (on the device of the first argument, a tensor) and `tuner` has no
-    choice for this launch yet: its benchmark would synchronise, which a capture forbids, so the launcher takes
-    its fixed config instead."""
-    return capturing(args[0]) and autotune_key(tuner, args, kwargs) not in tuner.cache
+def capture_config(tuner, args, kwargs, fixed: "triton.Config") -> "triton.Config":
+    """The config a launch inside a CUDA-graph capture takes: the autotuner's choice for this key, else `fixed`
+    (tuning would benchmark, and a benchmark synchronises, which a capture forbids)."""
+    return tuner.cache.get(autotune_key(tuner, args, kwargs), fixed)
+
+
+# Inside a capture nothing may be compiled, tuned or loaded. Triton loads a compiled kernel into the CUDA context
+# (cuModuleLoadData) at the first launch of its key, and that call fails inside a capture ("operation not permitted
+# when stream is capturing") and invalidates the capture. So a launcher that sees a capture first asks `loaded`
+# whether the exact binary it is about to launch is in the JIT's kernel cache with its module loaded, and refuses
+# otherwise (`NotWarmedUp`). Outside a capture none of this runs: the only cost on the eager path is `capturing`.
+class NotWarmedUp(RuntimeError):
+    """A CUDA-graph capture reached a Triton kernel whose binary for this launch is not loaded yet."""
+
+
+WARM_UP = ("run the same call once outside the capture first (for a model: one eager forward with the same "
+           "batch shape and dtype), so that Triton compiles, tunes and loads it there")
+
+
+def _run_kwargs(fn, kwargs: dict) -> dict:
+    """The keyword arguments JITFunction.run hands its binder: the launch's, then the options run() adds (Triton 3.6:
+    debug and instrumentation_mode; 3.9 also fpsan_homomorphic_casts). tests/kernels/test_launch.py checks that
+    `loaded` finds the key run() files a kernel under, on the installed Triton."""
+    from triton import knobs
+
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    return kwargs
+
+
+def loaded(fn, args, kwargs: dict) -> bool:
+    """Whether `fn[grid](*args, **kwargs)` would launch a binary that is compiled and loaded on the current CUDA
+    device; it compiles and loads nothing itself. True for Triton's interpreter (nothing to load). The key is the
+    one JITFunction.run computes (the same code in 3.6 and 3.9): the binder's specialisation and options."""
+    caches = getattr(fn, "device_caches", None)
+    if caches is None:
+        return True
+    from triton import knobs
+    from triton.runtime.jit import compute_cache_key
+
+    entry = caches.get(torch.cuda.current_device())  # .get: a defaultdict would build a binder for the lookup
+    if entry is None:
+        return False
+    kernel_cache, key_cache, _, _, binder = entry
+    _, specialization, options = binder(*args, **_run_kwargs(fn, kwargs))
+    stages_hook = getattr(knobs.runtime, "add_stages_inspection_hook", None)  # Triton 3.9
+    if stages_hook is not None:
+        specialization.append(f'("custom_pipeline", {stages_hook()[1]})')
+    kernel = kernel_cache.get(compute_cache_key(key_cache, specialization, options))
+    return kernel is not None and getattr(kernel, "module", None) is not None
+
+
+def require_loaded(fn, args, kwargs: dict, op: str) -> None:
+    """Inside a capture: raise NotWarmedUp, saying how to warm up, unless `loaded(fn, args, kwargs)`."""
+    if not loaded(fn, args, kwargs):
+        raise NotWarmedUp(f"{op}: a CUDA graph is being captured, and the Triton kernel {fn.fn.__name__} has not "
+                          f"run yet for this launch's shapes, dtypes and options (Triton would compile it, or load "
+                          f"it into the CUDA context, which a capture forbids); {WARM_UP}")
 
 
 # The CUDA errors after which the context is lost: the driver documents each as "the process must be terminated and

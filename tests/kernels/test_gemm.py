@@ -993,7 +993,8 @@ def test_autotuner_raises_naming_the_kernel_when_every_config_fails(monkeypatch,
 @pytest.mark.parametrize("tuned", [False, True])
 def test_gemm_takes_its_fixed_config_in_a_capture_for_a_key_not_tuned(tuned, monkeypatch):
     """While a CUDA graph is captured, a key the autotuner has not tuned launches CAPTURE_CONFIGS (benchmarking
-    would synchronise); a tuned key still goes through the autotuner. On CPU: the capture predicate patched, the
+    would synchronise); a tuned key launches the autotuner's choice, with the keyword arguments the autotuner passes
+    (so the launch finds the binary the tuned eager launches loaded). On CPU: the capture predicate patched, the
     interpreter's fixed tile switched off."""
     monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     monkeypatch.setattr(kernel_utils, "capturing", lambda t: True)
@@ -1012,13 +1013,14 @@ def test_gemm_takes_its_fixed_config_in_a_capture_for_a_key_not_tuned(tuned, mon
                                                                                real_run(*args, **kwargs)))
     with tf32_matmuls(False):
         gemm_core.gemm(a, w, None, out)
+    assert not tuner_calls and len(fixed) == 1
+    blocks = (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"], fixed[0]["BLOCK_K"])
     if tuned:
-        assert len(tuner_calls) == 1 and not fixed
+        chosen = tuner.configs[-1]
+        assert {k: fixed[0][k] for k in chosen.all_kwargs()} == chosen.all_kwargs()
     else:
-        assert not tuner_calls and len(fixed) == 1
-        blocks = (fixed[0]["BLOCK_M"], fixed[0]["BLOCK_N"], fixed[0]["BLOCK_K"])
         assert blocks == gemm_core.CAPTURE_CONFIGS[("ptr", 4, False)][:3]
-        assert (out.double() - F.linear(a.double(), w.double())).abs().max() < FP32_TOL
+    assert (out.double() - F.linear(a.double(), w.double())).abs().max() < FP32_TOL
     assert not any(c[5] for c in gemm_core.CAPTURE_CONFIGS.values() if len(c) > 5)
 
 

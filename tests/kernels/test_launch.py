@@ -1,5 +1,5 @@
 """How the launchers launch, checked without running a kernel: which arguments Triton specialises (one binary for
-every token count).
+every token count), and the refusal to compile or load a binary inside a CUDA-graph capture.
 
 Here the kernels are Triton's InterpretedFunctions (tests/conftest.py), which keep the decorator's arguments; a GPU
 builds a JITFunction from the same function and arguments. `jit_of` builds that JITFunction here, and its binder is
@@ -8,9 +8,12 @@ returns for a launch is the one a GPU's JIT files the launch's binary under. Lau
 kernel's run, so nothing executes unless a test says so.
 """
 import functools
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -137,6 +140,158 @@ def test_the_gemm_autotuner_still_keys_on_the_token_bucket(monkeypatch):
     for m in (203, 4096):
         gemm_core.gemm(torch.randn(m, 64), w, None, torch.empty(m, 40))
     assert [key[:3] for key in tuned] == [(40, 64, 256), (40, 64, 4096)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Capture: nothing compiled, tuned or loaded inside it
+# --------------------------------------------------------------------------------------------------------------------
+class FakeCompiled:
+    """A CompiledKernel as the JIT's cache holds it: `module` is None until the first launch loads it."""
+    module = None
+
+
+def test_loaded_finds_the_key_jit_run_files(monkeypatch):
+    """`loaded` computes the key JITFunction.run files a launch under (the installed Triton's run, driven here by
+    a stand-in driver and compiler): found once run() has compiled it, loaded once its module is set; a launch
+    with other options is another binary; another token count is the same one."""
+    fake_driver = types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0, get_current_target=lambda: SM90))
+    monkeypatch.setattr(triton.runtime.jit, "driver", fake_driver)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    jit = jit_of(rln_mod.bias_residual_layernorm_kernel)
+    compiled = []
+
+    def fake_compile(key, signature, device, constexprs, options, attrs, warmup):
+        kernel = jit.device_caches[device][0][key] = FakeCompiled()
+        compiled.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(jit, "_do_compile", fake_compile)
+
+    def launch(t, **options):
+        h = torch.randn(t, 64)
+        args = (h, h, h, h, h, h, h, t, 64, 1e-12, 64, 64, 64, 64)
+        kwargs = dict(HAS_BIAS=True, HAS_LN_BIAS=True, PRE_NORM=False, ROWS=4, CHUNK=64, NUM_CHUNKS=1, EVEN=True,
+                      num_warps=4, **options)
+        return args, kwargs
+
+    args, kwargs = launch(203)
+    assert not kernel_utils.loaded(jit, args, kwargs)  # no binder for the device yet: nothing compiled
+    assert jit.run(*args, grid=None, warmup=True, **kwargs) is compiled[0]
+    assert not kernel_utils.loaded(jit, args, kwargs)  # compiled, not loaded
+    compiled[0].module = object()
+    assert kernel_utils.loaded(jit, args, kwargs)
+    assert kernel_utils.loaded(jit, *launch(4096))
+    assert kernel_utils.loaded(jit, *launch(1))
+    assert not kernel_utils.loaded(jit, *launch(203, num_stages=2))
+    jit.run(*args, grid=None, warmup=True, **kwargs)
+    assert len(compiled) == 1  # run() found it: the same key
+
+
+class RecordingCache(dict):
+    """A JIT kernel cache that records the keys it is asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def get(self, key, default=None):
+        self.asked.append(key)
+        return super().get(key, default)
+
+
+def _gemm_call():
+    a, w = torch.randn(5, 64), torch.randn(40, 64) / 8
+    out = torch.full((5, 40), float("nan"))
+    return gemm_core.gemm_kernel, lambda: gemm_core.gemm(a, w, None, out), lambda: (out, F.linear(a, w))
+
+
+def _attention_call():
+    qkv = torch.randn(7, 3, 2, 16)
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+
+    def reference():
+        q, k, v = qkv.unbind(1)
+        parts = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                                v[s:e].transpose(0, 1), scale=0.25).transpose(0, 1).reshape(e - s, 32)
+                 for s, e in ((0, 4), (4, 7))]
+        return torch.cat(parts)
+
+    result = {}
+    return (attention_mod._attention_fwd_kernel,
+            lambda: result.setdefault("out", attention_mod.launch(qkv, cu, 4, 0.25)),
+            lambda: (result["out"], reference()))
+
+
+def _row_call():
+    h, r, b = torch.randn(6, 64), torch.randn(6, 64), torch.randn(64)
+    result = {}
+    return (rln_mod.bias_residual_layernorm_kernel,
+            lambda: result.setdefault("out", rln_mod.bias_residual_layernorm(h, b, r, torch.ones(64),
+                                                                            torch.zeros(64), 1e-12)),
+            lambda: (result["out"], F.layer_norm(h + b + r, (64,), eps=1e-12)))
+
+
+CALLS = {"gemm": _gemm_call, "attention": _attention_call, "residual_layernorm": _row_call}
+
+
+@pytest.mark.parametrize("op", list(CALLS))
+def test_a_capture_refuses_a_binary_not_loaded_and_launches_one_that_is(op, monkeypatch):
+    """Simulated on CPU: a capture in progress (the launchers' predicate) and a JIT kernel cache without the
+    launch's key. The launcher raises NotWarmedUp, saying to warm up, before anything is compiled or launched; once
+    the key holds a loaded binary (what a warm-up leaves) the same call launches (here: the interpreter runs it)."""
+    kernel, call, result = CALLS[op]()
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)  # the launchers' capture path, not the interpreter's tile
+    monkeypatch.setattr(kernel_utils, "capturing", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cache = RecordingCache()
+    monkeypatch.setattr(kernel, "device_caches", {0: (cache, {}, SM90, None, binder_of(kernel))}, raising=False)
+    monkeypatch.setattr(kernel, "debug", None, raising=False)
+    with pytest.raises(kernel_utils.NotWarmedUp, match="eager forward") as refused:
+        call()
+    assert kernel.fn.__name__ in str(refused.value) and len(cache.asked) == 1
+    loaded = FakeCompiled()
+    loaded.module = object()
+    cache[cache.asked[0]] = loaded
+    call()
+    got, want = result()
+    assert (got - want).abs().max() <= 1e-4
+
+
+def test_nothing_is_looked_up_outside_a_capture(monkeypatch):
+    """The eager path pays one capture query per launch and no key computation."""
+    monkeypatch.setattr(kernel_utils, "loaded", lambda *a: pytest.fail("looked up outside a capture"))
+    for make in CALLS.values():
+        _, call, result = make()
+        call()
+        got, want = result()
+        assert (got - want).abs().max() <= 1e-4
+
+
+def test_the_key_a_capture_asks_for_is_the_tuned_launchs(monkeypatch):
+    """A pinned or captured launch passes the Config's all_kwargs(), as the autotuner passes its choice: the JIT key
+    equals the autotuned launch's, so the binary an eager, tuned warm-up loaded is the one the capture finds."""
+    tuner = gemm_core._AUTOTUNED[("ptr", 4, False)]
+    a, w, out = torch.randn(5, 64), torch.randn(40, 64), torch.empty(5, 40)
+    args = (a, w, a, out, 5, 40, 64, 16, a.stride(0), w.stride(0), w.stride(1), out.stride(0))
+    meta = dict(HAS_BIAS=False, ACTIVATION=None, INPUT_PRECISION="ieee", GATED=False)
+    choice = tuner.configs[1]
+    tuned = []  # what Autotuner.run hands the JIT function for a cached choice
+    monkeypatch.setattr(gemm_core.gemm_kernel, "run", lambda *a, grid, warmup, **k: tuned.append((a, k)))
+    monkeypatch.setitem(tuner.cache, kernel_utils.autotune_key(tuner, args, meta), choice)
+    tuner[(1,)](*args, **meta)
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    monkeypatch.setattr(kernel_utils, "capturing", lambda t: True)
+    captured = record(monkeypatch, gemm_core.gemm_kernel)
+    gemm_core.gemm(a, w, None, out)
+    pinned = record(monkeypatch, gemm_core.gemm_kernel)
+    cfg = choice.kwargs
+    monkeypatch.setattr(kernel_utils, "capturing", lambda t: False)
+    gemm_core.gemm(a, w, None, out, config=(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], choice.num_warps,
+                                            choice.num_stages))
+    assert len(tuned) == len(captured) == len(pinned) == 1
+    assert jit_key(gemm_core.gemm_kernel, *tuned[0]) == jit_key(gemm_core.gemm_kernel, *captured[0]) == \
+        jit_key(gemm_core.gemm_kernel, *pinned[0])
 
 
 def test_aot_specs_compile_the_unspecialised_arguments_unhinted():
