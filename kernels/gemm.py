@@ -42,6 +42,7 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from . import utils
 from .utils import DTYPES, input_precision, loop_bound
@@ -357,19 +358,38 @@ def _device_facts(index: int) -> tuple:
     return props.major, props.multi_processor_count
 
 
+_ALLOCATOR = _allocation._allocator  # the ContextVar triton.set_allocator sets (Triton 3.6 and 3.9)
+# (device, stream, size) -> the scratch buffer every eager TMA launch of that size on that stream reuses.
+_SCRATCH: dict = {}
+
+
 def _scratch(size: int, alignment: int, stream):
-    # Global scratch for the device-side TMA descriptors (128 B per program), from torch's caching allocator, on
-    # the launch's device (the launcher's device guard made it the current one).
-    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
+    """Global scratch for the device-side TMA descriptors (128 B per descriptor and program), which Triton's
+    launcher asks for at every launch (3.6 and 3.9), on the launch's device (the launcher's device guard made it
+    the current one); torch's allocations are 512-byte aligned, more than the descriptors' 64/128.
+
+    Eager launches reuse one buffer per (device, stream, size): launches on one stream run in order, so two never
+    use a buffer at once, and another stream (or device: stream handle 0 is every device's default stream) gets
+    its own. Inside a CUDA-graph capture a fresh tensor each launch, from the graph's private pool, as any
+    temporary of the captured forward (the pool reuses it in the capture's stream order); never the cache: an
+    eager buffer recorded into a graph would be shared between its replays and later eager launches on another
+    stream, and a pool buffer cached under the capture's stream would be shared with eager work on that stream
+    once torch hands the stream out again. The cache stays small: sizes follow the grid (<= one program per SM)
+    and torch hands out a fixed pool of streams. tests/kernels/test_launch.py counts the allocations."""
+    device = torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", device))
+    key = (device, stream, size)
+    buffer = _SCRATCH.get(key)
+    if buffer is None:
+        buffer = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device=torch.device("cuda", device))
+    return buffer
 
 
 def _ensure_allocator() -> None:
     """Device-side tensor descriptors need triton.set_allocator; install torch's unless the caller set one. The
     setting is a ContextVar (per thread), so this is checked at each TMA launch: one ContextVar read."""
-    from triton.runtime import _allocation
-
-    current = getattr(_allocation, "_allocator", None)
-    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+    if isinstance(_ALLOCATOR.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
 

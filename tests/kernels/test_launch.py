@@ -1,5 +1,6 @@
 """How the launchers launch, checked without running a kernel: which arguments Triton specialises (one binary for
-every token count), and the refusal to compile or load a binary inside a CUDA-graph capture.
+every token count), the refusal to compile or load a binary inside a CUDA-graph capture, and the TMA GEMM's scratch
+buffers.
 
 Here the kernels are Triton's InterpretedFunctions (tests/conftest.py), which keep the decorator's arguments; a GPU
 builds a JITFunction from the same function and arguments. `jit_of` builds that JITFunction here, and its binder is
@@ -292,6 +293,39 @@ def test_the_key_a_capture_asks_for_is_the_tuned_launchs(monkeypatch):
     assert len(tuned) == len(captured) == len(pinned) == 1
     assert jit_key(gemm_core.gemm_kernel, *tuned[0]) == jit_key(gemm_core.gemm_kernel, *captured[0]) == \
         jit_key(gemm_core.gemm_kernel, *pinned[0])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The TMA GEMM's scratch: one buffer per (device, stream, size)
+# --------------------------------------------------------------------------------------------------------------------
+def test_one_scratch_buffer_per_device_stream_and_size(monkeypatch):
+    """Triton's launcher calls the allocator at every TMA launch with (size, alignment, stream). Eagerly each
+    (device, stream, size) allocates once; inside a capture every call allocates (from the graph's pool) and
+    nothing is cached or handed out from the cache."""
+    device, capturing, made = [0], [False], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    real_empty = torch.empty
+
+    def counting_empty(size, dtype, device):
+        assert dtype == torch.int8 and device.type == "cuda"
+        made.append((device.index, size))
+        return real_empty(size, dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    monkeypatch.setattr(gemm_core, "_SCRATCH", {})
+    first = gemm_core._scratch(16896, 128, 7)
+    assert all(gemm_core._scratch(16896, 128, 7) is first for _ in range(100))
+    assert made == [(0, 16896)]
+    assert gemm_core._scratch(16896, 128, 8) is not first  # another stream
+    assert gemm_core._scratch(512, 128, 7) is not first  # another size
+    device[0] = 1
+    assert gemm_core._scratch(16896, 128, 7) is not first  # another device, same stream handle (0 is everyone's)
+    assert len(made) == 4
+    capturing[0] = True
+    device[0] = 0
+    inside = [gemm_core._scratch(16896, 128, 7) for _ in range(3)]
+    assert len(made) == 7 and all(t is not first for t in inside) and len(gemm_core._SCRATCH) == 4
 
 
 def test_aot_specs_compile_the_unspecialised_arguments_unhinted():
