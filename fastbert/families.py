@@ -51,7 +51,6 @@ class Family:
     fields: dict = field(default_factory=dict)  # fastbert's (BERT's) field name -> this family's config attribute
     fixed: dict = field(default_factory=dict)  # fields the family's modeling file hard-codes instead of reading
     padding_idx: int | None = None  # a fixed padding_idx (MPNet's embeddings use 1, whatever pad_token_id says)
-    heads: tuple = ()  # top-level modules of its head checkpoints (not the encoder's)
     output: str = "BaseModelOutputWithPoolingAndCrossAttentions"  # transformers.modeling_outputs class
     pre_norm: bool = False  # ModernBERT: LN before each sublayer, a final norm, rotary q/k, windows, a gated MLP
     min_transformers: str | None = None  # the first transformers release that has the family
@@ -71,13 +70,11 @@ class Family:
 _BERT_LAYER = {"query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
                "attn_out": "attention.output.dense", "ln1": "attention.output.LayerNorm",
                "ffn_in": "intermediate.dense", "ffn_out": "output.dense", "ln2": "output.LayerNorm"}
-_BERT_HEADS = ("cls.", "classifier.", "qa_outputs.", "lm_head.", "dropout.", "discriminator_predictions.",
-               "generator_predictions.", "generator_lm_head.")
 
-BERT = Family("bert", "BERT", "bert.", "index", _BERT_LAYER, heads=_BERT_HEADS)
-ROBERTA = Family("roberta", "RoBERTa", "roberta.", "padding_idx", _BERT_LAYER, heads=_BERT_HEADS)
+BERT = Family("bert", "BERT", "bert.", "index", _BERT_LAYER)
+ROBERTA = Family("roberta", "RoBERTa", "roberta.", "padding_idx", _BERT_LAYER)
 ELECTRA = Family("electra", "ELECTRA", "electra.", "index", _BERT_LAYER, projection=True, pooler=False,
-                 heads=_BERT_HEADS, output="BaseModelOutputWithPastAndCrossAttentions")
+                 output="BaseModelOutputWithPastAndCrossAttentions")
 DISTILBERT = Family(
     "distilbert", "DistilBERT", "distilbert.", "index",
     {"query": "attention.q_lin", "key": "attention.k_lin", "value": "attention.v_lin", "attn_out": "attention.out_lin",
@@ -87,8 +84,6 @@ DISTILBERT = Family(
             "intermediate_size": "hidden_dim", "hidden_act": "activation", "hidden_dropout_prob": "dropout",
             "attention_probs_dropout_prob": "attention_dropout"},
     fixed={"layer_norm_eps": 1e-12},  # HF's DistilBERT builds every LayerNorm with eps=1e-12
-    heads=("vocab_transform.", "vocab_layer_norm.", "vocab_projector.", "pre_classifier.", "classifier.",
-           "qa_outputs.", "dropout."),
     output="BaseModelOutput")
 MPNET = Family(
     "mpnet", "MPNet", "mpnet.", "padding_idx",
@@ -96,7 +91,6 @@ MPNET = Family(
      "attn_out": "attention.attn.o", "ln1": "attention.LayerNorm", "ffn_in": "intermediate.dense",
      "ffn_out": "output.dense", "ln2": "output.LayerNorm"},
     token_types=False, relative_bias=True, padding_idx=1, selects_hidden_states=False, tuple_keeps_pooler=True,
-    heads=("lm_head.", "classifier.", "qa_outputs.", "dropout."),
     output="BaseModelOutputWithPooling")
 
 # ModernBERT's layer roles, in HF's module order (ModernBertEncoderLayer: attn_norm, attn, mlp_norm, mlp). Its
@@ -109,7 +103,6 @@ MODERNBERT = Family(
     token_types=False, pooler=False, layers="layers", pre_norm=True, min_transformers="4.48.0",
     fields={"layer_norm_eps": "norm_eps", "hidden_act": "hidden_activation",
             "hidden_dropout_prob": "mlp_dropout", "attention_probs_dropout_prob": "attention_dropout"},
-    heads=("head.", "decoder.", "classifier.", "drop."),
     output="BaseModelOutput")
 
 # DeBERTa-v2/v3 and mDeBERTa (one model_type). HF's DebertaV2Model has no pooler: the sequence heads hold their own
@@ -122,7 +115,6 @@ DEBERTA_V2 = Family(
     "deberta-v2", "DeBERTa-v2", "deberta.", "index", _DEBERTA_LAYER,
     pooler=False, disentangled=True, bounds={"type_vocab_size": 0},
     selects_hidden_states=False,  # HF's encoder always returns every hidden state; the model keeps all or none
-    heads=("pooler.", "classifier.", "lm_predictions.", "cls.", "qa_outputs.", "dropout."),
     output="BaseModelOutput",
     min_transformers="4.48.0")  # the DeBERTa-v2 definition fastbert follows (earlier: StableDropout, XSoftmax)
 

@@ -1,7 +1,9 @@
 """Checkpoints: HF BERT folders and Hub ids in, HF folders out. Every key accounted for, never a random weight."""
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import os
 import re
 
@@ -12,7 +14,7 @@ from . import config as configs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-_IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")  # buffers, not weights
+logger = logging.getLogger(__name__)
 
 
 def resolve_folder(name_or_path, weights: bool = True) -> str:
@@ -68,30 +70,101 @@ def read_checkpoint(folder: str) -> dict:
     raise FileNotFoundError(f"no weights in {folder!r}: looked for {', '.join(WEIGHT_FILES)}")
 
 
-def encoder_part(raw: dict, model_type: str) -> dict:
-    """A head checkpoint's encoder (keys under its base_model_prefix, the prefix dropped); a base one as is."""
+def split_checkpoint(raw: dict, model_type: str) -> tuple[dict, list]:
+    """({encoder key: checkpoint key} for the encoder's tensors, [the other checkpoint keys]). A head checkpoint keeps
+    its encoder under transformers' base_model_prefix (the encoder key drops it) and its head's modules outside it:
+    those are the others, which transformers' base model never reads either. A base checkpoint is all encoder."""
     prefix = families.MODEL_TYPES[model_type][0].prefix  # transformers' base_model_prefix
     if any(k.startswith(prefix) for k in raw):
-        return {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
-    return raw
+        return {k[len(prefix):]: k for k in raw if k.startswith(prefix)}, [k for k in raw if not k.startswith(prefix)]
+    return {k: k for k in raw}, []
 
 
-def hf_state_dict(raw: dict, model) -> dict:
-    """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch."""
-    raw = encoder_part(raw, model.config.model_type)
-    heads = model.family.heads  # a head checkpoint's own top-level modules: not the encoder's
-    state = {}
-    for key, value in raw.items():
+def encoder_part(raw: dict, model_type: str) -> dict:
+    """A head checkpoint's encoder (keys under its base_model_prefix, the prefix dropped); a base one as is."""
+    return {key: raw[name] for key, name in split_checkpoint(raw, model_type)[0].items()}
+
+
+def _family_classes(config) -> list:
+    """transformers' encoder class of the config's model_type, then the head classes its `architectures` names that
+    belong to the same modeling file (a name transformers lacks, or of another family, declares nothing here)."""
+    import transformers
+    encoder = getattr(transformers, families.encoder_class(config.model_type))
+    classes = [encoder]
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and cls.__module__ == encoder.__module__ and cls not in classes:
+            classes.append(cls)
+    return classes
+
+
+def ignore_on_load_unexpected(config) -> list:
+    """(pattern, class name) for each of transformers' `_keys_to_ignore_on_load_unexpected` regexes (matched with
+    re.search, as transformers does) of the classes _family_classes names, as the installed transformers declares
+    them: DebertaV2PreTrainedModel's ["position_embeddings"] (v3's checkpoints hold a table position_biased_input=False
+    does not use), DebertaV2ForMaskedLM's mask_predictions.* (the discriminator of the RTD checkpoints)."""
+    found = []
+    for cls in _family_classes(config):
+        patterns = getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ()
+        if isinstance(patterns, str):  # transformers 4.48's DebertaV2ForMaskedLM: one pattern, not a list of letters
+            patterns = [patterns]
+        for pattern in patterns:
+            if pattern not in (p for p, _ in found):
+                found.append((pattern, cls.__name__))
+    return found
+
+
+def hf_buffers(config) -> set:
+    """The buffers of transformers' encoder for `config` (built on meta: no memory, no initialisation): position ids,
+    token type ids, rotary frequencies. transformers computes them rather than loading them, so a checkpoint's copy
+    (older transformers saved position_ids) is skipped, as its loader skips it; fastbert's model holds none."""
+    import transformers
+    cls = getattr(transformers, families.encoder_class(config.model_type))
+    with torch.device("meta"):
+        hf = cls(copy.deepcopy(config))  # (transformers may write to the config it is built from)
+    return {name for name, _ in hf.named_buffers()}
+
+
+def hf_state_dict(raw: dict, model, where: str = "checkpoint") -> dict:
+    """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch.
+
+    Skipped, as transformers' from_pretrained of the family's encoder skips them, and said in one info line of the
+    `fastbert` logger: a head checkpoint's keys outside the encoder; keys transformers' classes (the encoder's and
+    the heads config.json's `architectures` names) declare ignorable (`_keys_to_ignore_on_load_unexpected`); copies
+    of buffers transformers computes; a pooler the model is built without. Any other unexpected key is an error.
+    Every parameter must be in the checkpoint: fastbert's state_dict holds parameters only, so nothing transformers
+    does not persist is required, and a missing weight is an error even where a class's
+    `_keys_to_ignore_on_load_missing` would let transformers initialise it randomly."""
+    config = model.config
+    encoder, head = split_checkpoint(raw, config.model_type)
+    skipped = {f"the head's (outside {model.family.prefix!r})": sorted(head)} if head else {}
+    state, names = {}, {}
+    for key, name in encoder.items():
         key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        if key in _IGNORED or key.startswith(heads):
-            continue
         if key.startswith("pooler.") and model.pooler is None:
+            skipped.setdefault("the pooler (the model is built without one)", []).append(name)
             continue
-        state[key] = value
+        state[key], names[key] = raw[name], name
 
     expected = {k: v.shape for k, v in model.state_dict().items()}
+    unexpected = set(state) - set(expected)
+    if unexpected:
+        for pattern, owner in ignore_on_load_unexpected(config):
+            # searched in the checkpoint's own key, prefix included, as transformers searches an unexpected key
+            hits = sorted(k for k in unexpected if re.search(pattern, names[k]))
+            if hits:
+                reason = f"declared by transformers' {owner} (_keys_to_ignore_on_load_unexpected '{pattern}')"
+                skipped[reason] = [names[k] for k in hits]
+                unexpected -= set(hits)
+    if unexpected:
+        buffers = sorted(unexpected & hf_buffers(config))
+        if buffers:
+            skipped["buffers transformers computes, not loads"] = [names[k] for k in buffers]
+            unexpected -= set(buffers)
+    for key in set(state) - set(expected) - unexpected:
+        del state[key]
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = sorted(unexpected)
     wrong = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k])}"
                    for k in set(state) & set(expected) if state[k].shape != expected[k])
     if missing or unexpected or wrong:
@@ -105,6 +178,10 @@ def hf_state_dict(raw: dict, model) -> dict:
         hint = " (a checkpoint without a pooler loads with add_pooling_layer=None or False)" if any(
             k.startswith("pooler.") for k in missing) else ""
         raise ValueError("checkpoint does not match the model: " + " | ".join(lines) + hint)
+    if skipped:
+        count = sum(len(keys) for keys in skipped.values())
+        logger.info("%s: %d weights of the checkpoint were not used by the %s encoder: %s", where, count,
+                    model.family.title, "; ".join(f"{why}: {', '.join(keys)}" for why, keys in skipped.items()))
     return state
 
 
@@ -156,7 +233,7 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
         add_pooling_layer = families.of(config).pooler and any(
             k.startswith("pooler.") for k in encoder_part(raw, config.model_type))
     model = _build(cls, config, add_pooling_layer, kernels, padding_free)
-    state = hf_state_dict(raw, model)
+    state = hf_state_dict(raw, model, where=f"checkpoint {folder}")
     dtype = resolve_dtype(dtype, values, state)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
@@ -185,6 +262,7 @@ def layout_of(module) -> dict:
     base_layer) counts as the layer it wraps, and the adapter's own tensors are not the encoder's layout."""
     wrapped = sorted((name + "." for name, m in module.named_modules() if name and "base_layer" in m._modules),
                      key=len, reverse=True)
+    buffers = {name for name, _ in module.named_buffers()}  # computed by fastbert (positions, types), not loaded
     shapes = {}
     for key, value in module.state_dict().items():
         owner = next((w for w in wrapped if key.startswith(w)), None)
@@ -195,7 +273,7 @@ def layout_of(module) -> dict:
             while rest.startswith("base_layer."):
                 rest = rest[len("base_layer."):]
             key = owner + rest
-        if key not in _IGNORED:
+        if key not in buffers:
             shapes[key] = value.shape
     return shapes
 

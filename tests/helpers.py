@@ -405,3 +405,108 @@ def family_st_folder(family, minilm_path, root):
     folder = root / "st"
     st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
     return folder
+
+
+# ---- checkpoints laid out as the Hub ships them (random weights, small sizes, the real key layout) -----------------
+HUB_LAYOUTS = ("deberta-v3-base", "bert-base-uncased", "distilbert-base-uncased", "modernbert-base")
+
+
+def _save_bin(folder, state: dict, config: dict) -> str:
+    """pytorch_model.bin only (the format these checkpoints were first published in) and a config.json as written."""
+    import json
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.contiguous() for k, v in state.items()}, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
+
+
+def hub_layout_folder(name, root, architectures=None, seed=0) -> str:
+    """A folder laid out as the Hub's `name` (one of HUB_LAYOUTS), shrunk, random non-trivial weights built with
+    transformers:
+    - deberta-v3-base: the RTD pre-training checkpoint, pytorch_model.bin only: deberta.* with the unused
+      embeddings.position_embeddings.weight (position_biased_input is false), the generator's
+      lm_predictions.lm_head.* and the discriminator's mask_predictions.* (the encoder is transformers' DebertaV2Model,
+      the heads' tensors are named as the RTD checkpoint names them, whatever transformers' own MaskedLM head calls
+      its modules); config.json with pos_att_type "p2c|c2p" as a string and no architectures (as on the Hub;
+      `architectures` sets one);
+    - bert-base-uncased: pytorch_model.bin of BertForPreTraining with TF-style LayerNorm.gamma / beta, the
+      bert.embeddings.position_ids buffer, cls.predictions.* and cls.seq_relationship.*, config.json saying
+      BertForMaskedLM;
+    - distilbert-base-uncased: DistilBertForMaskedLM as transformers saves it (vocab_transform, vocab_layer_norm,
+      vocab_projector), config.json with the Hub's extra fields (sinusoidal_pos_embds, tie_weights_, ...);
+    - modernbert-base: ModernBertForMaskedLM as saved (model.*, head.*, decoder.*), config.json with the Hub's fields
+      (global_rope_theta / local_rope_theta, global_attn_every_n_layers, classifier_*, reference_compile, ...)."""
+    import json
+
+    import transformers
+    folder = root / name
+    torch.manual_seed(seed)
+    if name == "deberta-v3-base":
+        config = {"model_type": "deberta-v2", "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+                  "hidden_dropout_prob": 0.1, "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48,
+                  "max_position_embeddings": 512, "relative_attention": True, "position_buckets": 256,
+                  "norm_rel_ebd": "layer_norm", "share_att_key": True, "pos_att_type": "p2c|c2p",
+                  "layer_norm_eps": 1e-7, "max_relative_positions": -1, "position_biased_input": False,
+                  "num_attention_heads": 2, "num_hidden_layers": 2, "type_vocab_size": 0, "vocab_size": ARCH_VOCAB}
+        if architectures:
+            config["architectures"] = list(architectures)
+        hf = perturb_(transformers.DebertaV2Model(transformers.DebertaV2Config(**config)), weight_std=0.05)
+        state = {"deberta." + k: v for k, v in hf.state_dict().items()}
+        H, V = config["hidden_size"], config["vocab_size"]
+
+        def head(prefix, out=None):  # dense + LayerNorm (+ a classifier): the RTD generator's and discriminator's
+            tensors = {f"{prefix}.dense.weight": torch.randn(H, H) * 0.05,
+                       f"{prefix}.dense.bias": torch.randn(H) * 0.05,
+                       f"{prefix}.LayerNorm.weight": 1 + torch.randn(H) * 0.1,
+                       f"{prefix}.LayerNorm.bias": torch.randn(H) * 0.05}
+            if out:
+                tensors.update({f"{prefix}.classifier.weight": torch.randn(out, H) * 0.05,
+                                f"{prefix}.classifier.bias": torch.randn(out) * 0.05})
+            return tensors
+        state.update({**head("lm_predictions.lm_head"), "lm_predictions.lm_head.bias": torch.randn(V) * 0.05,
+                      **head("mask_predictions", out=1),
+                      "deberta.embeddings.position_embeddings.weight": torch.randn(512, H) * 0.05})
+        return _save_bin(folder, state, config)
+    if name == "bert-base-uncased":
+        config = {"architectures": list(architectures or ["BertForMaskedLM"]), "attention_probs_dropout_prob": 0.1,
+                  "gradient_checkpointing": False, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                  "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48, "layer_norm_eps": 1e-12,
+                  "max_position_embeddings": 64, "model_type": "bert", "num_attention_heads": 2,
+                  "num_hidden_layers": 2, "pad_token_id": 0, "position_embedding_type": "absolute",
+                  "transformers_version": "4.6.0.dev0", "type_vocab_size": 2, "use_cache": True,
+                  "vocab_size": ARCH_VOCAB}
+        hf = transformers.BertForPreTraining(transformers.BertConfig(**config))
+        state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+                 for k, v in perturb_(hf, weight_std=0.05).state_dict().items()}
+        state["bert.embeddings.position_ids"] = torch.arange(64)[None]
+        assert any(k.startswith("cls.seq_relationship.") for k in state) and "cls.predictions.bias" in state
+        return _save_bin(folder, state, config)
+    if name == "distilbert-base-uncased":
+        hub = {"activation": "gelu", "architectures": list(architectures or ["DistilBertForMaskedLM"]),
+               "attention_dropout": 0.1, "dim": 32, "dropout": 0.1, "hidden_dim": 48, "initializer_range": 0.02,
+               "max_position_embeddings": 64, "model_type": "distilbert", "n_heads": 2, "n_layers": 2,
+               "pad_token_id": 0, "qa_dropout": 0.1, "seq_classif_dropout": 0.2, "sinusoidal_pos_embds": False,
+               "tie_weights_": True, "transformers_version": "4.10.0.dev0", "vocab_size": ARCH_VOCAB}
+        hf = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(**hub))
+        perturb_(hf, weight_std=0.05).save_pretrained(folder)
+    elif name == "modernbert-base":
+        hub = {"architectures": list(architectures or ["ModernBertForMaskedLM"]), "attention_bias": False,
+               "attention_dropout": 0.0, "bos_token_id": 1, "classifier_activation": "gelu",
+               "classifier_bias": False, "classifier_dropout": 0.0, "classifier_pooling": "mean", "cls_token_id": 1,
+               "decoder_bias": True, "deterministic_flash_attn": False, "embedding_dropout": 0.0,
+               "eos_token_id": 2, "global_attn_every_n_layers": 3, "global_rope_theta": 160000.0,
+               "gradient_checkpointing": False, "hidden_activation": "gelu", "hidden_size": 32,
+               "initializer_cutoff_factor": 2.0, "initializer_range": 0.02, "intermediate_size": 48,
+               "layer_norm_eps": 1e-05, "local_attention": 4, "local_rope_theta": 10000.0,
+               "max_position_embeddings": 64, "mlp_bias": False, "mlp_dropout": 0.0, "model_type": "modernbert",
+               "norm_bias": False, "norm_eps": 1e-05, "num_attention_heads": 2, "num_hidden_layers": 3,
+               "pad_token_id": 0, "position_embedding_type": "absolute", "reference_compile": True,
+               "repad_logits_with_grad": False, "sep_token_id": 2, "sparse_pred_ignore_index": -100,
+               "sparse_prediction": False, "torch_dtype": "float32", "transformers_version": "4.47.0.dev0",
+               "vocab_size": ARCH_VOCAB}
+        hf = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(**hub))
+        perturb_(hf, weight_std=0.05).save_pretrained(folder)
+    else:
+        raise ValueError(f"no Hub layout {name!r}; known: {', '.join(HUB_LAYOUTS)}")
+    (folder / "config.json").write_text(json.dumps(hub, indent=2))  # the Hub's file, not transformers' rewrite
+    return str(folder)

@@ -1,6 +1,7 @@
 """Checkpoints in and out: HF folders, BertFor* checkpoints, TF-style names, .bin, the Hub cache, and every mismatch
 reported by name (never a silently random weight)."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 import transformers
-from helpers import random_hf_bert
+from helpers import ARCH_VOCAB, has_deberta_v2, has_modernbert, hub_layout_folder, random_hf_bert
 from safetensors.torch import load_file, save_file
 
 import fastbert
@@ -151,6 +152,121 @@ def test_tf_style_layernorm_names_and_pytorch_bin(hf, tmp_path):
     hf.config.save_pretrained(folder)
     torch.save(hf.state_dict(), folder / "pytorch_model.bin")
     assert same_output(fastbert.BertModel.from_pretrained(str(folder), kernels="torch"), hf)
+
+
+def skipped_lines(caplog) -> list:
+    """The messages fastbert's loader logged at info level about the keys it did not use."""
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("fastbert") and r.levelno == logging.INFO and "were not used" in r.getMessage()]
+
+
+# The keys each Hub layout holds that transformers' AutoModel does not use, and why (fastbert's log says the same)
+HUB_SKIPPED = {
+    "deberta-v3-base": {"declared by transformers' DebertaV2Model (_keys_to_ignore_on_load_unexpected "
+                        "'position_embeddings')": ["deberta.embeddings.position_embeddings.weight"],
+                        "the head's (outside 'deberta.')": ["lm_predictions.lm_head.bias",
+                                                            "lm_predictions.lm_head.dense.weight",
+                                                            "mask_predictions.classifier.weight"]},
+    "bert-base-uncased": {"buffers transformers computes, not loads": ["bert.embeddings.position_ids"],
+                          "the head's (outside 'bert.')": ["cls.predictions.bias",
+                                                           "cls.predictions.transform.LayerNorm.gamma",
+                                                           "cls.seq_relationship.weight"]},
+    "distilbert-base-uncased": {"the head's (outside 'distilbert.')": ["vocab_layer_norm.weight",
+                                                                       "vocab_projector.bias",
+                                                                       "vocab_transform.weight"]},
+    "modernbert-base": {"the head's (outside 'model.')": ["decoder.bias", "head.dense.weight", "head.norm.weight"]},
+}
+
+
+@pytest.mark.parametrize("name, architectures", [
+    ("deberta-v3-base", None), ("deberta-v3-base", ["DebertaV2ForMaskedLM"]), ("bert-base-uncased", None),
+    ("distilbert-base-uncased", None), ("modernbert-base", None)])
+def test_hub_layouts_load_as_transformers_automodel_does(name, architectures, tmp_path, caplog):
+    """Each checkpoint as the Hub lays it out (random weights, small sizes: tests/helpers.py hub_layout_folder) loads
+    through fastbert.AutoModel and equals transformers' AutoModel of the same folder on real tokens; what transformers
+    leaves unused (the heads, DeBERTa-v3's unused position table, old checkpoints' position_ids) is said in one info
+    line, each key under its reason."""
+    if name.startswith("deberta") and not has_deberta_v2() or name.startswith("modernbert") and not has_modernbert():
+        pytest.skip(f"{name}: fastbert runs this family with transformers >= 4.48")
+    folder = hub_layout_folder(name, tmp_path, architectures=architectures)
+    caplog.set_level(logging.INFO, logger="fastbert")
+    fb = fastbert.AutoModel.from_pretrained(folder, kernels="torch")
+    lines = skipped_lines(caplog)
+    assert len(lines) == 1, lines
+    for why, keys in HUB_SKIPPED[name].items():
+        listed = lines[0].split(f"{why}: ", 1)
+        assert len(listed) == 2, (why, lines[0])
+        assert all(key in listed[1].split(";")[0].split(", ") for key in keys), (keys, listed[1])
+    hf = transformers.AutoModel.from_pretrained(folder).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, ARCH_VOCAB, (3, 13), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:], mask[2, 2:] = 0, 0
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        out, ref = fb(input_ids=ids, attention_mask=mask), hf(input_ids=ids, attention_mask=mask)
+    assert (out.last_hidden_state - ref.last_hidden_state)[mask.bool()].abs().max() <= 1e-5
+    if getattr(ref, "pooler_output", None) is not None:
+        assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5
+    else:
+        assert getattr(out, "pooler_output", None) is None
+
+
+def _deberta_v3_state(folder):
+    return torch.load(os.path.join(folder, "pytorch_model.bin"), weights_only=True)
+
+
+@pytest.mark.skipif(not has_deberta_v2(), reason="fastbert runs DeBERTa-v2 with transformers >= 4.48")
+def test_keys_transformers_does_not_declare_are_still_errors(tmp_path, monkeypatch):
+    """Next to what transformers declares ignorable, a key that is neither that nor the model's stays an error, and a
+    missing weight too: never a random one. transformers 4.48 declares DebertaV2ForMaskedLM's pattern as a bare
+    string: it is one pattern, not one per letter (which would match nearly every key)."""
+    monkeypatch.setattr(transformers.DebertaV2ForMaskedLM, "_keys_to_ignore_on_load_unexpected", "mask_predictions.*")
+    folder = hub_layout_folder("deberta-v3-base", tmp_path, architectures=["DebertaV2ForMaskedLM"])
+    state = _deberta_v3_state(folder)
+    state["deberta.encoder.layer.0.attention.self.extra.weight"] = torch.zeros(2)
+    del state["deberta.encoder.rel_embeddings.weight"]
+    torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+    with pytest.raises(ValueError) as info:
+        fastbert.AutoModel.from_pretrained(folder)
+    msg = str(info.value)
+    assert "missing keys (1): encoder.rel_embeddings.weight" in msg
+    assert "unexpected keys (1): encoder.layer.0.attention.self.extra.weight" in msg
+    assert "position_embeddings" not in msg
+
+
+def test_the_installed_transformers_declarations_decide(hf, tmp_path, monkeypatch, caplog):
+    """The patterns are read from transformers' classes as installed (the encoder's, and the heads config.json's
+    architectures names, of the same family), matched with re.search; a buffer transformers computes is never
+    required; _keys_to_ignore_on_load_missing never lets a weight go missing."""
+    caplog.set_level(logging.INFO, logger="fastbert")
+    state = dict(hf.state_dict())
+    state["embeddings.position_ids"] = torch.arange(16)[None]  # as transformers < 4.31 saved them
+    state["embeddings.token_type_ids"] = torch.zeros(1, 16, dtype=torch.long)
+    state["encoder.layer.0.attention.self.extra.weight"] = torch.zeros(2)
+    folder = _write(tmp_path / "extra", hf, state)
+    with pytest.raises(ValueError, match=r"unexpected keys \(1\): encoder.layer.0.attention.self.extra.weight$"):
+        fastbert.BertModel.from_pretrained(folder)
+    monkeypatch.setattr(transformers.RobertaModel, "_keys_to_ignore_on_load_unexpected", [r"self\.extra"])
+    config = json.loads((tmp_path / "extra" / "config.json").read_text())
+    config["architectures"] = ["RobertaForMaskedLM"]  # another family's class declares nothing for BERT
+    (tmp_path / "extra" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unexpected keys"):
+        fastbert.BertModel.from_pretrained(folder)
+    config["architectures"] = ["BertForMaskedLM"]
+    (tmp_path / "extra" / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(transformers.BertForMaskedLM, "_keys_to_ignore_on_load_unexpected", [r"self\.extra"])
+    caplog.clear()
+    assert same_output(fastbert.BertModel.from_pretrained(folder, kernels="torch"), hf)
+    (line,) = skipped_lines(caplog)
+    assert "3 weights of the checkpoint were not used by the BERT encoder" in line
+    assert ("declared by transformers' BertForMaskedLM (_keys_to_ignore_on_load_unexpected 'self\\.extra'): "
+            "encoder.layer.0.attention.self.extra.weight") in line
+    assert "buffers transformers computes, not loads: embeddings.position_ids, embeddings.token_type_ids" in line
+    monkeypatch.setattr(transformers.BertModel, "_keys_to_ignore_on_load_missing", [r"pooler"])
+    del state["pooler.dense.bias"]
+    with pytest.raises(ValueError, match=r"missing keys \(1\): pooler.dense.bias"):
+        fastbert.BertModel.from_pretrained(_write(tmp_path / "nobias", hf, state), add_pooling_layer=True)
 
 
 def test_missing_unexpected_and_wrong_shape_keys_are_listed(hf, tmp_path):
