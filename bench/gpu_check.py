@@ -1058,7 +1058,7 @@ def headline(summary_benchmarks: list[dict]) -> list[str]:
 def check_summary(records: list[dict]) -> str:
     """The markdown of what each step and kernel check did, failures first in the reader's eye."""
     steps = [r for r in records if "check" not in r]
-    checks = [r for r in records if "check" in r]
+    checks = [r for r in records if "check" in r and r.get("stage") != "bg"]  # the workers: in the timeline
     lines = []
     for r in checks:
         if r["check"] == "ceilings" and r["status"] == "ok":
@@ -1130,7 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--cold-step"]:
         return cold_step_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.cold_compile_s is not None and not args.dry_run:
+    if args.cold_compile_s is not None and not args.dry_run and not args.child:
         parser.error("--cold-compile-s simulates a cold machine in the dry run: add --dry-run")
     if args.child and args.child.startswith("precompile-"):
         return precompile_main(int(args.child.split("-")[1]), WORKERS, args.results, args.cold_dir,
