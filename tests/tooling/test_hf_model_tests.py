@@ -1,0 +1,74 @@
+"""tools/hf_model_tests/fastbert_plugin.py: the check of a fastbert forward against the transformers encoder it
+replaced finds a difference where there is one, and leaves what a test observes (its hooks) as it was."""
+import importlib.util
+import inspect
+import os
+
+import pytest
+import torch
+from helpers import make_inputs, random_hf_bert
+
+import fastbert
+
+PLUGIN = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "hf_model_tests", "fastbert_plugin.py")
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    spec = importlib.util.spec_from_file_location("fastbert_plugin_under_test", PLUGIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _optimized(padding_free):
+    model = random_hf_bert(attn="eager")  # sdpa returns no attention maps to compare with
+    return fastbert.optimize(model, kernels="torch", padding_free=padding_free, cuda_graphs=False).eval()
+
+
+def _check(plugin, fb, out, padding_free, **kwargs):
+    plugin._settings["padding_free"] = padding_free
+    signature = inspect.signature(type(fb).forward)
+    return plugin.check_forward(fb, signature, (), kwargs, out)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_check_passes_fastbert_and_reports_a_planted_difference(plugin, padding_free):
+    fb = _optimized(padding_free)
+    ids, tt, mask = make_inputs("right")
+    with torch.no_grad():
+        out = fb(input_ids=ids, token_type_ids=tt, attention_mask=mask, output_hidden_states=True,
+                 output_attentions=True)
+    args = dict(input_ids=ids, token_type_ids=tt, attention_mask=mask, output_hidden_states=True,
+                output_attentions=True)
+    result = _check(plugin, fb, out, padding_free, **args)
+    assert result["ok"] and result["max_diff"] < 1e-5, result
+    # one element of one real position moved by 1e-3: the check must see it, and say where
+    out.hidden_states[1][0, 0, 0] += 1e-3
+    result = _check(plugin, fb, out, padding_free, **args)
+    assert not result["ok"] and result["worst"] == "hidden_states[1]" and abs(result["max_diff"] - 1e-3) < 1e-5
+
+
+def test_check_does_not_fire_the_tests_hooks_again(plugin):
+    fb = _optimized(False)
+    calls = []
+    hf = fb.__dict__["_hf_encoder"]  # its linears are fastbert's: a hook there is the test's, seen by both
+    hf.encoder.layer[0].output.dense.register_forward_hook(lambda *a: calls.append(1))
+    ids, tt, mask = make_inputs("left")
+    with torch.no_grad():
+        out = fb(input_ids=ids, token_type_ids=tt, attention_mask=mask)
+    before = len(calls)
+    result = _check(plugin, fb, out, False, input_ids=ids, token_type_ids=tt, attention_mask=mask)
+    assert result["ok"], result
+    assert len(calls) == before
+    assert hf.encoder.layer[0].output.dense._forward_hooks  # put back
+
+
+def test_train_mode_and_other_dtypes_are_not_checked(plugin):
+    fb = _optimized(False)
+    ids, tt, mask = make_inputs("none")
+    out = fb.train()(input_ids=ids, attention_mask=mask)
+    assert _check(plugin, fb, out, False, input_ids=ids, attention_mask=mask) == {"unchecked": "train mode"}
+    fb.eval().double()
+    out = fb(input_ids=ids, attention_mask=mask)
+    assert _check(plugin, fb, out, False, input_ids=ids, attention_mask=mask) == {"unchecked": "not fp32"}
