@@ -103,6 +103,8 @@ def _wrap_init(cls, is_encoder: bool):
     original = cls.__init__
 
     def __init__(self, *args, **kwargs):
+        if self.__dict__.pop("_fastbert_plugin_built", False):
+            return  # built by __new__ below already, fastbert refused it: Python calls __init__ once more
         outermost = _depth() == 0
         with _inside():
             original(self, *args, **kwargs)
@@ -120,7 +122,10 @@ def _wrap_new(cls):
         if not args and not kwargs or _depth() > 0 or klass is not cls:
             return obj
         klass.__init__(obj, *args, **kwargs)
-        return _optimize(obj)  # not an instance of klass: Python does not run __init__ again
+        out = _optimize(obj)  # fastbert's module, not an instance of klass: Python does not run __init__ again
+        if out is obj:  # refused: obj is returned as built, and its second __init__ (which would draw new random
+            obj.__dict__["_fastbert_plugin_built"] = True  # weights) does nothing
+        return out
 
     cls.__new__ = __new__
 
