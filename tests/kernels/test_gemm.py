@@ -657,11 +657,14 @@ TMA_TILES = ["128x256x64-w8-s3", "256x128x64-w8-s3", "128x128x64-w8-s4", "128x64
 PTR_TILES_GATED = ["128x64x64-w8-s3", "128x32x64-w8-s4", "64x64x64-w4-s4", "64x32x128-w4-s4", "128x32x64-w4-s4"]
 TMA_TILES_GATED = ["128x128x64-w8-s3", "256x64x64-w8-s3", "128x64x64-w8-s4", "64x64x64-w4-s4", "128x32x64-w4-s4",
                    "64x32x64-w4-s4", "128x64x64-w4-s4-ws", "128x32x64-w4-s4-ws"]
+# fp32 gated (a float32 ModernBERT): the fp32 list halved the same way (64x128x32 -> 64x64x32; 64x64x32 -> 64x32,
+# which 64x32x16 serves)
+PTR_TILES_GATED_FP32 = ["128x64x32-w8-s3", "128x32x32-w8-s4", "64x64x32-w4-s4", "64x32x16-w4-s4"]
 
 
 def _expected_gemm_specs(prefix, activations):
-    """{name: archs}: sm_90 compiles what runs there (TMA for 16-bit types, the pointer kernel for fp32 and its
-    one 16-bit fallback tile, 128x128x64-w8-s3); sm_80 runs the pointer kernel for everything."""
+    """{name: archs}: sm_90 compiles what it can autotune (TMA for 16-bit types, the pointer kernel for fp32 and,
+    for layouts TMA cannot describe, every 16-bit pointer tile); sm_80 runs the pointer kernel for everything."""
     expected = {}
     for act in activations:
         for bias in ("", "-nobias"):
@@ -671,22 +674,25 @@ def _expected_gemm_specs(prefix, activations):
                     expected[f"{head.format('fp32')}-{precision}-ptr-{tile}"] = (90, 80)
             for dtype in ("fp16", "bf16"):
                 for tile in PTR_TILES_16BIT:
-                    expected[f"{head.format(dtype)}-ptr-{tile}"] = (90, 80) if tile == "128x128x64-w8-s3" else (80,)
+                    expected[f"{head.format(dtype)}-ptr-{tile}"] = (90, 80)
                 for tile in TMA_TILES:
                     expected[f"{head.format(dtype)}-tma-{tile}"] = (90,)
     return expected
 
 
 def _expected_gated_specs(prefix, activations):
-    """{name: archs} of the gated epilogue: fp16/bf16, sm_90 TMA and the pointer kernel's fallback tile there (the
-    gated 128x64x64-w8-s3), sm_80 the pointer kernel."""
+    """{name: archs} of the gated epilogue: fp16/bf16 TMA on sm_90, the pointer kernel's tiles on both archs (sm_90
+    autotunes them for layouts TMA cannot describe), fp32 the pointer kernel on both."""
     expected = {}
     for act in activations:
         for bias in ("", "-nobias"):
+            for precision in ("ieee", "tf32"):
+                for tile in PTR_TILES_GATED_FP32:
+                    expected[f"{prefix}-fp32-{act}-gated{bias}-{precision}-ptr-{tile}"] = (90, 80)
             for dtype in ("fp16", "bf16"):
                 head = f"{prefix}-{dtype}-{act}-gated{bias}"
                 for tile in PTR_TILES_GATED:
-                    expected[f"{head}-ptr-{tile}"] = (90, 80) if tile == "128x64x64-w8-s3" else (80,)
+                    expected[f"{head}-ptr-{tile}"] = (90, 80)
                 for tile in TMA_TILES_GATED:
                     expected[f"{head}-tma-{tile}"] = (90,)
     return expected
@@ -698,7 +704,7 @@ def _expected_gated_specs(prefix, activations):
                          ids=["qkv_projection", "bias_gelu"])
 def test_aot_specs_cover_every_config(mod, activations, gated):
     """Every dtype x tile x activation x {bias, no bias} the launchers can run, on the archs it runs on: 40 kernels
-    per (activation, bias) pair, plus bias_gelu's gated epilogue (26 per gated activation and bias choice); the
+    per (activation, bias) pair, plus bias_gelu's gated epilogue (34 per gated activation and bias choice); the
     spec's constexprs are the ones its name says."""
     specs = mod.aot_specs()
     names = [s["name"] for s in specs]
@@ -706,7 +712,7 @@ def test_aot_specs_cover_every_config(mod, activations, gated):
     expected = _expected_gemm_specs(mod.OP, activations)
     assert len(expected) == 40 * 2 * len(activations)
     expected_gated = _expected_gated_specs(mod.OP, gated)
-    assert len(expected_gated) == 26 * 2 * len(gated)
+    assert len(expected_gated) == 34 * 2 * len(gated)
     assert {s["name"]: tuple(s["archs"]) for s in specs} == {**expected, **expected_gated}
     for s in specs:
         tma = s["fn"] is gemm_core.gemm_tma_kernel
