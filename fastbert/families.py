@@ -1,4 +1,4 @@
-"""The encoder families fastbert runs, as data: one layer, read along a few axes (DESIGN.md, "Architectures").
+"""The encoder families fastbert runs, as data: one layer, read along a few axes.
 
 A family says where its checkpoints keep each tensor (HF's module paths, so state_dict keys, PEFT targets and
 optimizer groups are HF's own), what its config calls each field, and which value each axis takes:

@@ -9,7 +9,7 @@ Every op works on token-major 2-D matrices [T, features] (T = real tokens, packe
     bias_gelu           act(x @ W^T + b)                                      GEMM with bias+activation epilogue
     residual_layernorm  LN(y @ W^T + b + residual)                            bias+residual+LN in one pass per row
 
-The ops grow parameters along the families' axes (DESIGN.md, "Architectures"), each a keyword that defaults to the
+The ops grow parameters along the families' axes (fastbert/families.py), each a keyword that defaults to the
 BERT form: attention takes `bias=` (a per-distance table), `window=` (keys within +-w positions only) and `rotary=`
 (q and k rotated by per-token cos/sin) and `disentangled=` (DeBERTa's c2p/p2c terms, `Disentangled`); bias_gelu
 takes `gated=` (act(a) * g over W's two halves); residual_layernorm takes `pre_norm=` (it returns the new residual

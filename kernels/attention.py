@@ -39,8 +39,8 @@ padded row ignores the window (uniform over all S keys, as without one).
 Rotary (optional, ModernBERT). q and k are rotated by rotate-half with per-token cos/sin tables [T, hd/2] (float32,
 one row per token: HF's apply_rotary_pos_emb), in fp32, rounded back to the input dtype before tl.dot, as the twin
 rounds them. The Q tile is rotated once when loaded; each K tile every time a query block loads it (its partner
-half read again through permuted column offsets, cos/sin gathered per token). Why here: DESIGN.md gives attention
-the `rotary=` parameter (no new op, qkv stays the GEMM's view); rotating once elsewhere means a pass that reads and
+half read again through permuted column offsets, cos/sin gathered per token). Why here: rotary is a parameter of
+attention (no new op, qkv stays the GEMM's view); rotating once elsewhere means a pass that reads and
 writes q and k (4 x T x H x 2 bytes) or rotary inside the QKV GEMM's epilogue.
 Prediction (not measured yet; bench/ should check it): each K element is rotated once per query block that visits
 it, ~(BLOCK_N + 2w) / BLOCK_M + 1 times in a local layer (at w = 64: 2-3 with the 128x64 tile, 3-4 with 64x32) and

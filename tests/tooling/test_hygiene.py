@@ -40,3 +40,23 @@ def test_tidy(monkeypatch):
 """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_nothing_cites_a_design_file_outside_the_repository():
+    """The code's design lives in its own docs/: no source, test, doc or benchmark cites a DESIGN.md or STYLE.md the
+    repository does not hold."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    citing = []
+    for path in root.rglob("*"):
+        if path.suffix not in (".py", ".md", ".sh", ".toml", ".cfg") or not path.is_file():
+            continue
+        parts = path.relative_to(root).parts
+        if parts[0] in (".git", "bench") and (parts[0] == ".git" or parts[1:2] == ("results",)):
+            continue  # dated result folders are records of their day
+        if path == pathlib.Path(__file__).resolve():
+            continue
+        text = path.read_text(errors="replace")
+        for name in ("DESIGN.md", "STYLE.md"):
+            if name in text and not (root / name).exists():
+                citing.append(f"{path.relative_to(root)}: {name}")
+    assert not citing, citing
