@@ -334,10 +334,17 @@ def share_hf(model, base) -> None:
         theirs = hf_modules.get(name)
         if theirs is not None and list(ours._modules) != [k for k in theirs._modules if k in ours._modules]:
             order = {k: i for i, k in enumerate(theirs._modules)}
-            ours._modules = dict(sorted(ours._modules.items(), key=lambda kv: order.get(kv[0], len(order))))
+            ordered = sorted(ours._modules.items(), key=lambda kv: order.get(kv[0], len(order)))
+            ours._modules.clear()  # in place: a layer keeps its containers' module dicts (BertLayer._leaves)
+            ours._modules.update(ordered)
     for layer in model.layers:
         if layer.self_attention is not None:  # (ModernBERT's checkpoints hold one Wqkv already)
             layer.self_attention.pack()
+    for name, ours in model.named_modules():  # ModernBERT's dropout on the attention probabilities: a float of HF's
+        # attention module, which fastbert's own container at that path holds
+        theirs = getattr(hf_modules.get(name), "attention_dropout", None)
+        if isinstance(theirs, float) and "attention_dropout" in ours.__dict__:
+            ours.attention_dropout = theirs
 
 
 # A sharded checkpoint's files, in either format: what transformers' save_pretrained writes for one

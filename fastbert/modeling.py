@@ -351,19 +351,22 @@ class Block(nn.Module):
 
 
 class LayerWeights(NamedTuple):
-    """The twelve tensors of one BERT layer, as the four ops take them."""
+    """The twelve tensors of one BERT layer, as the four ops take them, and its LayerNorms' eps (read off the modules
+    at every forward, as nn.LayerNorm's forward reads it)."""
     qkv: torch.Tensor
     qkv_bias: torch.Tensor
     attn_out: torch.Tensor
     attn_out_bias: torch.Tensor
     ln1: torch.Tensor
     ln1_bias: torch.Tensor
+    ln1_eps: float
     ffn_in: torch.Tensor
     ffn_in_bias: torch.Tensor
     ffn_out: torch.Tensor
     ffn_out_bias: torch.Tensor
     ln2: torch.Tensor
     ln2_bias: torch.Tensor
+    ln2_eps: float
 
 
 try:  # transformers finds the layers it may checkpoint by this class (gradient_checkpointing_enable, PEFT, Trainer)
@@ -388,7 +391,7 @@ class BertLayer(GradientCheckpointingLayer):
 
     def __init__(self, config, family: families.Family = families.BERT, index: int = 0):
         super().__init__()
-        self.config = config  # read for the dropout probabilities in train mode
+        self.config = config
         self.family = family
         H, I = config.hidden_size, family.get(config, "intermediate_size")
         eps = family.get(config, "layer_norm_eps")
@@ -417,6 +420,7 @@ class BertLayer(GradientCheckpointingLayer):
                 node = node._modules[name]
             if role in leaves:
                 node.add_module(leaf, leaves[role])
+        self._init_dropouts(config, family)
         # role -> (the container holding its module, the module's name there). The containers are fastbert's own and
         # stay; the module in one is read at every forward, since PEFT and from_hf put theirs there. Not submodules.
         self.__dict__["_slots"] = {role: (self.get_submodule(".".join(paths[role][:-1])), paths[role][-1])
@@ -426,15 +430,37 @@ class BertLayer(GradientCheckpointingLayer):
             self.__dict__["_leaves"] = (self._slots["query"][0], *(
                 (self._slots[role][0]._modules, self._slots[role][1])
                 for role in ("query", "key", "value", "attn_out", "ffn_in", "ffn_out", "ln1", "ln2")))
-        # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway
+        # read once: a transformers config attribute costs ~1 us, and the weights' shapes fix these anyway (the norms'
+        # eps and the dropouts' p are read off their modules at every forward, as transformers' forward reads them)
         self.num_heads = config.num_attention_heads
-        self.eps = eps
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self.scale = twins.default_scale(H // config.num_attention_heads)
         self.c2p = self.p2c = False
         if family.disentangled:
             self._init_disentangled(config, H)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (also a head's, transformers')
+
+    def _init_dropouts(self, config, family: families.Family) -> None:
+        """HF's dropout modules at HF's paths (LAYER_DROPOUTS), built as the config says; ModernBERT's dropout on the
+        attention probabilities is a float on its attention module (HF's `attention_dropout`), its dropout after Wo an
+        nn.Identity when that is 0, as HF builds them. `_dropouts`: (holder, name) of each of DROPOUT_KINDS, or None
+        where the family has none (DistilBERT after its attention output; DeBERTa's positions without
+        relative_attention). Not submodules."""
+        built = dict(zip(DROPOUT_KINDS, (*layer_dropouts(family, config), family.get(config, "hidden_dropout_prob"))))
+        paths = dict(LAYER_DROPOUTS[family.name])
+        if family.disentangled and not getattr(config, "relative_attention", False):
+            del paths["positions"]
+        slots = {}
+        for kind, path in paths.items():
+            parent, _, name = path.rpartition(".")
+            holder, p = self.get_submodule(parent), built[kind]
+            if family.pre_norm and kind == "attention":
+                holder.attention_dropout = p
+            else:
+                holder.add_module(name, nn.Identity() if family.pre_norm and kind == "attention_output" and p == 0
+                                  else nn.Dropout(p))
+            slots[kind] = (holder, name)
+        self.__dict__["_dropouts"] = tuple(slots.get(kind) for kind in DROPOUT_KINDS)
 
     def _init_disentangled(self, config, H: int) -> None:
         """DeBERTa-v2: the scale 1/sqrt(hd * (1 + len(pos_att_type))) (HF counts the terms even without
@@ -466,7 +492,7 @@ class BertLayer(GradientCheckpointingLayer):
         if positions is None or not (self.c2p or self.p2c):
             return None
         rel, column = positions, _column_table(self._columns, positions.device)
-        if p_pos > 0:  # HF's pos_dropout (hidden_dropout_prob), drawn in every layer
+        if p_pos > 0:  # HF's pos_dropout (its p now), drawn in every layer
             rel = twins.dropout(rel, p_pos)
         P, H = rel.shape
         nh = self.num_heads
@@ -502,11 +528,12 @@ class BertLayer(GradientCheckpointingLayer):
         slot = self._slots.get("query")
         return None if slot is None else slot[0]
 
-    def dropouts(self) -> tuple[float, float, float]:
-        """(attention probabilities, attention output, FFN output) dropout in train mode, by the config now (the
-        forward takes none in eval mode). ModernBERT: its attention_dropout on the probabilities and after Wo, its
-        mlp_dropout on act(a) * g."""
-        return layer_dropouts(self.family, self.config)
+    def dropouts(self) -> tuple[float, float, float, float]:
+        """(attention probabilities, attention output, FFN, DeBERTa's positions) dropout in train mode (the forward
+        takes none in eval mode): the p of the layer's dropout modules now, where transformers' forward reads it (so a
+        change after the model was built is seen by the next forward). ModernBERT: its attention module's
+        attention_dropout on the probabilities, attn.out_drop after Wo, mlp.drop on act(a) * g."""
+        return tuple(0.0 if slot is None else _probability(*slot) for slot in self._dropouts)
 
     def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, positions=None, workspace=None):
         """x [T, H] -> [T, H]. `attn`: a TokenLayout (packed) or an AttentionMask (padded rows); `run`: the four
@@ -518,18 +545,21 @@ class BertLayer(GradientCheckpointingLayer):
         if self.family.pre_norm:
             return self._forward_pre_norm(x, attn, run, output_attentions, positions, workspace)
         bias = None if self.family.disentangled else positions
-        w, eps = self.weights(run), self.eps
-        p_attn, p_attn_out, p_ffn_out = self.dropouts() if self.training else _NO_DROPOUT
+        w = self.weights(run)
+        p_attn, p_attn_out, p_ffn_out, p_pos = self.dropouts() if self.training else _NO_DROPOUT
         if w is None:  # an adapter (PEFT) wraps one of the layer's linears, or another module sits at one
-            return self._forward_adapted(x, attn, run, output_attentions, positions, p_attn, p_attn_out, p_ffn_out)
+            return self._forward_adapted(x, attn, run, output_attentions, positions, p_attn, p_attn_out, p_ffn_out,
+                                         p_pos)
 
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
-        dis = self._disentangled(qkv, w.qkv, w.qkv_bias, positions, p_ffn_out) if self.family.disentangled else None
+        dis = self._disentangled(qkv, w.qkv, w.qkv_bias, positions, p_pos) if self.family.disentangled else None
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias,
                                    disentangled=dis)                                            # [T, H]
-        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, eps, p_attn_out)  # [T, H]
+        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, w.ln1_eps,
+                                   p_attn_out)                                                  # [T, H]
         h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                            # [T, I]
-        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, eps, p_ffn_out)        # [T, H]
+        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, w.ln2_eps,
+                                   p_ffn_out)                                                   # [T, H]
         return x, probs
 
     def _forward_pre_norm(self, x, attn, run, output_attentions, rotary, workspace=None):
@@ -539,12 +569,12 @@ class BertLayer(GradientCheckpointingLayer):
         honoured). A linear an adapter wraps is called as the module it is."""
         ln1, qkv_in, out, ln2, wi, wo = (self.module(role) for role in ("ln1", "qkv", "attn_out", "ln2", "ffn_in",
                                                                         "ffn_out"))
-        p_attn, p_attn_out, p_mlp = self.dropouts() if self.training else _NO_DROPOUT
+        p_attn, p_attn_out, p_mlp, _ = self.dropouts() if self.training else _NO_DROPOUT
         plain = adapters.is_plain_linear
         ws = {} if workspace is None else {"workspace": workspace}  # the twins' buffers; what the layer returns is
         # never one of them (the addmm below or x + wo(g) allocates the new stream)
         if type(ln1) is nn.LayerNorm:
-            h = torch.layer_norm(x, (x.shape[-1],), ln1.weight, ln1.bias, self.eps)
+            h = torch.layer_norm(x, (x.shape[-1],), ln1.weight, ln1.bias, ln1.eps)
         else:  # layer 0's nn.Identity, or another module in the norm's place
             h = ln1(x)
         if plain(qkv_in):
@@ -554,7 +584,7 @@ class BertLayer(GradientCheckpointingLayer):
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, window=self.window,
                                    rotary=rotary, **ws)                                         # [T, H]
         if plain(out) and type(ln2) is nn.LayerNorm:
-            x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, ln2.bias, self.eps, p_attn_out,
+            x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, ln2.bias, ln2.eps, p_attn_out,
                                           pre_norm=True, **ws)                                  # [T, H] each
         else:
             x = x + twins.dropout(out(ctx), p_attn_out)  # p_attn_out is 0 in eval mode
@@ -570,7 +600,7 @@ class BertLayer(GradientCheckpointingLayer):
             return torch.addmm(x, g, wo.weight.t()), probs  # one GEMM that adds the stream: x + g @ Wo^T
         return x + wo(g), probs
 
-    def _forward_adapted(self, x, attn, run, output_attentions, positions, p_attn, p_attn_out, p_ffn_out):
+    def _forward_adapted(self, x, attn, run, output_attentions, positions, p_attn, p_attn_out, p_ffn_out, p_pos):
         """The same layer with adapters on some linears. The QKV projection stays one GEMM over the base weights;
         each adapted part adds its low-rank x·A·B to its third of the output. Any other adapted linear is called as
         the module it is (its op runs as PyTorch: merge_and_unload() puts it back on the fused ops)."""
@@ -582,7 +612,7 @@ class BertLayer(GradientCheckpointingLayer):
             if delta is not None:
                 qkv[:, i] += delta.view(qkv.shape[0], *qkv.shape[2:]).to(qkv.dtype)
         bias = None if self.family.disentangled else positions
-        dis = self._disentangled(qkv, weight, bias_qkv, positions, p_ffn_out) if self.family.disentangled else None
+        dis = self._disentangled(qkv, weight, bias_qkv, positions, p_pos) if self.family.disentangled else None
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias,
                                    disentangled=dis)                                            # [T, H]
         x = self._dense_residual_layernorm("attn_out", "ln1", ctx, x, run, p_attn_out)          # [T, H]
@@ -597,7 +627,7 @@ class BertLayer(GradientCheckpointingLayer):
         """LayerNorm(dropout(dense(y)) + residual), on the fused op when `dense` is a plain linear."""
         dense, ln = self.module(dense_role), self.module(ln_role)
         if adapters.is_plain_linear(dense) and type(ln) is nn.LayerNorm:
-            return run.residual_layernorm(y, dense.weight, dense.bias, residual, ln.weight, ln.bias, self.eps, p)
+            return run.residual_layernorm(y, dense.weight, dense.bias, residual, ln.weight, ln.bias, ln.eps, p)
         h = dense(y)
         if p > 0:
             h = twins.dropout(h, p)
@@ -613,14 +643,38 @@ class BertLayer(GradientCheckpointingLayer):
                 and type(ln1) is type(ln2) is nn.LayerNorm):
             return None
         q, k, v, o, i, f = q._parameters, k._parameters, v._parameters, o._parameters, i._parameters, f._parameters
-        ln1, ln2 = ln1._parameters, ln2._parameters
+        eps1, eps2, ln1, ln2 = ln1.eps, ln2.eps, ln1._parameters, ln2._parameters
         qkv, qkv_bias = sa.fused((q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]), run.traced,
                                  run.grad)
-        return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"],
-                            i["weight"], i["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"])
+        return LayerWeights(qkv, qkv_bias, o["weight"], o["bias"], ln1["weight"], ln1["bias"], eps1,
+                            i["weight"], i["bias"], f["weight"], f["bias"], ln2["weight"], ln2["bias"], eps2)
 
 
-_NO_DROPOUT = (0.0, 0.0, 0.0)
+_NO_DROPOUT = (0.0, 0.0, 0.0, 0.0)
+
+# A layer's dropouts, in the order BertLayer.dropouts gives them: on the attention probabilities, after the attention
+# output's dense, in the FFN (after its output dense; ModernBERT: on act(a) * g), on DeBERTa's rel_embeddings.
+DROPOUT_KINDS = ("attention", "attention_output", "ffn", "positions")
+# Where each family's layer holds them (HF's module paths); ModernBERT's "attention" is a float attribute
+_BERT_DROPOUTS = {"attention": "attention.self.dropout", "attention_output": "attention.output.dropout",
+                  "ffn": "output.dropout"}
+LAYER_DROPOUTS = {
+    "bert": _BERT_DROPOUTS, "roberta": _BERT_DROPOUTS, "electra": _BERT_DROPOUTS,
+    "distilbert": {"attention": "attention.dropout", "ffn": "ffn.dropout"},
+    "mpnet": {"attention": "attention.attn.dropout", "attention_output": "attention.dropout", "ffn": "output.dropout"},
+    "modernbert": {"attention": "attn.attention_dropout", "attention_output": "attn.out_drop", "ffn": "mlp.drop"},
+    "deberta-v2": {**_BERT_DROPOUTS, "positions": "attention.self.pos_dropout"},
+}
+
+
+def _probability(holder: nn.Module, name: str) -> float:
+    """The dropout probability transformers' forward applies at holder.<name> now: the p of the module there while
+    it is in train mode (0 for nn.Identity); where the name is a float (ModernBERT's attention_dropout), that float
+    while the holder is in train mode."""
+    module = holder._modules.get(name)
+    if module is not None:
+        return getattr(module, "p", 0.0) if module.training else 0.0
+    return getattr(holder, name, 0.0) if holder.training else 0.0
 
 
 def _column_table(columns: dict, device) -> torch.Tensor:
@@ -634,7 +688,8 @@ def _column_table(columns: dict, device) -> torch.Tensor:
 
 
 def layer_dropouts(family: families.Family, config) -> tuple[float, float, float]:
-    """(attention probabilities, attention output, FFN) dropout of a family's layer in train mode."""
+    """(attention probabilities, attention output, FFN) dropout of a family's layer as its config says: what the
+    layer's dropout modules are built with."""
     p_attn, p_hidden = family.get(config, "attention_probs_dropout_prob"), family.get(config, "hidden_dropout_prob")
     if family.pre_norm:  # ModernBERT's attention_dropout is also its out_drop after Wo
         return p_attn, p_attn, p_hidden
@@ -1031,6 +1086,12 @@ class BertModel(TransformersModelMixin, nn.Module):
             return BaseModelOutputWithPooling(**out)
         return BaseModelOutputWithPoolingAndCrossAttentions(**out, cross_attentions=cross)
 
+    def _largest_dropouts(self) -> tuple[float, float]:
+        """(attention probabilities, residual_layernorm's) dropout: the largest of any layer's now (train mode), which
+        the plan's kernels are chosen by."""
+        p = [layer.dropouts() for layer in self.layers] or [_NO_DROPOUT]
+        return max(d[0] for d in p), max(max(d[1], d[2]) for d in p)
+
     def resolve_ops(self, needs_grad: bool = False, padded: str | None = None, tokens: int = 0,
                     max_seqlen: int = 0, ragged: bool = True) -> dispatch.Ops:
         """The four ops for this situation (device, dtype, autograd, dropout, why attention runs padded rows if it
@@ -1051,9 +1112,9 @@ class BertModel(TransformersModelMixin, nn.Module):
                                  window=self._local_window, rotary=self.family.pre_norm,
                                  gated=self.family.pre_norm, pre_norm=self.family.pre_norm,
                                  disentangled=2 * relative.deberta_span(cfg) if self._disentangled else 0)
-        p_attn, p_attn_out, p_ffn = layer_dropouts(self.family, cfg) if self.training else _NO_DROPOUT
+        p_attn, p_hidden = self._largest_dropouts() if self.training else (0.0, 0.0)
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
-                                       max(p_attn_out, p_ffn), padded, shapes, self._disentangled)
+                                       p_hidden, padded, shapes, self._disentangled)
         if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return dispatch.plan(situation)
         if self._plans_failures != len(fallback._FAILED):
