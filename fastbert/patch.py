@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
 
 from . import config as configs
@@ -171,11 +172,7 @@ def write_back(fb: BertModel):
     for layer in fb.layers:
         if layer.self_attention is not None:
             layer.self_attention.untie()
-    device = fb.device  # buffers (HF's position_ids) to wherever the weights went meanwhile
-    for module in hf.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+    _bring_buffers(hf, fb.device)
     checkpointing = fb.is_gradient_checkpointing
     for module in hf.modules():
         if hasattr(module, "gradient_checkpointing") and module.gradient_checkpointing != checkpointing:
@@ -183,3 +180,49 @@ def write_back(fb: BertModel):
                 module._gradient_checkpointing_func = fb.layers[0]._gradient_checkpointing_func
             module.gradient_checkpointing = checkpointing
     return hf.train(fb.training)
+
+
+def _bring_buffers(hf, device) -> None:
+    """HF's buffers (the embeddings' position_ids and token_type_ids, ModernBERT's rotary inv_freq), which live in HF
+    modules the fastbert module does not hold, to wherever the weights went meanwhile. A model built on the meta
+    device and then materialised (to_empty, load_state_dict(assign=True)) left them on meta, holding nothing: they get
+    the values a freshly built HF module holds, from transformers' own _init_weights (which fills these buffers since
+    transformers 5); before that, position ids and token types by name, and an error naming any other."""
+    if device.type == "meta":
+        return
+    fresh = {}  # module -> the names of its buffers that were on meta
+    for module in hf.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or buffer.device == device:
+                continue
+            if buffer.device.type != "meta":
+                module._buffers[name] = buffer.to(device)
+                continue
+            if name == "position_ids":  # arange(n) as [1, n]
+                value = torch.arange(buffer.shape[-1], dtype=buffer.dtype, device=device).expand(buffer.shape)
+            elif name == "token_type_ids" or not buffer.is_floating_point():
+                value = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+            else:  # NaN until _init_weights gives it its value: what is left NaN is said below
+                value = torch.full(buffer.shape, float("nan"), dtype=buffer.dtype, device=device)
+            module._buffers[name] = value
+            fresh.setdefault(module, []).append(name)
+    init = getattr(hf, "_init_weights", None)
+    if init is not None and fresh:
+        # _init_weights(module) may also initialise what the module holds besides its buffers (DistilBERT's
+        # sinusoidal position table, from its embeddings): transformers' initializers leave a tensor marked
+        # initialised as it is
+        params = {p: None for module in fresh for p in module.parameters() if not hasattr(p, "_is_hf_initialized")}
+        for p in params:
+            p._is_hf_initialized = True
+        try:
+            for module in fresh:
+                init(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
+    unset = [f"{type(module).__name__}.{name}" for module, names in fresh.items() for name in names
+             if module._buffers[name].is_floating_point() and module._buffers[name].isnan().any()]
+    if unset:
+        raise RuntimeError(f"fastbert.restore: the model was built on the meta device and this transformers does not "
+                           f"initialise {', '.join(unset)} (a buffer of transformers' modules that fastbert does not "
+                           f"hold); build the model on its device, or give those buffers values before restore")

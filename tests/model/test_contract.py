@@ -84,6 +84,42 @@ def test_meta_device_then_to_empty_init_and_loading(family):
     assert fused_rows_alias_parts(model.base_model)  # one copy of the weights after to_empty + loading
 
 
+@pytest.mark.parametrize("materialise", ["init_weights", "load_state_dict", "assign"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_restore_after_a_meta_device_build(family, materialise):
+    """Built on meta, optimized, then given real tensors (to_empty + init_weights, to_empty + load_state_dict, or
+    load_state_dict(assign=True) alone): restore gives back transformers' own modules, holding the same weights, and
+    the buffers a model built on the CPU holds (position_ids, token_type_ids, ModernBERT's rotary inv_freq: they live
+    in HF modules fastbert does not hold, so nothing else gave them values); its forward is the optimized one's."""
+    reference = hf_head(family)
+    with torch.device("meta"):
+        model = type(reference)(copy.deepcopy(reference.config)).eval()
+    fastbert.optimize(model, kernels="torch")
+    if materialise == "assign":
+        model.load_state_dict(reference.state_dict(), strict=True, assign=True)
+    else:
+        model.to_empty(device="cpu")
+        model.init_weights() if materialise == "init_weights" else model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        optimized = model(IDS, attention_mask=MASK).logits
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    fastbert.restore(model)
+    encoder = model.base_model
+    assert type(encoder) is type(reference.base_model)
+    assert not [n for n, m in model.named_modules() if type(m).__module__.startswith("fastbert")]
+    restored = model.state_dict()
+    assert sorted(restored) == sorted(weights) and all(torch.equal(restored[k], weights[k]) for k in weights)
+    ours, theirs = dict(model.named_buffers()), dict(type(reference)(copy.deepcopy(reference.config)).named_buffers())
+    assert sorted(ours) == sorted(theirs) and theirs
+    assert all(ours[k].device.type == "cpu" and torch.equal(ours[k], theirs[k]) for k in ours)
+    with torch.no_grad():
+        back = model(IDS, attention_mask=MASK).logits
+    real = MASK.bool()
+    assert (back[real] - optimized[real]).abs().max() <= 1e-5
+    if materialise != "init_weights":
+        assert (back[real] - reference(IDS, attention_mask=MASK).logits[real]).abs().max() <= 1e-5
+
+
 def test_from_pretrained_low_cpu_mem_usage_and_device_map_then_optimize(tmp_path):
     reference = hf_head("bert")
     reference.save_pretrained(tmp_path)
