@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 class TransformersModelMixin:
     """transformers' PreTrainedModel surface for a fastbert encoder (which has `config`, `embeddings`, `layers`)."""
 
+    # PreTrainedModel's loading hints, read off a model by transformers' tests and tools; None for every encoder
+    # fastbert runs, as transformers declares them there (fastbert's own loader reads the classes' declarations)
+    _keys_to_ignore_on_load_missing = None
+    _keep_in_fp32_modules = None
+    _keep_in_fp32_modules_strict = None
+
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,
@@ -102,6 +108,9 @@ class TransformersModelMixin:
                                 mean_resizing: bool = True) -> nn.Embedding:
         """transformers' resize: the first rows kept, new rows the mean of the old ones (mean_resizing, the centre of
         the distribution transformers samples them from) or drawn like a fresh model's; config.vocab_size follows."""
+        if pad_to_multiple_of is not None and not isinstance(pad_to_multiple_of, int):  # transformers' own words
+            raise ValueError(f"Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, which is "
+                             f"not and integer. Please make sure to pass an integer")
         sizes = (("new_num_tokens", new_num_tokens, None), ("pad_to_multiple_of", pad_to_multiple_of, 1))
         for name, value, least in sizes:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

@@ -635,11 +635,13 @@ def test_optimized_bare_encoder_forward_shows_its_parameters():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"new_num_tokens": 60, "pad_to_multiple_of": 1.3}, r"pad_to_multiple_of must be a positive integer .*got 1\.3"),
+    # transformers' sentence, typo included: its test_resize_tokens_embeddings matches it
+    ({"new_num_tokens": 60, "pad_to_multiple_of": 1.3}, r"multiple of `1\.3`, which is not and integer"),
     ({"new_num_tokens": 60, "pad_to_multiple_of": 0}, "pad_to_multiple_of must be a positive integer or None, got 0"),
     ({"new_num_tokens": 60.0}, r"new_num_tokens must be an integer or None, got 60\.0"),
 ])
 def test_resize_token_embeddings_refuses_sizes_that_are_not_integers(kwargs, words):
+    """Refused before anything changes; a non-integer multiple in transformers' own words."""
     _, fb = bare_pair("bert")
     with pytest.raises(ValueError, match=words):
         fb.resize_token_embeddings(**kwargs)
@@ -728,3 +730,13 @@ def test_return_dict_false_tuples_are_hfs(family, padding_free):
             assert got == want
             for w, g in zip(want_tensors, got_tensors):
                 torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loading_hints_read_as_transformers_declares_them(family):
+    """transformers' tests read PreTrainedModel's loading hints off the bare encoder
+    (test_model_weights_reload_no_missing_tied_weights, test_keep_in_fp32_modules*): fastbert's module carries them
+    with the values transformers' class declares."""
+    hf, fb = bare_pair(family)
+    for name in ("_keys_to_ignore_on_load_missing", "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        assert getattr(fb, name) == getattr(type(hf), name, None), name
