@@ -19,11 +19,12 @@ if TYPE_CHECKING:
 class TransformersModelMixin:
     """transformers' PreTrainedModel surface for a fastbert encoder (which has `config`, `embeddings`, `layers`)."""
 
-    # PreTrainedModel's loading hints, read off a model by transformers' tests and tools; None for every encoder
-    # fastbert runs, as transformers declares them there (fastbert's own loader reads the classes' declarations)
-    _keys_to_ignore_on_load_missing = None
-    _keep_in_fp32_modules = None
-    _keep_in_fp32_modules_strict = None
+    # PreTrainedModel's loading hints, read off a model by transformers' tests and tools: empty for every encoder
+    # fastbert runs, as a transformers model instance holds them (its __init__ turns the classes' None into a set;
+    # fastbert's own loader reads the classes' declarations)
+    _keys_to_ignore_on_load_missing = frozenset()
+    _keep_in_fp32_modules = frozenset()
+    _keep_in_fp32_modules_strict = frozenset()
 
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
