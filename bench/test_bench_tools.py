@@ -414,7 +414,7 @@ def test_gpu_check_cold_start_fits_and_records_compiles(tmp_path):
     jobs ahead of the steps, the headline's first fastbert case finds its keys compiled, and every record says what
     it compiled. The timeline closes summary.md."""
     out = tmp_path / "out"
-    seconds = 0.02
+    seconds = 0.2  # the smoke's wait is bounded by 17 x this: long enough for the workers to have started
     only = "env,smoke-bf16,headline/32x128/hf-sdpa,headline/32x128/fastbert-triton"
     assert gpu_check.main([str(out), "--dry-run", "--cold-compile-s", str(seconds), "--only", only]) == 0
     records = _records(out)
@@ -422,9 +422,10 @@ def test_gpu_check_cold_start_fits_and_records_compiles(tmp_path):
     assert list(steps) == only.split(",")
     estimate = gpu_check.load_estimate()
     smoke = estimate["smoke:bf16"]
-    # the smoke waited for the background workers, which compiled its keys: it compiled none itself
+    # the background workers compiled the smoke's keys (while env ran, or while the smoke waited for them): the
+    # smoke compiled none itself
     assert steps["smoke-bf16"]["estimated_compiles"] == len(smoke)
-    assert steps["smoke-bf16"]["waited_s"] > 0 and steps["smoke-bf16"]["compiles"] == 0
+    assert steps["smoke-bf16"]["waited_s"] >= 0 and steps["smoke-bf16"]["compiles"] == 0
     assert steps["headline/32x128/fastbert-triton"]["status"] == "ok"
     assert steps["headline/32x128/fastbert-triton"]["median_s"] > 0
     assert "compiles" in steps["headline/32x128/fastbert-triton"] and "compiles" not in steps["env"]
@@ -435,4 +436,4 @@ def test_gpu_check_cold_start_fits_and_records_compiles(tmp_path):
         f"precompile-{i}" for i in range(gpu_check.WORKERS)}
     assert all(r["status"] == "ok" for r in workers)
     assert sum(r["compiles"] for r in workers if r["check"] == "smoke:bf16") == len(smoke)
-    assert "### Timeline (a simulated cold machine, 0.02 s a compile)" in (out / "summary.md").read_text()
+    assert "### Timeline (a simulated cold machine, 0.2 s a compile)" in (out / "summary.md").read_text()
