@@ -241,6 +241,17 @@ def load_estimate(path: str = ESTIMATE) -> dict:
         return json.load(f)["jobs"]
 
 
+def batches(steps: list[Step]):
+    """The steps in run order, consecutive steps of one group together (they start at the same time)."""
+    i = 0
+    while i < len(steps):
+        batch = [steps[i]]
+        while steps[i].group and i + len(batch) < len(steps) and steps[i + len(batch)].group == steps[i].group:
+            batch.append(steps[i + len(batch)])
+        i += len(batch)
+        yield batch
+
+
 def compile_estimate(steps: list[Step], estimate: dict) -> list[list]:
     """For each step, the keys it is the first to need in run order (the steps of a group start together, so each
     counts what the steps before the group compiled). A job the estimate lacks (a kernel changed without
@@ -248,12 +259,7 @@ def compile_estimate(steps: list[Step], estimate: dict) -> list[list]:
     keys of its own: the one GPU run must not stop over a stale estimate."""
     compiled: set = set()
     out = []
-    i = 0
-    while i < len(steps):
-        batch = [steps[i]]
-        while steps[i].group and i + len(batch) < len(steps) and steps[i + len(batch)].group == steps[i].group:
-            batch.append(steps[i + len(batch)])
-        i += len(batch)
+    for batch in batches(steps):
         met = []
         for step in batch:
             keys = list(dict.fromkeys(k for job in step.jobs for k in estimate.get(job, ())))
@@ -430,12 +436,7 @@ def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, valu
     the background workers to compile them (at most its own compile estimate)."""
     injected = {k: v for k, v in faults().items() if ":" not in k}
     compile_s = compiling.cold_s if compiling and compiling.cold_s is not None else COMPILE_S
-    i = 0
-    while i < len(steps):
-        batch = [steps[i]]
-        while steps[i].group and i + len(batch) < len(steps) and steps[i + len(batch)].group == steps[i].group:
-            batch.append(steps[i + len(batch)])
-        i += len(batch)
+    for batch in batches(steps):
         running = []
         for step in batch:
             waited = None
