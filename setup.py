@@ -44,7 +44,7 @@ setup(
     python_requires=">=3.9",
     # kernels/ is a top-level folder of the repo but ships as fastbert.kernels: a bare top-level `kernels` module
     # would collide with HF's `kernels` package, which transformers probes for.
-    packages=["fastbert", "fastbert.cli", "fastbert.distributed", "fastbert.kernels"],
+    packages=["fastbert", "fastbert.cli", "fastbert.distributed", "fastbert.kernels", "fastbert.units"],
     package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
     install_requires=[
         "torch>=2.1",

@@ -770,7 +770,7 @@ class KernelChecks:
     def gemm(self, dtype, kernel, activation, config, M, N, K, gated=False, bias=True):
         import torch.nn.functional as F
 
-        from fastbert import twins
+        from fastbert import ops, twins
         from fastbert.kernels import gemm as gemm_core
 
         self.needs_dot(dtype)
@@ -788,11 +788,11 @@ class KernelChecks:
         h64 = F.linear(a.double(), w.double(), None if b is None else b.double())
         if gated:
             half, gate = h64.chunk(2, dim=-1)
-            ref64 = twins._activation_torch(half, activation) * gate
-            twin = twins.bias_gelu_torch(a, w, b, activation, gated=True)
+            ref64 = twins.activate(half, activation) * gate
+            twin = ops.bias_gelu_torch(a, w, b, activation, gated=True)
         else:
-            ref64 = twins._activation_torch(h64, activation) if activation else h64
-            twin = twins.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
+            ref64 = twins.activate(h64, activation) if activation else h64
+            twin = ops.bias_gelu_torch(a, w, b, activation) if activation else F.linear(a, w, b)
         return {**self.compare(out, twin, ref64), **facts}
 
     def attention(self, dtype, lengths, num_heads, head_dim, config=None, window=None, rotary=False, bias=False,
@@ -972,7 +972,7 @@ def forward_check(device: str, dtype_name: str, dry_run: bool) -> dict:
 # ====================================================================================================================
 CHOICES = """
 import json, sys, torch, transformers, fastbert
-from fastbert import auto
+from fastbert import measure
 from fastbert.kernels import attention, gemm
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -986,8 +986,8 @@ for tokens, longest in sizes:
     ids = torch.randint(100, 900, (tokens // longest, longest), device=device)
     with torch.inference_mode():
         model(ids)  # runs (and tunes) the kernels the forward resolved to
-report["auto_table"] = auto.choices_for(torch.device(device)).table
-report["auto_table_path"] = auto.choices_for(torch.device(device)).path
+report["auto_table"] = measure.choices_for(torch.device(device)).table
+report["auto_table_path"] = measure.choices_for(torch.device(device)).path
 tuners = {"attention": attention._attention_fwd,
           **{"gemm-" + "-".join(map(str, k)): t for k, t in gemm._AUTOTUNED.items()}}
 report["autotuned"] = {name: {str(k): str(v) for k, v in getattr(t, "cache", {}).items()} for name, t in tuners.items()}

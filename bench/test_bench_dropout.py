@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import harness
-from fastbert import twins
+from fastbert import ops, twins
 from fastbert.layout import TokenLayout
 
 P = 0.1
@@ -46,7 +46,7 @@ def _attention():
         return [torch.cat(out).view(qkv.shape[0], 768)]
 
     return [qkv], {"sdpa dropout_p": sdpa,
-                   "fastbert": lambda: [twins.attention_varlen_torch(qkv, layout, 0.125, dropout_p=P)]}
+                   "fastbert": lambda: [ops.attention_varlen_torch(qkv, layout, 0.125, dropout_p=P)]}
 
 
 CASES = {"hidden-2167x768": _hidden, "probs-1x12xLxL-16xvar16-256": _probs,

@@ -91,8 +91,8 @@ def kernel_failed(key: tuple, error: BaseException | str, device, table_key: str
     _FAILED[key] = why
     recorded = ""
     if table_key is not None:
-        from . import auto  # imported only when a failure is recorded on a measured device
-        choices = auto.choices_for(device)
+        from . import measure  # imported only when a failure is recorded on a measured device
+        choices = measure.choices_for(device)
         if choices.failure(table_key) is None:
             choices.record_failure(table_key, why)
         recorded = f"recorded in {choices.path}, so later processes with these versions use the twin"

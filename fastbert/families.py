@@ -20,7 +20,7 @@ per distance (twins.Disentangled); its heads keep their ContextPooler themselves
 All but ModernBERT are post-norm: x = LN(x + attention), x = LN(x + FFN). ModernBERT is pre-norm with a final norm
 and a gated MLP: x = x + attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T; its checkpoints
 already hold q/k/v as one Wqkv, and its linears and LayerNorms carry biases only where its config says. The same
-four ops run every family, with the parameters each axis adds (fastbert/twins.py).
+four ops run every family, with the parameters each axis adds (fastbert/units/).
 """
 from __future__ import annotations
 

@@ -41,13 +41,14 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
 )
 
-from . import adapters, auto, dispatch, fallback, families, relative, rotary, twins
+from . import adapters, dispatch, fallback, families, measure, relative, rotary, twins
 from . import config as configs
 from .compat import TransformersModelMixin
 from .dispatch import OPS
 from .inputs import Batch, prepare
 from .layout import first_tokens, pad, unpad
 from .mask import AttentionMask, tracing
+from .units.attention import NONE, Extras
 
 # MPNet's buckets stop changing at 128 tokens apart (HF's max_distance): a table reaching 128 is exact at any length
 RELATIVE_REACH = 129
@@ -553,8 +554,8 @@ class BertLayer(GradientCheckpointingLayer):
 
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
         dis = self._disentangled(qkv, w.qkv, w.qkv_bias, positions, p_pos) if self.family.disentangled else None
-        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias,
-                                   disentangled=dis)                                            # [T, H]
+        extras = NONE if bias is None and dis is None else Extras(bias, disentangled=dis)
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, extras)     # [T, H]
         x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, w.ln1_eps,
                                    p_attn_out)                                                  # [T, H]
         h = run.bias_gelu(x, w.ffn_in, w.ffn_in_bias, self.activation)                            # [T, I]
@@ -581,8 +582,8 @@ class BertLayer(GradientCheckpointingLayer):
             qkv = run.qkv_projection(h, qkv_in.weight, qkv_in.bias, self.num_heads, **ws)        # [T, 3, nh, hd]
         else:
             qkv = qkv_in(h).view(h.shape[0], 3, self.num_heads, -1)
-        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, window=self.window,
-                                   rotary=rotary, **ws)                                         # [T, H]
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions,
+                                   Extras(window=self.window, rotary=rotary), **ws)             # [T, H]
         if plain(out) and type(ln2) is nn.LayerNorm:
             x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, ln2.bias, ln2.eps, p_attn_out,
                                           pre_norm=True, **ws)                                  # [T, H] each
@@ -593,7 +594,7 @@ class BertLayer(GradientCheckpointingLayer):
             g = run.bias_gelu(h, wi.weight, wi.bias, self.activation, gated=True, **ws)       # [T, I]
         else:
             a, gate = wi(h).chunk(2, dim=-1)
-            g = twins._activation_torch(a, self.activation) * gate
+            g = twins.activate(a, self.activation) * gate
         if p_mlp > 0:
             g = twins.dropout(g, p_mlp)
         if plain(wo) and wo.bias is None:
@@ -613,14 +614,14 @@ class BertLayer(GradientCheckpointingLayer):
                 qkv[:, i] += delta.view(qkv.shape[0], *qkv.shape[2:]).to(qkv.dtype)
         bias = None if self.family.disentangled else positions
         dis = self._disentangled(qkv, weight, bias_qkv, positions, p_pos) if self.family.disentangled else None
-        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, bias=bias,
-                                   disentangled=dis)                                            # [T, H]
+        extras = NONE if bias is None and dis is None else Extras(bias, disentangled=dis)
+        ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, extras)     # [T, H]
         x = self._dense_residual_layernorm("attn_out", "ln1", ctx, x, run, p_attn_out)          # [T, H]
         dense = self.module("ffn_in")
         if adapters.is_plain_linear(dense):
             h = run.bias_gelu(x, dense.weight, dense.bias, self.activation)                      # [T, I]
         else:
-            h = twins._activation_torch(dense(x), self.activation)
+            h = twins.activate(dense(x), self.activation)
         return self._dense_residual_layernorm("ffn_out", "ln2", h, x, run, p_ffn_out), probs    # [T, H]
 
     def _dense_residual_layernorm(self, dense_role, ln_role, y, residual, run, p):
@@ -1106,12 +1107,13 @@ class BertModel(TransformersModelMixin, nn.Module):
                 and not self.training and tokens:
             # ModernBERT: attention is timed as its local layers run it (two of every three), rotary and windowed;
             # its global layers take the same choice
-            shapes = auto.Shapes(auto.token_bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
-                                 cfg.num_attention_heads, self.head_dim, auto.token_bucket(max_seqlen), self.activation,
-                                 ragged, RELATIVE_REACH if self.family.relative_bias else 0,
-                                 window=self._local_window, rotary=self.family.pre_norm,
-                                 gated=self.family.pre_norm, pre_norm=self.family.pre_norm,
-                                 disentangled=2 * relative.deberta_span(cfg) if self._disentangled else 0)
+            bucket = measure.token_bucket
+            shapes = measure.Shapes(bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
+                                    cfg.num_attention_heads, self.head_dim, bucket(max_seqlen), self.activation,
+                                    ragged, RELATIVE_REACH if self.family.relative_bias else 0,
+                                    window=self._local_window, rotary=self.family.pre_norm,
+                                    gated=self.family.pre_norm, pre_norm=self.family.pre_norm,
+                                    disentangled=2 * relative.deberta_span(cfg) if self._disentangled else 0)
         p_attn, p_hidden = self._largest_dropouts() if self.training else (0.0, 0.0)
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
                                        p_hidden, padded, shapes, self._disentangled)

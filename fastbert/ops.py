@@ -1,11 +1,10 @@
 """The four fused ops for callers outside the model, resolved per call: `qkv_projection(..., backend=)` and so on,
 "torch" by default. The model resolves once per forward instead (fastbert/dispatch.py).
 
-The twins (the definitions) are in fastbert/twins.py and are re-exported here with the names of the ops and backends.
+Each op's definition (its twin) and kernel adapter are in its unit (fastbert/units/); the twins are re-exported here
+under the names of the ops.
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -13,10 +12,6 @@ from .dispatch import (  # noqa: F401
     BACKENDS,
     OPS,
     Situation,
-    _attention_triton,
-    _bias_gelu_triton,
-    _qkv_projection_triton,
-    _residual_layernorm_triton,
     reasons,
     resolve,
     triton_import_error,
@@ -24,17 +19,16 @@ from .dispatch import (  # noqa: F401
 )
 from .fallback import with_net
 from .mask import AttentionMask
-from .twins import (  # noqa: F401
-    ACTIVATIONS,
-    Disentangled,
-    attention_padded_torch,
-    attention_torch,
-    attention_varlen_torch,
-    bias_gelu_torch,
-    default_scale,
-    qkv_projection_torch,
-    residual_layernorm_torch,
-)
+from .twins import ACTIVATIONS, Disentangled, Rotary, default_scale  # noqa: F401
+from .units import attention as _attention
+from .units import bias_gelu as _bias_gelu
+from .units import qkv_projection as _qkv_projection
+from .units import residual_layernorm as _residual_layernorm
+from .units.attention import Extras, attention_padded_torch, attention_torch, attention_varlen_torch  # noqa: F401
+
+qkv_projection_torch = _qkv_projection.twin
+bias_gelu_torch = _bias_gelu.twin
+residual_layernorm_torch = _residual_layernorm.twin
 
 
 def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_dim: int | None = None,
@@ -52,58 +46,56 @@ def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_d
     return resolve(op, backend, x.device, reason)
 
 
-def _call(op: str, backend: str, x: torch.Tensor, kernel: Callable, twin: Callable):
+def _call(op: str, backend: str, x: torch.Tensor, kernel, twin):
     """A kernel the per-op functions chose: as asked for under "triton", under the safety net under "auto"."""
     return kernel() if backend == "triton" else with_net(op, x, x.device, kernel, twin)
 
 
 def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -> torch.Tensor:
-    twin = lambda: qkv_projection_torch(x, weight, bias, num_heads)  # noqa: E731
+    twin = lambda: _qkv_projection.twin(x, weight, bias, num_heads)  # noqa: E731
     if _use_kernel("qkv_projection", backend, x, weight, bias):
         return _call("qkv_projection", backend, x,
-                     lambda: _qkv_projection_triton(x, weight, bias, num_heads, checked=True), twin)
+                     lambda: _qkv_projection.kernel(x, weight, bias, num_heads, checked=True), twin)
     return twin()
 
 
 def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
               backend: str = "torch", bias: torch.Tensor | None = None, window: int | None = None,
               rotary=None, disentangled=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`attn`: a TokenLayout (packed, padding-free) or an AttentionMask (padded rows). `bias`: None or a float32
-    table [nh, 2L - 1] of a score bias that depends on (head, j - i) only (twins.relative_bias). `window`: None or w
-    (keys with |i - j| <= w only). `rotary`: None or twins.Rotary (q and k rotated by per-token cos/sin).
-    `disentangled`: None or twins.Disentangled (DeBERTa's per-token c2p/p2c terms and their column table)."""
+    """`attn`: a TokenLayout (packed, padding-free) or an AttentionMask (padded rows). `bias`, `window`, `rotary`,
+    `disentangled`: the fields of units.attention.Extras (a per-distance bias table, a sliding window, rotary cos/sin,
+    DeBERTa's c2p/p2c terms)."""
     padded = None
     if return_probs:
         padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-    twin = lambda: attention_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary,  # noqa: E731
-                                   disentangled)
+    extras = Extras(bias, window, rotary, disentangled)
+    twin = lambda: _attention.twin(qkv, attn, scale, dropout_p, return_probs, extras)  # noqa: E731
     if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded,
                    disentangled=disentangled is not None):
-        kernel = lambda: _attention_triton(qkv, attn, scale, bias=bias, window=window, rotary=rotary,  # noqa: E731
-                                           disentangled=disentangled, checked=True)
+        kernel = lambda: _attention.kernel(qkv, attn, scale, extras=extras, checked=True)  # noqa: E731
         return _call("attention", backend, qkv, kernel, twin)
     return twin()
 
 
 def bias_gelu(x, weight, bias, activation: str = "gelu", *, gated: bool = False,
               backend: str = "torch") -> torch.Tensor:
-    """act(x @ W^T + b); gated: W [2I, H] (HF's Wi) and act(a) * g [T, I] (twins.bias_gelu_torch)."""
-    twin = lambda: bias_gelu_torch(x, weight, bias, activation, gated)  # noqa: E731
+    """act(x @ W^T + b); gated: W [2I, H] (HF's Wi) and act(a) * g [T, I] (units.bias_gelu.twin)."""
+    twin = lambda: _bias_gelu.twin(x, weight, bias, activation, gated)  # noqa: E731
     if _use_kernel("bias_gelu", backend, x, weight, bias):
         return _call("bias_gelu", backend, x,
-                     lambda: _bias_gelu_triton(x, weight, bias, activation, gated, checked=True), twin)
+                     lambda: _bias_gelu.kernel(x, weight, bias, activation, gated, checked=True), twin)
     return twin()
 
 
 def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float, *, dropout_p: float = 0.0,
                        pre_norm: bool = False, backend: str = "torch"):
     """LN(y @ W^T + b + residual) [T, H]; pre_norm: (s, LN(s)) for s = y @ W^T + b + residual; ln_bias may be None
-    (twins.residual_layernorm_torch)."""
-    twin = lambda: residual_layernorm_torch(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p,  # noqa: E731
-                                            pre_norm)
+    (units.residual_layernorm.twin)."""
+    twin = lambda: _residual_layernorm.twin(y, weight, bias, residual, ln_weight, ln_bias, eps,  # noqa: E731
+                                            dropout_p, pre_norm)
     if _use_kernel("residual_layernorm", backend, y, weight, bias, residual, ln_weight, ln_bias, dropout=dropout_p):
-        return _call("residual_layernorm", backend, y, lambda: _residual_layernorm_triton(
+        return _call("residual_layernorm", backend, y, lambda: _residual_layernorm.kernel(
             y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=pre_norm, checked=True), twin)
     return twin()

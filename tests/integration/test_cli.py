@@ -39,9 +39,9 @@ def test_main_job_prints_the_table_and_passes_parity(minilm_path):
 def test_main_job_fails_when_parity_fails(monkeypatch, capsys, minilm_path):
     """Exit code 1 on a parity miss: here the bias_gelu twin is made wrong by one part in 1e4."""
     from fastbert import __main__ as cli
-    from fastbert import twins
-    real = twins.bias_gelu_torch
-    monkeypatch.setattr(twins, "bias_gelu_torch", lambda *a, **k: real(*a, **k) * (1 + 1e-4))
+    from fastbert.units import bias_gelu
+    real = bias_gelu.twin
+    monkeypatch.setattr(bias_gelu, "twin", lambda *a, **k: real(*a, **k) * (1 + 1e-4))
     assert cli.main(["--model", minilm_path, "--kernels", "torch", "--repeats", "0", "--limit", "3"]) == 1
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("torch "))
     assert row.split()[-1] == "FAIL" and float(row.split()[3]) > 1e-5

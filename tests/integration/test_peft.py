@@ -10,7 +10,7 @@ import transformers
 from helpers import deberta_config, fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
 
 import fastbert
-from fastbert import twins
+from fastbert.units import qkv_projection
 
 peft = pytest.importorskip("peft")
 
@@ -102,8 +102,8 @@ def test_the_base_projection_stays_one_fused_gemm(order, monkeypatch):
     called as three GEMMs; the adapters' low-rank paths run."""
     _, ours = stock_and_fastbert(order, TARGETS["query+value"])
     projections, base_calls, lora_calls = [], [], []
-    real = twins.qkv_projection_torch
-    monkeypatch.setattr(twins, "qkv_projection_torch",
+    real = qkv_projection.twin
+    monkeypatch.setattr(qkv_projection, "twin",
                         lambda x, w, b, nh: projections.append(tuple(w.shape)) or real(x, w, b, nh))
     encoder = ours.base_model.model.bert
     for layer in encoder.encoder.layer:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from helpers import DEVICE, assert_kernel_matches, max_error, poisoned
 
-from fastbert import dispatch
 from fastbert.kernels import attention as attention_module
 from fastbert.kernels.attention import attention, launch, uniform_cu_seqlens
 from fastbert.layout import TokenLayout
 from fastbert.mask import AttentionMask
+from fastbert.units import attention as attention_unit
+from fastbert.units.attention import Extras
 
 SPAN = 8  # P = 2 * SPAN columns in c2p / p2c
 REACH = 24  # L: the column table covers distances -(L - 1)..(L - 1); longer distances read its end entries
@@ -264,11 +265,11 @@ def test_kernel_matches_hf_disentangled_self_attention(share_att_key):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The dispatcher's entry (the model's path)
+# The attention unit's kernel adapter (the model's path)
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("checked", [False, True], ids=["launch", "checked"])
-def test_dispatch_passes_the_terms(checked):
-    """dispatch._attention_triton takes the terms as one object (.c2p, .p2c, .column) and hands the kernel plain
+def test_the_unit_passes_the_terms(checked):
+    """The attention unit's kernel takes the terms as one object (.c2p, .p2c, .column) and hands the kernel plain
     tensors: packed, and padded, where DeBERTa's padded queries are uniform (HF's mask_i * mask_j)."""
     nh, hd, lengths = 2, 32, (25, 6)
     T = sum(lengths)
@@ -278,7 +279,7 @@ def test_dispatch_passes_the_terms(checked):
     terms = SimpleNamespace(c2p=c2p, p2c=p2c, column=column)
     cu, max_seqlen = packed(lengths)
     layout = TokenLayout.from_cu_seqlens(cu, max_seqlen, list(lengths))
-    ctx, probs = dispatch._attention_triton(qkv, layout, scale, disentangled=terms, checked=checked)
+    ctx, probs = attention_unit.kernel(qkv, layout, scale, extras=Extras(disentangled=terms), checked=checked)
     assert probs is None
     assert max_error(ctx, reference(qkv, lengths, scale, c2p, p2c, column)) <= 1e-5
 
@@ -289,9 +290,8 @@ def test_dispatch_passes_the_terms(checked):
     keep[0, 13:] = False
     # the model builds DeBERTa's padded rows as pairwise masks (HF's mask_i * mask_j)
     mask = dataclasses.replace(AttentionMask.build(keep.long(), B, S, torch.float32), pairwise=True)
-    ctx, _ = dispatch._attention_triton(qkv, mask, scale, disentangled=SimpleNamespace(c2p=c2p, p2c=p2c,
-                                                                                       column=column),
-                                        checked=checked)
+    terms = SimpleNamespace(c2p=c2p, p2c=p2c, column=column)
+    ctx, _ = attention_unit.kernel(qkv, mask, scale, extras=Extras(disentangled=terms), checked=checked)
     ref = reference(qkv, [S] * B, scale, c2p, p2c, column, key_valid=keep, query_mask=True)
     assert max_error(ctx, ref) <= 1e-5
 

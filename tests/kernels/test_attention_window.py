@@ -11,11 +11,12 @@ import pytest
 import torch
 from helpers import assert_kernel_matches, poisoned
 
-from fastbert import custom_ops, ops, twins
+from fastbert import dispatch, ops, twins
 from fastbert.kernels import attention as attention_module
 from fastbert.kernels.attention import attention, uniform_cu_seqlens
 from fastbert.layout import TokenLayout
 from fastbert.mask import AttentionMask
+from fastbert.units.attention import Extras
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]  # bf16: the interpreter cannot run its tl.dot (test_attention.py says why)
@@ -89,7 +90,7 @@ def run_varlen(lengths, nh, hd, dtype, window, rotate, config=None, position_off
     out = poisoned((T, nh * hd), dtype)
     result = attention(qkv, cu, max(lengths), scale, out=out, window=window, rotary=rotary, config=config)
     assert result.data_ptr() == out.data_ptr()
-    twin = twins.attention_torch(qkv, layout, scale, window=window, rotary=rotary)[0]
+    twin = ops.attention_torch(qkv, layout, scale, window=window, rotary=rotary)[0]
     assert_kernel_matches(out, twin, reference64(qkv, spans(lengths), scale, window, rotary), dtype)
     return qkv, out
 
@@ -126,7 +127,7 @@ def run_padded(B, S, nh, hd, dtype, padding, window, rotate, config=None, seed=0
     out = poisoned((B * S, nh * hd), dtype)
     attention(qkv, uniform_cu_seqlens(B, S, qkv.device), S, scale, key_valid=mask.key_valid, out=out,
               window=window, rotary=rotary, config=config)
-    twin = twins.attention_torch(qkv, mask, scale, window=window, rotary=rotary)[0]
+    twin = ops.attention_torch(qkv, mask, scale, window=window, rotary=rotary)[0]
     ref = reference64(qkv, [(b * S, S) for b in range(B)], scale, window, rotary, keep)
     # The fp16 twin adds -65504 (fp16's finfo.min) in fp32, which does not swamp the scores: where a query's band
     # holds no real key (fully padded rows included) it is no yardstick. Its error is measured elsewhere; the
@@ -245,7 +246,7 @@ def test_window_composes_with_a_relative_bias():
     rotary = rotary_for(torch.cat([torch.arange(n) for n in lengths]), hd)
     out = attention(qkv, cu, max(lengths), hd ** -0.5, window=3, rotary=rotary, bias=table)
     layout = TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)
-    twin = twins.attention_torch(qkv, layout, hd ** -0.5, bias=table, window=3, rotary=rotary)[0]
+    twin = ops.attention_torch(qkv, layout, hd ** -0.5, bias=table, window=3, rotary=rotary)[0]
     assert (out - twin).abs().max().item() <= 1e-5
 
     B, S = 2, 40
@@ -254,7 +255,7 @@ def test_window_composes_with_a_relative_bias():
     rotary = rotary_for(torch.arange(S).repeat(B), hd)
     out = attention(qkv, uniform_cu_seqlens(B, S, qkv.device), S, hd ** -0.5, key_valid=mask.key_valid, window=3,
                     rotary=rotary, bias=table)
-    twin = twins.attention_torch(qkv, mask, hd ** -0.5, bias=table, window=3, rotary=rotary)[0]
+    twin = ops.attention_torch(qkv, mask, hd ** -0.5, bias=table, window=3, rotary=rotary)[0]
     assert (out - twin).abs().max().item() <= 1e-5
 
 
@@ -275,34 +276,34 @@ def test_ops_and_custom_op_pass_window_and_rotary():
     lengths, nh, hd = [40, 3], 2, 32
     qkv, cu, layout, rotary = _packed(lengths, nh, hd)
     scale = hd ** -0.5
-    want = twins.attention_torch(qkv, layout, scale, window=3, rotary=rotary)[0]
-    plain = twins.attention_torch(qkv, layout, scale)[0]
+    want = ops.attention_torch(qkv, layout, scale, window=3, rotary=rotary)[0]
+    plain = ops.attention_torch(qkv, layout, scale)[0]
     assert (want - plain).abs().max() > 0.1
     got = {
         "ops triton": ops.attention(qkv, layout, scale, backend="triton", window=3, rotary=rotary)[0],
         "ops torch": ops.attention(qkv, layout, scale, backend="torch", window=3, rotary=rotary)[0],
-        "custom op triton": torch.ops.fastbert.attention(qkv, cu, max(lengths), scale, None, "triton", None, 3,
-                                                         rotary.cos, rotary.sin),
-        "custom op torch": torch.ops.fastbert.attention(qkv, cu, max(lengths), scale, None, "torch", None, 3,
-                                                        rotary.cos, rotary.sin),
+        "custom op triton": torch.ops.fastbert.attention(qkv, cu, max(lengths), scale, None, False, "triton", 3,
+                                                         None, rotary.cos, rotary.sin, None, None, None),
+        "custom op torch": torch.ops.fastbert.attention(qkv, cu, max(lengths), scale, None, False, "torch", 3,
+                                                        None, rotary.cos, rotary.sin, None, None, None),
     }
     for backend in ("triton", "torch"):
-        run = custom_ops.traced_ops({"attention": backend, "qkv_projection": backend, "bias_gelu": backend,
-                                     "residual_layernorm": backend})["attention"]
-        got[f"traced {backend}"] = run(qkv, layout, scale, window=3, rotary=rotary)[0]
+        run = dispatch.traced_ops(dict.fromkeys(ops.OPS, backend))["attention"]
+        got[f"traced {backend}"] = run(qkv, layout, scale, extras=Extras(window=3, rotary=rotary))[0]
     for name, out in got.items():
         assert (out - want).abs().max().item() <= 1e-5, name
     # -1: no window (a schema int cannot be None), the rotation still applied
-    no_window = torch.ops.fastbert.attention(qkv, cu, max(lengths), scale, None, "triton", None, -1, rotary.cos,
-                                             rotary.sin)
-    assert (no_window - twins.attention_torch(qkv, layout, scale, rotary=rotary)[0]).abs().max().item() <= 1e-5
+    no_window = torch.ops.fastbert.attention(qkv, cu, max(lengths), scale, None, False, "triton", -1,
+                                             None, rotary.cos, rotary.sin, None, None, None)
+    assert (no_window - ops.attention_torch(qkv, layout, scale, rotary=rotary)[0]).abs().max().item() <= 1e-5
 
 
 def test_custom_op_fake_shape():
     lengths, nh, hd = [5, 3], 2, 16
     qkv, cu, _, rotary = _packed(lengths, nh, hd)
     torch.library.opcheck(torch.ops.fastbert.attention.default,
-                          (qkv, cu, max(lengths), hd ** -0.5, None, "torch", None, 2, rotary.cos, rotary.sin),
+                          (qkv, cu, max(lengths), hd ** -0.5, None, False, "torch", 2,
+                           None, rotary.cos, rotary.sin, None, None, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -355,10 +355,9 @@ def test_gated_through_dispatch():
 def test_gated_custom_op(backend):
     """fastbert::bias_gelu with gated=True, as a traced forward records it (traced_ops), on either backend; and
     torch.library's own checks of its schema and fake shapes ([T, I] from W [2I, H])."""
-    from fastbert import custom_ops
+    from fastbert import dispatch
     x, w, b = make((7, 64), torch.float32), make((200, 64), torch.float32, 0.125, 1), make((200,), torch.float32)
-    run = custom_ops.traced_ops({op: backend for op in ("qkv_projection", "attention", "bias_gelu",
-                                                        "residual_layernorm")})["bias_gelu"]
+    run = dispatch.traced_ops(dict.fromkeys(ops.OPS, backend))["bias_gelu"]
     got = run(x, w, b, "gelu", gated=True)
     assert got.shape == (7, 100) and max_error(got, gated64(x, w, b, "gelu")) <= FP32_TOL
     torch.library.opcheck(torch.ops.fastbert.bias_gelu.default, (x, w, b, "gelu", backend, True),

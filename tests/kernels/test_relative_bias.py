@@ -11,12 +11,13 @@ import pytest
 import torch
 from helpers import DEVICE, poisoned
 
-from fastbert import custom_ops, ops, twins
+from fastbert import dispatch, ops, twins
 from fastbert.kernels.attention import attention, uniform_cu_seqlens
 from fastbert.layout import TokenLayout
 from fastbert.mask import AttentionMask
 from fastbert.numerics import error_bound, max_error
 from fastbert.relative import relative_bias_table
+from fastbert.units.attention import Extras
 
 RAGGED = (1, 31, 33, 65, 100)  # across the interpreter tile's 32-key and 64-query block edges
 
@@ -94,9 +95,9 @@ def test_twin_varlen_matches_fp64(table_len):
     nh, hd = 3, 32
     qkv, layout = make_packed(RAGGED, nh, hd, torch.float32, strided=True)
     table, scale = make_table(nh, table_len), hd ** -0.5
-    out = twins.attention_varlen_torch(qkv, layout, scale, bias=table)
+    out = ops.attention_varlen_torch(qkv, layout, scale, bias=table)
     assert max_error(out, reference64(qkv, RAGGED, scale, table)) <= 1e-5
-    ctx, probs = twins.attention_torch(qkv, layout, scale, bias=table)
+    ctx, probs = ops.attention_torch(qkv, layout, scale, bias=table)
     assert probs is None and torch.equal(ctx, out)
 
 
@@ -107,7 +108,7 @@ def test_twin_uniform_layout_matches_fp64():
     layout = TokenLayout.dense(B, S, DEVICE)
     assert layout.uniform
     table, scale = make_table(nh, 30), hd ** -0.5
-    out = twins.attention_varlen_torch(qkv, layout, scale, bias=table)
+    out = ops.attention_varlen_torch(qkv, layout, scale, bias=table)
     assert max_error(out, reference64(qkv, [S] * B, scale, table)) <= 1e-5
 
 
@@ -130,7 +131,7 @@ def test_twin_padded_matches_fp64(return_probs):
     qkv, key_mask = padded_case(B, S, nh, hd)
     mask = AttentionMask.build(key_mask, B, S, torch.float32)
     table, scale = make_table(nh, 50), hd ** -0.5
-    ctx, probs = twins.attention_padded_torch(qkv, mask, scale, return_probs=return_probs, bias=table)
+    ctx, probs = ops.attention_padded_torch(qkv, mask, scale, return_probs=return_probs, bias=table)
     ref = reference64(qkv, [S] * B, scale, table, key_mask)
     assert max_error(ctx, ref) <= 1e-5
     assert (probs is not None) == return_probs
@@ -153,7 +154,7 @@ def test_kernel_varlen_matches_twin_and_fp64(dtype, hd, table_len):
     out = poisoned((layout.num_tokens, nh * hd), dtype)
     result = attention(qkv, layout.cu_seqlens, layout.max_seqlen, scale, out=out, bias=table)
     assert result.data_ptr() == out.data_ptr()
-    twin = twins.attention_varlen_torch(qkv, layout, scale, bias=table)
+    twin = ops.attention_varlen_torch(qkv, layout, scale, bias=table)
     assert_kernel_ok(out, twin, reference64(qkv, RAGGED, scale, table), dtype)
 
 
@@ -168,7 +169,7 @@ def test_kernel_table_of_one_distance_and_non_contiguous_table():
         assert table.stride(-1) == 1
         out = attention(qkv, layout.cu_seqlens, layout.max_seqlen, scale, bias=table,
                         out=poisoned((layout.num_tokens, nh * hd), torch.float32))
-        twin = twins.attention_varlen_torch(qkv, layout, scale, bias=table)
+        twin = ops.attention_varlen_torch(qkv, layout, scale, bias=table)
         assert_kernel_ok(out, twin, reference64(qkv, lengths, scale, table), torch.float32)
 
 
@@ -182,7 +183,7 @@ def test_kernel_padded_matches_twin_and_fp64(dtype):
     table, scale = make_table(nh, 50), hd ** -0.5
     out = attention(qkv, uniform_cu_seqlens(B, S, qkv.device), S, scale, key_valid=mask.key_valid, bias=table,
                     out=poisoned((B * S, nh * hd), dtype))
-    twin, _ = twins.attention_padded_torch(qkv, mask, scale, bias=table)
+    twin, _ = ops.attention_padded_torch(qkv, mask, scale, bias=table)
     assert_kernel_ok(out, twin, reference64(qkv, [S] * B, scale, table, key_mask), dtype)
 
 
@@ -237,13 +238,13 @@ def test_custom_op_passes_the_bias(backend):
     nh, hd = 2, 32
     qkv, layout = make_packed((33, 7), nh, hd, torch.float32)
     table, scale = make_table(nh, 40), hd ** -0.5
-    run = custom_ops.traced_ops({"attention": backend, "qkv_projection": "torch", "bias_gelu": "torch",
-                                 "residual_layernorm": "torch"})["attention"]
-    ctx, _ = run(qkv, layout, scale, bias=table)
+    run = dispatch.traced_ops({"attention": backend, "qkv_projection": "torch", "bias_gelu": "torch",
+                               "residual_layernorm": "torch"})["attention"]
+    ctx, _ = run(qkv, layout, scale, extras=Extras(bias=table))
     assert max_error(ctx, reference64(qkv, (33, 7), scale, table)) <= 1e-5
     B, S = 3, 70
     qkv, key_mask = padded_case(B, S, nh, hd)
-    ctx, _ = run(qkv, AttentionMask.build(key_mask, B, S, torch.float32), scale, bias=table)
+    ctx, _ = run(qkv, AttentionMask.build(key_mask, B, S, torch.float32), scale, extras=Extras(bias=table))
     assert max_error(ctx, reference64(qkv, [S] * B, scale, table, key_mask)) <= 1e-5
 
 
@@ -252,7 +253,8 @@ def test_custom_op_schema_and_fake():
     nh, hd = 2, 32
     qkv, layout = make_packed((9, 4), nh, hd, torch.float32)
     torch.library.opcheck(torch.ops.fastbert.attention.default,
-                          (qkv, layout.cu_seqlens, 9, hd ** -0.5, None, "torch", make_table(nh, 12)),
+                          (qkv, layout.cu_seqlens, 9, hd ** -0.5, None, False, "torch", -1,
+                           make_table(nh, 12), None, None, None, None, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -270,10 +270,9 @@ def test_pre_norm_through_dispatch():
 def test_pre_norm_custom_op(backend):
     """A traced forward records the pre-norm form as fastbert::residual_layernorm_pre (two outputs) and the
     post-norm form without LN bias as fastbert::residual_layernorm; torch.library checks both schemas and fakes."""
-    from fastbert import custom_ops
+    from fastbert import dispatch
     y, w, b, res, gamma, _ = inputs(7, 384, 384, torch.float32)
-    run = custom_ops.traced_ops({op: backend for op in ("qkv_projection", "attention", "bias_gelu",
-                                                        "residual_layernorm")})["residual_layernorm"]
+    run = dispatch.traced_ops(dict.fromkeys(ops.OPS, backend))["residual_layernorm"]
     s, normed = run(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
     want_s, want_normed = reference64(y, w, b, res, gamma, None, 1e-5, pre_norm=True)
     assert max_error(s, want_s) <= FP32_TOL and max_error(normed, want_normed) <= FP32_TOL
@@ -288,12 +287,12 @@ def test_traced_callables_take_the_twins_arguments():
     """Each traced op callable has its twin's signature (the layer calls either with the same arguments)."""
     import inspect
 
-    from fastbert import custom_ops, twins
-    traced = custom_ops.traced_ops(dict.fromkeys(ops.OPS, "torch"))
-    for op in ("bias_gelu", "residual_layernorm"):
+    from fastbert import dispatch, units
+    traced = dispatch.traced_ops(dict.fromkeys(ops.OPS, "torch"))
+    for op in ops.OPS:
         def params(fn):
             return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
-        assert params(traced[op]) == params(getattr(twins, f"{op}_torch")), op
+        assert params(traced[op]) == params(units.UNITS[op].twin), op
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ fake timer (on a GPU the timer is Triton's do_bench on the device).
 The fake timer answers in the order the model asks: for each "auto" op in OPS order, the kernel's time, then the
 twin's. Here attention's twin is made the faster one.
 """
+import inspect
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from helpers import random_hf_bert
 
 import fastbert
-from fastbert import auto, dispatch, fallback, ops, twins
+from fastbert import dispatch, fallback, measure, ops, units
 from fastbert.graphs import EagerGraph, GraphRunner
 from fastbert.kernels import utils as kernel_utils
 
@@ -36,7 +37,7 @@ def measured_here(monkeypatch, tmp_path):
     """CPU counts as a measured device (Triton runs through the interpreter); a fresh cache directory."""
     monkeypatch.setattr(dispatch, "MEASURED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(kernel_utils, "INTERPRET", True)
-    monkeypatch.setattr(auto, "_CHOICES", {})
+    monkeypatch.setattr(measure, "_CHOICES", {})
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
     return tmp_path
 
@@ -52,7 +53,7 @@ KERNEL_WINS_BUT_ATTENTION = [1.0, 2.0, 5.0, 3.0, 1.0, 2.0, 1.0, 2.0]  # qkv, att
 def test_choices_measure_once_and_persist(tmp_path):
     timer = FakeTimer([2.0, 1.0, 1.0, 1.0])
     path = str(tmp_path / "t.json")
-    choices = auto.Choices(torch.device("cpu"), timer, path)
+    choices = measure.Choices(torch.device("cpu"), timer, path)
     calls = []
     assert choices.choose("a", lambda: calls.append("kernel"), lambda: calls.append("twin")) is False  # twin faster
     assert choices.choose("b", lambda: None, lambda: None) is True  # a tie goes to the kernel
@@ -60,75 +61,76 @@ def test_choices_measure_once_and_persist(tmp_path):
     assert calls == ["kernel", "twin"]
     saved = json.loads(open(path).read())
     assert saved["a"] == {"triton_ms": 2.0, "torch_ms": 1.0, "choice": "torch"}
-    reloaded = auto.Choices(torch.device("cpu"), FakeTimer([]), path)  # a new process reads the table
+    reloaded = measure.Choices(torch.device("cpu"), FakeTimer([]), path)  # a new process reads the table
     assert reloaded.choose("a", None, None) is False and reloaded.choose("b", None, None) is True
     open(path, "w").write("{not json")
-    assert auto.Choices(torch.device("cpu"), FakeTimer([]), path).table == {}  # corrupt: measured again
+    assert measure.Choices(torch.device("cpu"), FakeTimer([]), path).table == {}  # corrupt: measured again
 
 
 def test_token_buckets_and_keys():
-    assert [auto.token_bucket(t) for t in (1, 16, 17, 128, 129, 4096)] == [16, 16, 32, 128, 256, 4096]
-    shapes = auto.Shapes(128, 384, 1536, 12, 32, 128, "gelu")
-    keys = {auto.op_key(op, torch.float16, shapes) for op in fastbert.OPS}
-    assert len(keys) == 4 and auto.op_key("attention", torch.float16, shapes) == \
+    assert [measure.token_bucket(t) for t in (1, 16, 17, 128, 129, 4096)] == [16, 16, 32, 128, 256, 4096]
+    shapes = measure.Shapes(128, 384, 1536, 12, 32, 128, "gelu")
+    keys = {measure.op_key(op, torch.float16, shapes) for op in fastbert.OPS}
+    assert len(keys) == 4 and measure.op_key("attention", torch.float16, shapes) == \
         "attention|float16|T128|nh12|hd32|S128|ragged"
-    dense = auto.Shapes(128, 384, 1536, 12, 32, 128, "gelu", ragged=False)
-    assert auto.op_key("attention", torch.float16, dense) == "attention|float16|T128|nh12|hd32|S128|dense"
-    assert auto.op_key("bias_gelu", torch.bfloat16, shapes) != auto.op_key("bias_gelu", torch.float16, shapes)
+    dense = measure.Shapes(128, 384, 1536, 12, 32, 128, "gelu", ragged=False)
+    assert measure.op_key("attention", torch.float16, dense) == "attention|float16|T128|nh12|hd32|S128|dense"
+    assert measure.op_key("bias_gelu", torch.bfloat16, shapes) != measure.op_key("bias_gelu", torch.float16, shapes)
 
 
 def test_gated_and_pre_norm_are_keyed_as_their_own_variants():
     """The gated MLP and the pre-norm form are timed apart from the BERT forms of the same shapes (key suffix)."""
-    bert = auto.Shapes(128, 768, 1152, 12, 64, 128, "gelu")
-    modern = auto.Shapes(128, 768, 1152, 12, 64, 128, "gelu", gated=True, pre_norm=True)
-    assert auto.op_key("bias_gelu", torch.bfloat16, bert) == "bias_gelu|bfloat16|T128|H768|I1152|gelu"
-    assert auto.op_key("bias_gelu", torch.bfloat16, modern) == "bias_gelu|bfloat16|T128|H768|I1152|gelu|gated"
-    assert auto.op_key("residual_layernorm", torch.bfloat16, bert) == "residual_layernorm|bfloat16|T128|H768|I1152"
-    assert auto.op_key("residual_layernorm", torch.bfloat16, modern) == \
+    bert = measure.Shapes(128, 768, 1152, 12, 64, 128, "gelu")
+    modern = measure.Shapes(128, 768, 1152, 12, 64, 128, "gelu", gated=True, pre_norm=True)
+    assert measure.op_key("bias_gelu", torch.bfloat16, bert) == "bias_gelu|bfloat16|T128|H768|I1152|gelu"
+    assert measure.op_key("bias_gelu", torch.bfloat16, modern) == "bias_gelu|bfloat16|T128|H768|I1152|gelu|gated"
+    assert measure.op_key("residual_layernorm", torch.bfloat16, bert) == "residual_layernorm|bfloat16|T128|H768|I1152"
+    assert measure.op_key("residual_layernorm", torch.bfloat16, modern) == \
         "residual_layernorm|bfloat16|T128|H768|I1152|prenorm"
     for op in ("qkv_projection", "attention"):  # the other ops do not depend on these axes
-        assert auto.op_key(op, torch.bfloat16, bert) == auto.op_key(op, torch.bfloat16, modern)
+        assert measure.op_key(op, torch.bfloat16, bert) == measure.op_key(op, torch.bfloat16, modern)
 
 
 def test_gated_and_pre_norm_are_measured_as_they_run(measured_here):
     """The contenders "auto" times for the gated MLP take HF's Wi [2I, H] with gated=True, and for the pre-norm form
     pre_norm=True (and no LN bias, as ModernBERT): kernel and twin then answer the same, and the choice is filed
     under the variant's own key."""
-    shapes = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", gated=True, pre_norm=True)
+    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", gated=True, pre_norm=True)
     device = torch.device("cpu")
     seen = []
 
-    def recording(fn):
+    def recording(op, fn):
         def run(*args, **kwargs):
-            seen.append((fn.__name__, tuple(args[1].shape), kwargs, args[5] if len(args) > 5 else None))
+            seen.append((op, args, kwargs))
             return fn(*args, **kwargs)
-        run.__name__ = fn.__name__
         return run
 
-    choices = auto.choices_for(device, FakeTimer([1.0, 2.0, 1.0, 2.0]))
+    choices = measure.choices_for(device, FakeTimer([1.0, 2.0, 1.0, 2.0]))
     results = {}
-    for op, kernel, twin in (("bias_gelu", dispatch._bias_gelu_triton, twins.bias_gelu_torch),
-                             ("residual_layernorm", dispatch._residual_layernorm_triton,
-                              twins.residual_layernorm_torch)):
-        kernel_fn, twin_fn = auto.contenders(op, torch.float32, shapes, device, recording(kernel), recording(twin))
+    for op in ("bias_gelu", "residual_layernorm"):
+        unit = units.UNITS[op]
+        kernel_fn, twin_fn = measure.contenders(op, torch.float32, shapes, device, recording(op, unit.kernel),
+                                                recording(op, unit.twin))
         results[op] = kernel_fn(), twin_fn()
-        assert choices.choose(auto.op_key(op, torch.float32, shapes), kernel_fn, twin_fn) is True
+        assert choices.choose(measure.op_key(op, torch.float32, shapes), kernel_fn, twin_fn) is True
     (k_out, t_out) = results["bias_gelu"]
     assert k_out.shape == t_out.shape == (16, 40) and (k_out - t_out).abs().max() <= 1e-5
     for k_pair, t_pair in zip(*results["residual_layernorm"]):  # (after attention, after the MLP)
         assert len(k_pair) == len(t_pair) == 2  # (s, LN(s))
         assert all((k - t).abs().max() <= 1e-5 for k, t in zip(k_pair, t_pair))
-    gelu_calls = [(shape, kw) for name, shape, kw, _ in seen if "bias_gelu" in name]
-    assert gelu_calls and all(shape == (80, 32) and kw == {"gated": True} for shape, kw in gelu_calls)
-    norm_calls = [(kw, ln_bias) for name, _, kw, ln_bias in seen if "residual_layernorm" in name]
-    assert norm_calls and all(kw == {"pre_norm": True} and ln_bias is None for kw, ln_bias in norm_calls)
+    signature = inspect.signature(units.bias_gelu.twin)
+    gelu_calls = [signature.bind(*args, **kw).arguments for op, args, kw in seen if op == "bias_gelu"]
+    assert gelu_calls and all(a["weight"].shape == (80, 32) and a["gated"] is True for a in gelu_calls)
+    signature = inspect.signature(units.residual_layernorm.twin)
+    norm_calls = [signature.bind(*args, **kw).arguments for op, args, kw in seen if op == "residual_layernorm"]
+    assert norm_calls and all(a["pre_norm"] is True and a["ln_bias"] is None for a in norm_calls)
     assert sorted(choices.table) == ["bias_gelu|float32|T16|H32|I40|gelu|gated",
                                      "residual_layernorm|float32|T16|H32|I40|prenorm"]
 
 
 def test_the_model_runs_what_was_measured_faster(hf, measured_here):
     timer = FakeTimer(KERNEL_WINS_BUT_ATTENTION)
-    auto.choices_for(torch.device("cpu"), timer)
+    measure.choices_for(torch.device("cpu"), timer)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto")
     assert fb.resolved_kernels(tokens=8, max_seqlen=5) == {
         "qkv_projection": "triton", "attention": "torch", "bias_gelu": "triton", "residual_layernorm": "triton"}
@@ -138,13 +140,13 @@ def test_the_model_runs_what_was_measured_faster(hf, measured_here):
         want = fastbert.BertModel.from_hf(hf, kernels="torch")(IDS, attention_mask=MASK).last_hidden_state
     assert (got - want).abs().max() <= 1e-5
     assert timer.calls == 8  # 8 tokens, longest 5: the same buckets as asked above, nothing measured again
-    table = json.loads(open(auto.choices_for(torch.device("cpu")).path).read())
+    table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
     assert sorted(entry["choice"] for entry in table.values()) == ["torch", "triton", "triton", "triton"]
 
 
 def test_explicit_backends_are_never_measured(hf, measured_here):
     timer = FakeTimer([1.0, 2.0, 1.0, 2.0, 1.0, 2.0])  # three auto ops
-    auto.choices_for(torch.device("cpu"), timer)
+    measure.choices_for(torch.device("cpu"), timer)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(attention="triton")
     assert fb.resolved_kernels(tokens=8, max_seqlen=5)["attention"] == "triton" and timer.calls == 6
     fb.set_kernels(attention="torch")
@@ -154,7 +156,7 @@ def test_explicit_backends_are_never_measured(hf, measured_here):
 def test_graph_runner_measures_before_capture(hf, measured_here):
     """Every bucket is resolved (and measured) when the runner is built; replays measure nothing."""
     timer = FakeTimer([1.0, 2.0] * 8)  # 2 buckets x 4 ops, the kernel faster everywhere
-    auto.choices_for(torch.device("cpu"), timer)
+    measure.choices_for(torch.device("cpu"), timer)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     runner = GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
     assert timer.calls == 16
@@ -198,8 +200,7 @@ def no_failures_yet(monkeypatch):
 
 
 def _kernel_module(op):
-    import importlib
-    return importlib.import_module(f"fastbert.kernels.{op}")
+    return units.UNITS[op].kernels()
 
 
 def _twin_for(hf, op):
@@ -286,18 +287,18 @@ def test_a_kernel_failing_while_measured_is_recorded_for_the_next_process(hf, me
                                                                             no_failures_yet):
     monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", Breaks(ERRORS["compile"]))
     # qkv, attention, residual_layernorm are timed (kernel then twin); bias_gelu's kernel raises in the timer
-    auto.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0, 1.0, 2.0, 1.0, 2.0]))
+    measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0, 1.0, 2.0, 1.0, 2.0]))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning, match="an MLIR pass failed"):
         assert fb.resolved_kernels(tokens=8, max_seqlen=5)["bias_gelu"] == "torch"
-    table = json.loads(open(auto.choices_for(torch.device("cpu")).path).read())
+    table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
     (key,) = [k for k in table if k.startswith("bias_gelu|")]
     assert table[key]["choice"] == "torch" and "CompilationError" in table[key]["error"]
 
     # a new process: the table is read from disk, the kernel is neither timed nor launched again, and it is said once
-    monkeypatch.setattr(auto, "_CHOICES", {})
+    monkeypatch.setattr(measure, "_CHOICES", {})
     monkeypatch.setattr(fallback, "_FAILED", {})
-    timer = auto.choices_for(torch.device("cpu"), FakeTimer([]))
+    timer = measure.choices_for(torch.device("cpu"), FakeTimer([]))
     again = Breaks(ERRORS["compile"])
     monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", again)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
@@ -318,15 +319,15 @@ def test_attention_is_measured_on_ragged_and_dense_layouts_apart(hf, measured_he
 
     timer = Timer([1.0, 2.0, 5.0, 3.0, 1.0, 2.0, 1.0, 2.0,   # the ragged batch: attention's twin faster
                    9.0, 3.0])                                # the dense batch: only attention is new
-    auto.choices_for(torch.device("cpu"), timer)
-    original = twins.attention_torch
+    measure.choices_for(torch.device("cpu"), timer)
+    original = units.attention.twin
 
     def twin(qkv, attn, *args, **kwargs):
         seen.append(attn)
         return original(qkv, attn, *args, **kwargs)
 
     ops_twin = pytest.MonkeyPatch()
-    ops_twin.setattr(twins, "attention_torch", twin)
+    ops_twin.setattr(units.attention, "twin", twin)
     try:
         fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
         with torch.no_grad():
@@ -336,7 +337,7 @@ def test_attention_is_measured_on_ragged_and_dense_layouts_apart(hf, measured_he
     finally:
         ops_twin.undo()
     assert timer.calls == 10
-    table = auto.choices_for(torch.device("cpu")).table
+    table = measure.choices_for(torch.device("cpu")).table
     attention_keys = sorted(k for k in table if k.startswith("attention|"))
     assert [k.rsplit("|", 1)[1] for k in attention_keys] == ["dense", "ragged"]
     timed = [a for a in seen if isinstance(a, fastbert.layout.TokenLayout)][:2]
@@ -344,11 +345,11 @@ def test_attention_is_measured_on_ragged_and_dense_layouts_apart(hf, measured_he
 
 
 def test_the_measured_ragged_layout_spreads_lengths():
-    layout = auto.measured_layout(1024, 128, True, "cpu")
+    layout = units.attention.measured_layout(1024, 128, True, "cpu")
     assert layout.num_tokens == 1024 and layout.max_seqlen == 128 and not layout.uniform
     assert min(layout.lengths) <= 32 and len(set(layout.lengths)) >= 6
     assert int(layout.cu_seqlens[-1]) == 1024
-    dense = auto.measured_layout(1024, 128, False, "cpu")
+    dense = units.attention.measured_layout(1024, 128, False, "cpu")
     assert dense.uniform and dense.lengths == (128,) * 8
 
 
@@ -358,16 +359,16 @@ def test_attention_with_a_relative_bias_is_measured_with_one(measured_here):
     from helpers import random_arch_model
     hf = random_arch_model("mpnet", hidden=32, heads=2, layers=1, intermediate=40)
     timer = FakeTimer([1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 1.0, 2.0])  # attention: the twin measured faster
-    auto.choices_for(torch.device("cpu"), timer)
+    measure.choices_for(torch.device("cpu"), timer)
     biases = []
-    original = twins.attention_torch
+    original = units.attention.twin
 
-    def twin(qkv, attn, *args, bias=None, **kwargs):
-        biases.append(None if bias is None else tuple(bias.shape))
-        return original(qkv, attn, *args, bias=bias, **kwargs)
+    def twin(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras=units.attention.NONE, workspace=None):
+        biases.append(None if extras.bias is None else tuple(extras.bias.shape))
+        return original(qkv, attn, scale, dropout_p, return_probs, extras, workspace)
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(twins, "attention_torch", twin)
+    patch.setattr(units.attention, "twin", twin)
     try:
         fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
         with torch.no_grad():
@@ -376,7 +377,7 @@ def test_attention_with_a_relative_bias_is_measured_with_one(measured_here):
     finally:
         patch.undo()
     assert timer.calls == 8
-    keys = [k for k in auto.choices_for(torch.device("cpu")).table if k.startswith("attention|")]
+    keys = [k for k in measure.choices_for(torch.device("cpu")).table if k.startswith("attention|")]
     assert len(keys) == 1 and keys[0].endswith("|ragged|bias129"), keys
     assert biases and all(b == (2, 2 * 129 - 1) for b in biases), biases  # timed and run with the model's table
     real = MASK.bool()
@@ -387,24 +388,25 @@ def test_windowed_rotary_attention_is_measured_as_that_variant(measured_here, mo
     """ModernBERT's local layers: "auto" times kernel and twin with the window and rotary tables of the layout it
     measures on, and keys the result apart from the same shapes without them (and from each alone)."""
     timer = FakeTimer([1.0, 2.0])  # kernel, then twin
-    auto.choices_for(torch.device("cpu"), timer)
+    measure.choices_for(torch.device("cpu"), timer)
     seen = {"kernel": [], "twin": []}
 
     def spy(name, original):
-        def run(qkv, attn, *args, window=None, rotary=None, **kwargs):
-            seen[name].append((window, None if rotary is None else (tuple(rotary.cos.shape), rotary.cos.dtype,
-                                                                    rotary, attn)))
-            return original(qkv, attn, *args, window=window, rotary=rotary, **kwargs)
+        def run(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras=units.attention.NONE, workspace=None):
+            rotary = extras.rotary
+            seen[name].append((extras.window, None if rotary is None else (tuple(rotary.cos.shape), rotary.cos.dtype,
+                                                                           rotary, attn)))
+            return original(qkv, attn, scale, dropout_p, return_probs, extras, workspace)
         return run
 
-    monkeypatch.setattr(dispatch, "_attention_triton", spy("kernel", dispatch._attention_triton))
-    monkeypatch.setattr(twins, "attention_torch", spy("twin", twins.attention_torch))
-    shapes = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3, rotary=True)
+    monkeypatch.setattr(units.attention, "kernel", spy("kernel", units.attention.kernel))
+    monkeypatch.setattr(units.attention, "twin", spy("twin", units.attention.twin))
+    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3, rotary=True)
     situation = dispatch.Situation(("auto",) * 4, torch.device("cpu"), torch.float32, 16, False, 0.0, 0.0, None,
                                    shapes)
     assert dispatch._measured("attention", situation) is True
     assert timer.calls == 2
-    (key,) = [k for k in auto.choices_for(torch.device("cpu")).table if k.startswith("attention|")]
+    (key,) = [k for k in measure.choices_for(torch.device("cpu")).table if k.startswith("attention|")]
     assert key.endswith("|ragged|window3|rotary"), key
     for name in ("kernel", "twin"):
         ((window, (shape, dtype, rotary, layout)),) = seen[name]
@@ -413,10 +415,10 @@ def test_windowed_rotary_attention_is_measured_as_that_variant(measured_here, mo
         # each sequence's tables start at position 0: cos 1, sin 0 in its first row
         assert torch.equal(rotary.cos[starts], torch.ones(len(starts), 8))
         assert torch.equal(rotary.sin[starts], torch.zeros(len(starts), 8))
-    plain = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True)
-    keys = {auto.op_key("attention", torch.float32, s) for s in
-            (plain, shapes, auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3),
-             auto.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, rotary=True))}
+    plain = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True)
+    keys = {measure.op_key("attention", torch.float32, s) for s in
+            (plain, shapes, measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3),
+             measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, rotary=True))}
     assert len(keys) == 4
 
 
@@ -427,21 +429,21 @@ def test_a_failing_twin_is_not_recorded_against_the_kernel(measured_here, monkey
     def twin(*args, **kwargs):
         raise ValueError("the twin cannot run this")
 
-    monkeypatch.setattr(twins, "bias_gelu_torch", twin)
+    monkeypatch.setattr(units.bias_gelu, "twin", twin)
     timer = FakeTimer([1.0, 2.0, 1.0])
-    choices = auto.choices_for(torch.device("cpu"), timer)
-    shapes = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu")
+    choices = measure.choices_for(torch.device("cpu"), timer)
+    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu")
     situation = dispatch.Situation(("auto",) * 4, torch.device("cpu"), torch.float32, 16, False, 0.0, 0.0, None,
                                    shapes)
     with pytest.raises(ValueError, match="the twin cannot run this"):
         dispatch._measured("bias_gelu", situation)
-    key = auto.op_key("bias_gelu", torch.float32, shapes)
+    key = measure.op_key("bias_gelu", torch.float32, shapes)
     assert fallback._FAILED == {} and choices.failure(key) is None
     assert json.loads(open(choices.path).read())[key] == {"triton_ms": 1.0}  # the kernel's time, no choice
-    monkeypatch.setattr(twins, "bias_gelu_torch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(units.bias_gelu, "twin", lambda *args, **kwargs: None)
     # measured again, both: the kernel 2 ms, the twin 1 ms (the timer counts the calls that returned)
     assert dispatch._measured("bias_gelu", situation) is False and timer.calls == 3 and timer.script == []
-    assert auto.Choices(torch.device("cpu"), FakeTimer([]), choices.path).table[key]["choice"] == "torch"
+    assert measure.Choices(torch.device("cpu"), FakeTimer([]), choices.path).table[key]["choice"] == "torch"
 
 
 def test_auto_times_the_median(monkeypatch):
@@ -462,4 +464,4 @@ def test_auto_times_the_median(monkeypatch):
     assert inspect.signature(do_bench) == inspect.signature(triton.testing.do_bench)
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     ran = []
-    assert auto.default_timer(lambda: ran.append(1)) == 1.0 and ran == [1] and asked == ["median"]
+    assert measure.default_timer(lambda: ran.append(1)) == 1.0 and ran == [1] and asked == ["median"]

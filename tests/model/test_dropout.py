@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import twins
+from fastbert import ops, twins
 from fastbert.layout import TokenLayout
 from fastbert.mask import AttentionMask
 
@@ -103,7 +103,7 @@ def test_varlen_attention_drops_the_probabilities_of_each_sequence():
     layout = TokenLayout.from_cu_seqlens(torch.tensor([0] + lengths).cumsum(0), max(lengths), lengths)
     grad_out = torch.randn(sum(lengths), nh * hd)
     torch.manual_seed(11)
-    ctx = twins.attention_varlen_torch(qkv, layout, scale, dropout_p=p)
+    ctx = ops.attention_varlen_torch(qkv, layout, scale, dropout_p=p)
     ctx.backward(grad_out)
     grad = qkv.grad
     qkv64 = qkv.detach().double().requires_grad_()
@@ -125,7 +125,7 @@ def test_padded_attention_drops_the_probabilities_after_the_mask():
     mask = AttentionMask(batch_size=B, seq_len=S, key_valid=keep, additive=additive)
     qkv = torch.randn(B * S, 3, nh, hd)
     torch.manual_seed(2)
-    ctx, _ = twins.attention_padded_torch(qkv, mask, scale, dropout_p=p)
+    ctx, _ = ops.attention_padded_torch(qkv, mask, scale, dropout_p=p)
     q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4)
     torch.manual_seed(2)
     ref = _reference_attention(q, k, v, scale, p, additive).transpose(1, 2).reshape(B * S, nh * hd)
@@ -137,7 +137,7 @@ def test_windowed_attention_with_dropout_drops_within_the_window():
     qkv = torch.randn(L, 3, nh, hd)
     layout = TokenLayout.from_cu_seqlens(torch.tensor([0, L]), L, [L])
     torch.manual_seed(9)
-    ctx = twins.attention_varlen_torch(qkv, layout, scale, p, window=window)
+    ctx = ops.attention_varlen_torch(qkv, layout, scale, p, window=window)
     q, k, v = qkv.permute(1, 2, 0, 3)
     i = torch.arange(L)
     band = torch.where((i[None, :] - i[:, None]).abs() <= window, 0.0, float("-inf"))  # [L, L]

@@ -17,7 +17,7 @@ from helpers import random_hf_bert
 from test_auto import IDS, MASK, Breaks, FakeTimer, _failure_warnings, _kernel_module, _twin_for
 
 import fastbert
-from fastbert import auto, dispatch, fallback, twins
+from fastbert import dispatch, fallback, measure, units
 from fastbert.kernels import utils as kernel_utils
 
 ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
@@ -28,7 +28,7 @@ def _measure_on_cpu(monkeypatch, cache_dir):
     in-memory state of an earlier "process"."""
     monkeypatch.setattr(dispatch, "MEASURED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(kernel_utils, "INTERPRET", True)
-    monkeypatch.setattr(auto, "_CHOICES", {})
+    monkeypatch.setattr(measure, "_CHOICES", {})
     monkeypatch.setattr(fallback, "_FAILED", {})
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(cache_dir))
 
@@ -173,7 +173,7 @@ def test_the_net_records_a_sticky_fault_before_raising_it(measured_here):
     assert info.value.error_code == 700  # the kernel's error, not the twin's
     assert len(_failure_warnings(record)) == 1
     assert "illegal memory access" in fallback._FAILED[("bias_gelu", torch.float32, 16)]
-    table = json.loads(open(auto.choices_for(torch.device("cpu")).path).read())
+    table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
     assert table[key]["choice"] == "torch" and "AcceleratorError" in table[key]["error"]
     assert "CUDA_LAUNCH_BLOCKING=1" in table[key]["error"]  # the report may name a later launch than the faulty one
 
@@ -187,7 +187,7 @@ def test_the_net_still_records_nothing_when_a_plain_error_meets_a_failing_twin(m
     with pytest.raises(RuntimeError, match="invalid argument"):
         fallback.with_net("bias_gelu", x, x.device, Breaks(lambda: RuntimeError("CUDA driver: invalid argument")),
                           twin, table_key="bias_gelu|float32|T16|H8|I12|gelu")
-    assert fallback._FAILED == {} and not os.path.exists(auto.choices_for(torch.device("cpu")).path)
+    assert fallback._FAILED == {} and not os.path.exists(measure.choices_for(torch.device("cpu")).path)
 
 
 def test_a_sticky_fault_in_a_forward_puts_the_next_process_on_the_twin(hf, measured_here, monkeypatch):
@@ -205,14 +205,14 @@ def test_a_sticky_fault_in_a_forward_puts_the_next_process_on_the_twin(hf, measu
         return dead.kernel(*args, **kwargs)
 
     monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", launch)
-    for name in ("bias_gelu_torch", "residual_layernorm_torch", "attention_torch", "qkv_projection_torch"):
-        monkeypatch.setattr(twins, name, dead.twin(getattr(twins, name)))
-    auto.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0] * 4))  # the kernels measured faster
+    for unit in units.UNITS.values():
+        monkeypatch.setattr(unit, "twin", dead.twin(unit.twin))
+    measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0] * 4))  # the kernels measured faster
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning, match="cannot go on using the device"), \
             pytest.raises(torch.AcceleratorError, match="illegal memory access"), torch.no_grad():
         fb(IDS, attention_mask=MASK)
-    table = json.loads(open(auto.choices_for(torch.device("cpu")).path).read())
+    table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
     (key,) = [k for k in table if k.startswith("bias_gelu|")]
     assert table[key]["choice"] == "torch" and "illegal memory access" in table[key]["error"]
     assert all(entry["choice"] == "triton" for k, entry in table.items() if k != key)
@@ -222,7 +222,7 @@ def test_a_sticky_fault_in_a_forward_puts_the_next_process_on_the_twin(hf, measu
     _measure_on_cpu(monkeypatch, measured_here)
     again = Breaks(illegal_address)
     monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", again)
-    timer = auto.choices_for(torch.device("cpu"), FakeTimer([]))
+    timer = measure.choices_for(torch.device("cpu"), FakeTimer([]))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning, match="in an earlier process") as record, torch.no_grad():
         got = fb(IDS, attention_mask=MASK).last_hidden_state
@@ -234,15 +234,15 @@ def test_a_sticky_fault_while_measured_is_recorded_and_raised(measured_here, mon
     """The kernel's timing meets an illegal address: recorded against the kernel, then raised (running the twin in a
     lost context would only fail later, elsewhere)."""
     monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", Breaks(illegal_address))
-    auto.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0]))
-    shapes = auto.Shapes(16, 32, 40, 2, 16, 16, "gelu")
+    measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0]))
+    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu")
     situation = dispatch.Situation(("auto",) * 4, torch.device("cpu"), torch.float32, 16, False, 0.0, 0.0, None,
                                    shapes)
     with pytest.warns(RuntimeWarning, match="cannot go on using the device"), \
             pytest.raises(torch.AcceleratorError, match="illegal memory access"):
         dispatch._measured("bias_gelu", situation)
-    table = json.loads(open(auto.choices_for(torch.device("cpu")).path).read())
-    key = auto.op_key("bias_gelu", torch.float32, shapes)
+    table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
+    key = measure.op_key("bias_gelu", torch.float32, shapes)
     assert table[key]["choice"] == "torch" and "illegal memory access" in table[key]["error"]
     assert ("bias_gelu", torch.float32, 16) in fallback._FAILED
 
@@ -261,7 +261,7 @@ def test_the_pending_entry_is_on_disk_during_the_kernel_launch_only(tmp_path):
     def twin():
         seen["twin"] = on_disk()
 
-    choices = auto.Choices(torch.device("cpu"), FakeTimer([1.0, 2.0]), path)
+    choices = measure.Choices(torch.device("cpu"), FakeTimer([1.0, 2.0]), path)
     assert choices.choose("k", kernel, twin) is True
     assert list(seen["kernel"]["k"]) == ["pending"] and f"process {os.getpid()}" in seen["kernel"]["k"]["pending"]
     assert seen["twin"]["k"] == {"triton_ms": 1.0}  # the kernel's launch is over: a death now is not its fault
@@ -272,17 +272,17 @@ def test_a_process_that_dies_in_the_kernel_launch_puts_the_next_on_the_twin(hf, 
     """A child process measures bias_gelu and dies inside the kernel's launch (os._exit: nothing after it runs,
     as after a fault that kills the process). This process reads the pending entry as the kernel's failure: that op
     runs its twin, said once, and neither kernel nor timer is called for it."""
-    key = auto.op_key("bias_gelu", torch.float32, auto.Shapes(16, 32, 40, 2, 16, 16, "gelu"))
-    path = auto.Choices.default_path(torch.device("cpu"))
-    child = ("import os, sys, torch\nfrom fastbert import auto\n"
-             "choices = auto.Choices(torch.device('cpu'), lambda fn: fn(), sys.argv[2])\n"
+    key = measure.op_key("bias_gelu", torch.float32, measure.Shapes(16, 32, 40, 2, 16, 16, "gelu"))
+    path = measure.Choices.default_path(torch.device("cpu"))
+    child = ("import os, sys, torch\nfrom fastbert import measure\n"
+             "choices = measure.Choices(torch.device('cpu'), lambda fn: fn(), sys.argv[2])\n"
              "choices.choose(sys.argv[1], lambda: os._exit(3), lambda: None)\n")
     done = subprocess.run([sys.executable, "-c", child, key, path], capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr
     assert list(json.loads(open(path).read())[key]) == ["pending"]
 
     timer = FakeTimer([1.0, 2.0] * 3)  # qkv, attention, residual_layernorm: measured; bias_gelu: not
-    auto.choices_for(torch.device("cpu"), timer)
+    measure.choices_for(torch.device("cpu"), timer)
     kernel = Breaks(illegal_address)
     monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", kernel)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()

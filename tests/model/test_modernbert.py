@@ -158,16 +158,14 @@ def test_training_step_gradients_equal_hfs():
 
 # ---- the kernels (Triton's interpreter on CPU: tests/conftest.py sets TRITON_INTERPRET=1) ---------------------------
 def counting_kernels(monkeypatch):
-    """op -> the number of calls its Triton kernel served (dispatch's launchers, counted)."""
-    from fastbert import dispatch
+    """op -> the number of calls its Triton kernel served (each unit's kernel, counted)."""
+    from fastbert.units import UNITS
     calls = {}
-    for op in dispatch.OPS:
-        launcher = getattr(dispatch, f"_{op}_triton")
-
-        def counted(*args, _launch=launcher, _op=op, **kwargs):
+    for op, unit in UNITS.items():
+        def counted(*args, _launch=unit.kernel, _op=op, **kwargs):
             calls[_op] = calls.get(_op, 0) + 1
             return _launch(*args, **kwargs)
-        monkeypatch.setattr(dispatch, f"_{op}_triton", counted)
+        monkeypatch.setattr(unit, "kernel", counted)
     return calls
 
 

@@ -10,7 +10,7 @@ import torch
 from helpers import DEVICE, host_reads, random_hf_bert
 
 import fastbert
-from fastbert import dispatch, ops
+from fastbert import dispatch, units
 from fastbert.graphs import EagerGraph, GraphRunner
 
 BACKENDS = ["torch", "triton"]  # triton: the interpreter on CPU, compiled on CUDA
@@ -268,5 +268,5 @@ def test_eager_forwards_do_not_go_through_the_custom_ops(hf):
     would add ~10-20 us per op call)."""
     fb = fastbert.BertModel.from_hf(hf, kernels="torch").eval()
     run = fb.resolve_ops(needs_grad=False)
-    assert (run.qkv_projection, run.attention, run.bias_gelu, run.residual_layernorm) == (
-        ops.qkv_projection_torch, ops.attention_torch, ops.bias_gelu_torch, ops.residual_layernorm_torch)
+    assert (run.qkv_projection, run.attention, run.bias_gelu, run.residual_layernorm) == tuple(
+        unit.twin for unit in units.UNITS.values())

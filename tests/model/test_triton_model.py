@@ -5,7 +5,7 @@ import transformers
 from helpers import DEVICE, assert_close_on, assert_pooler_matches, hf_dtype, make_inputs, random_hf_bert
 
 import fastbert
-from fastbert import dispatch, ops
+from fastbert import ops, units
 from fastbert.numerics import FP32_TOL, error_bound
 
 pytestmark = pytest.mark.filterwarnings("error::UserWarning")  # "auto" must not fall back silently or noisily here
@@ -61,7 +61,7 @@ def test_auto_picks_triton_here(tiny, monkeypatch):
     hf, fb = tiny
     calls = []
     for op, name in LAUNCHERS.items():
-        module = dispatch._kernel(op)
+        module = units.UNITS[op].kernels()
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _op=op, **k: calls.append(_op) or _real(*a, **k))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto", padding_free=fb.padding_free)

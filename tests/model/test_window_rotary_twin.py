@@ -8,7 +8,7 @@ taken to float64 for the softmax and the products. fp32 bar: 1e-5.
 import pytest
 import torch
 
-from fastbert import twins
+from fastbert import ops, twins
 from fastbert.layout import TokenLayout
 from fastbert.mask import AttentionMask
 
@@ -51,7 +51,7 @@ def test_varlen_twin_matches_hf(window, theta):
     assert torch.equal(rotary.cos, cos[:, :hd // 2]) and torch.equal(rotary.sin, sin[:, :hd // 2])
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     layout = TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)
-    got = twins.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary)[0]
+    got = ops.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary)[0]
     assert (got.double() - hf_packed_reference(qkv, lengths, cos, sin, hd ** -0.5, window)).abs().max().item() <= 1e-5
 
 
@@ -81,9 +81,9 @@ def test_varlen_twin_into_a_workspace_matches_hf_and_the_allocating_twin(window)
         rotary = twins.rotary_tables(positions, inv_freq)
         cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
         layout = TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)
-        got = twins.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary, workspace=ws)[0]
+        got = ops.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary, workspace=ws)[0]
         assert got.data_ptr() == ws.take("context", got.shape, got).data_ptr()
-        fresh = twins.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary)[0]
+        fresh = ops.attention_torch(qkv, layout, hd ** -0.5, window=window, rotary=rotary)[0]
         assert torch.equal(got, fresh)
         assert (got.double() - hf_packed_reference(qkv, lengths, cos, sin, hd ** -0.5, window)).abs().max().item() \
             <= 1e-5
@@ -101,7 +101,7 @@ def test_padded_twin_matches_hf_on_real_tokens():
     positions = torch.arange(S).repeat(B)
     cos, sin, inv_freq = hf_tables(positions, hd, 10000.0)
     mask = AttentionMask.build(keep.long(), B, S, torch.float32)
-    got = twins.attention_torch(qkv, mask, hd ** -0.5, window=window,
+    got = ops.attention_torch(qkv, mask, hd ** -0.5, window=window,
                                 rotary=twins.rotary_tables(positions, inv_freq))[0]
     for b in range(B):
         rows = slice(b * S, (b + 1) * S)

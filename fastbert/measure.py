@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .files import write_atomically
-from .layout import TokenLayout, token_bucket  # noqa: F401  (token_bucket: the buckets the table is keyed on)
-from .twins import Disentangled, rotary_tables
+from .layout import token_bucket  # noqa: F401  (the buckets the table is keyed on)
+from .units import UNITS
 from .version import __version__
 
 
@@ -158,93 +158,14 @@ class Choices:
 
 
 def op_key(op: str, dtype: torch.dtype, shapes: Shapes) -> str:
-    dt = str(dtype).replace("torch.", "")
-    if op == "qkv_projection":
-        return f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|N{3 * shapes.hidden}"
-    if op == "bias_gelu":  # gated: twice the GEMM's columns, and an epilogue the twin runs as three more passes
-        key = f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|{shapes.activation}"
-        return key + ("|gated" if shapes.gated else "")
-    if op == "residual_layernorm":  # pre-norm: the kernel writes a second [T, H] output
-        key = f"{op}|{dt}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
-        return key + ("|prenorm" if shapes.pre_norm else "")
-    # the twin is one sdpa on a dense batch, a host loop on a ragged one
-    layout = "ragged" if shapes.ragged else "dense"
-    key = f"{op}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
-    # a bias table: the kernel gathers it into every score tile, the twin forms a [1, nh, L, L] mask per sequence
-    key += f"|bias{shapes.bias_reach}" if shapes.bias_reach else ""
-    # a window: the kernel skips the key blocks outside it, the twin runs a band of keys per chunk of queries;
-    # rotary: both rotate q and k first (the kernel once per visited key block)
-    key += f"|window{shapes.window}" if shapes.window is not None else ""
-    # DeBERTa: the kernel gathers two per-token tables into every score tile, the twin forms each sequence's bias
-    key += f"|dis{shapes.disentangled}" if shapes.disentangled else ""
-    return key + ("|rotary" if shapes.rotary else "")
+    """The table key of `op` at these shapes (its unit's `key`)."""
+    return UNITS[op].key(dtype, shapes)
 
 
 def contenders(op: str, dtype: torch.dtype, shapes: Shapes, device, kernel, twin):
-    """(kernel_fn, twin_fn): zero-argument calls of the op on random inputs of these shapes. `kernel` and `twin` are
-    the op's two implementations with the layer's signature (dispatch.plan's callables)."""
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
-
-    T, H, I = shapes.tokens, shapes.hidden, shapes.intermediate
-    if op == "qkv_projection":
-        args = (rand(T, H), rand(3 * H, H, scale=H ** -0.5), rand(3 * H), shapes.heads)
-    elif op == "bias_gelu":
-        N = 2 * I if shapes.gated else I
-        args = (rand(T, H), rand(N, H, scale=H ** -0.5), rand(N), shapes.activation)
-        if shapes.gated:
-            return (lambda: kernel(*args, gated=True)), (lambda: twin(*args, gated=True))
-    elif op == "residual_layernorm":  # a layer calls it twice: after attention (K = H) and after the FFN (K = I)
-        x = rand(T, H)
-        ones = torch.ones(H, device=device, dtype=dtype)
-        # pre-norm is timed as ModernBERT runs it: a LayerNorm without bias
-        beta = None if shapes.pre_norm else torch.zeros(H, device=device, dtype=dtype)
-        first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, beta, 1e-12)
-        second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, beta, 1e-12)
-        form = {"pre_norm": True} if shapes.pre_norm else {}
-        return ((lambda: (kernel(*first, **form), kernel(*second, **form))),
-                (lambda: (twin(*first, **form), twin(*second, **form))))
-    else:
-        layout = measured_layout(T, shapes.max_seqlen, shapes.ragged, device)
-        qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)
-        args = (qkv, layout, shapes.head_dim ** -0.5)
-        extra = {}
-        if shapes.bias_reach:
-            extra["bias"] = rand(shapes.heads, 2 * shapes.bias_reach - 1).float()
-        if shapes.window is not None:
-            extra["window"] = shapes.window
-        if shapes.rotary:  # the tables of each token's position in its sequence, as the model builds them
-            positions = torch.cat([torch.arange(n, device=device) for n in layout.lengths])
-            half = torch.arange(0, shapes.head_dim, 2, device=device).float() / shapes.head_dim
-            extra["rotary"] = rotary_tables(positions, 1.0 / (10000.0 ** half))
-        if shapes.disentangled:  # both terms (DeBERTa-v3's form), columns over the table as the log buckets spread
-            P, L = shapes.disentangled, shapes.max_seqlen
-            column = torch.randint(0, P, (2 * L - 1,), generator=g, device=device, dtype=torch.int32)
-            extra["disentangled"] = Disentangled(rand(layout.num_tokens, shapes.heads, P).float(),
-                                                 rand(layout.num_tokens, shapes.heads, P).float(), column)
-        return (lambda: kernel(*args, **extra)), (lambda: twin(*args, **extra))
-    return (lambda: kernel(*args)), (lambda: twin(*args))
-
-
-def measured_layout(tokens: int, max_seqlen: int, ragged: bool, device) -> TokenLayout:
-    """The layout attention is timed on: `tokens` tokens in sequences of at most `max_seqlen`. Dense: equal rows.
-    Ragged: lengths spread evenly over [max_seqlen / 8, max_seqlen], as a real batch of mixed texts, so that the
-    twin is timed with the per-sequence loop it runs on such a batch."""
-    L = max(1, min(max_seqlen, tokens))
-    if not ragged:
-        return TokenLayout.dense(max(1, tokens // L), L, device)
-    if L == tokens > 1:  # one sequence would fill the bucket: a ragged batch has at least two lengths
-        L = max(1, 2 * tokens // 3)
-    spread = [max(1, L - (i * (L - L // 8)) // 7) for i in range(8)]  # L down to ~L/8 in 8 steps
-    lengths, total = [], 0
-    while total < tokens:
-        length = min(spread[len(lengths) % len(spread)], tokens - total)
-        lengths.append(length)
-        total += length
-    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(device=device, dtype=torch.int32)
-    return TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)
+    """(kernel_fn, twin_fn): zero-argument calls of the op on random inputs of these shapes (its unit's
+    `contenders`). `kernel` and `twin` are the op's two implementations with the layer's signature."""
+    return UNITS[op].contenders(dtype, shapes, device, kernel, twin)
 
 
 _CHOICES: dict = {}

@@ -1,0 +1,28 @@
+"""The four ops, one unit each: everything fastbert knows about an op lives in its unit's module.
+
+    qkv_projection.py      x @ W_qkv^T + b viewed [T, 3, nh, hd]
+    attention.py           softmax(q k^T * scale + extras + mask) v, per sequence
+    bias_gelu.py           act(x @ W^T + b) (gated: act(a) * g)
+    residual_layernorm.py  LayerNorm(y @ W^T + b + residual) (pre-norm: the stream and its norm)
+
+A unit module holds, under the same names in each:
+
+    twin(...)              the PyTorch definition, with the signature the layers call
+    kernel(...)            the Triton kernel behind the same signature (the model has validated its tensors)
+    call(...)              the op for callers outside the model: backend= per call, the kernel's checked entry point
+    traced(backend)        a callable with twin's signature that records one torch custom op node (its schema and
+                           fake are in the unit), for torch.compile and torch.export
+    reason(situation, facts)
+                           why the kernel cannot serve a forward's situation (dispatch.Situation), or None
+    key(dtype, shapes)     "auto"'s table key for these shapes (fastbert/measure.py)
+    contenders(dtype, shapes, device, kernel, twin)
+                           zero-argument calls of kernel and twin on random inputs of these shapes, which "auto" times
+
+dispatch, measure, fallback and graphs are generic over UNITS: adding a parameter to an op touches its unit and its
+kernel file (docs/design.md walks through one).
+"""
+from . import attention, bias_gelu, qkv_projection, residual_layernorm
+
+# op name -> its unit, in the order the model's `kernels` lists the ops
+UNITS = {unit.OP: unit for unit in (qkv_projection, attention, bias_gelu, residual_layernorm)}
+OPS = tuple(UNITS)

@@ -1,0 +1,458 @@
+"""attention: softmax(q k^T * scale + extras + mask) v over packed qkv [T, 3, nh, hd], per sequence, never across
+sequences -> [T, nh*hd]. The kernel is flash attention over cu_seqlens (kernels/attention.py); the twin runs sdpa per
+sequence (one dense batch when the lengths are equal), or HF's eager math on padded rows when the caller wants the
+probabilities. What a family adds to the scores travels as one `Extras`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import TokenLayout
+from ..mask import AttentionMask, tracing
+from ..twins import Disentangled, Rotary, Workspace, dropout, relative_bias, rotary_tables, rotate, window_mask
+from .common import inference_only, random_inputs, run_backend
+
+OP = "attention"
+
+
+def _rotate_qk_into(qkv: torch.Tensor, rotary: Rotary, workspace: Workspace) -> torch.Tensor:
+    """q and k of every token of qkv [T, 3, nh, hd] (float32) rotated at once into a workspace buffer [T, 2, nh, hd]:
+    `rotate`'s arithmetic, each half written in place (no cat)."""
+    T, _, nh, hd = qkv.shape
+    half = hd // 2
+    qk = qkv[:, :2]
+    out = workspace.take("rotated_qk", (T, 2, nh, hd), qkv)
+    tmp = workspace.take("rotary_product", (T, 2, nh, half), qkv)
+    cos, sin = rotary.cos[:, None, None, :], rotary.sin[:, None, None, :]
+    x1, x2, o1, o2 = qk[..., :half], qk[..., half:], out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).sub_(torch.mul(x2, sin, out=tmp))  # x1 * cos - x2 * sin
+    torch.mul(x2, cos, out=o2).add_(torch.mul(x1, sin, out=tmp))  # x2 * cos + x1 * sin
+    return out
+
+
+def rotated_qk(q, k, v, rotary: Rotary | None, rows: slice | None = None):
+    """q, k [.., nh, L, hd] rotated by the rows `rows` of the per-token tables (all of them when None)."""
+    if rotary is None:
+        return q, k, v
+    cos, sin = (rotary.cos, rotary.sin) if rows is None else (rotary.cos[rows], rotary.sin[rows])
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def _columns(column: torch.Tensor, num_queries: int, num_keys: int) -> torch.Tensor:
+    """int64 [num_queries, num_keys]: column[(j - i) + L - 1] of each pair, clamped at the table's ends."""
+    reach = (column.shape[0] + 1) // 2
+    i = torch.arange(num_queries, device=column.device)
+    j = torch.arange(num_keys, device=column.device)
+    return column.long()[(j[None, :] - i[:, None] + (reach - 1)).clamp_(0, 2 * reach - 2)]
+
+
+def disentangled_bias(d: Disentangled, start: int, length: int) -> torch.Tensor:
+    """The position terms of one sequence whose tokens are rows start : start + length, float32 [nh, L, L]."""
+    idx = _columns(d.column, length, length)  # [L(i), L(j)]
+    bias = None
+    if d.c2p is not None:
+        c2p = d.c2p[start:start + length].float().transpose(0, 1)  # [nh, L(i), P]
+        bias = torch.gather(c2p, 2, idx.expand(c2p.shape[0], length, length))
+    if d.p2c is not None:
+        p2c = d.p2c[start:start + length].float().transpose(0, 1)  # [nh, L(j), P]
+        term = torch.gather(p2c, 2, idx.t().expand(p2c.shape[0], length, length)).transpose(1, 2)
+        bias = term if bias is None else bias + term
+    return bias
+
+
+def disentangled_bias_padded(d: Disentangled, batch_size: int, seq_len: int) -> torch.Tensor:
+    """The position terms of padded rows (token b * S + i), float32 [B, nh, S, S], at padded distances (as HF)."""
+    B, S = batch_size, seq_len
+    idx = _columns(d.column, S, S)
+    bias = None
+    if d.c2p is not None:
+        c2p = d.c2p.float().reshape(B, S, *d.c2p.shape[1:]).transpose(1, 2)  # [B, nh, S(i), P]
+        bias = torch.gather(c2p, 3, idx.expand(B, c2p.shape[1], S, S))
+    if d.p2c is not None:
+        p2c = d.p2c.float().reshape(B, S, *d.p2c.shape[1:]).transpose(1, 2)  # [B, nh, S(j), P]
+        term = torch.gather(p2c, 3, idx.t().expand(B, p2c.shape[1], S, S)).transpose(2, 3)
+        bias = term if bias is None else bias + term
+    return bias
+
+
+def _check_disentangled(d: Disentangled, bias, window, rotary) -> None:
+    if bias is not None or window is not None or rotary is not None:
+        given = [name for name, v in (("bias", bias), ("window", window), ("rotary", rotary)) if v is not None]
+        raise ValueError(f"attention: disentangled= is never combined with {', '.join(given)} (DeBERTa has none)")
+    if d.c2p is None and d.p2c is None:
+        raise ValueError("attention: disentangled= needs at least one of c2p and p2c (pass disentangled=None)")
+
+
+# Query rows per sdpa call of a windowed sequence: each call sees its rows' keys +-window, so a local layer costs
+# ~L * (WINDOW_CHUNK + 2w) scores, not L^2. 64 rows: at w = 64 (ModernBERT) 17.4 ms a 1,719-token sequence and 12
+# heads of 64, against 18.0 ms at 128 rows and 23.3 ms at 256 (CPU, 2 threads; full attention there: 62.6 ms).
+WINDOW_CHUNK = 64
+
+
+def _score_mask(bias, window, num_queries, num_keys, dtype, device, query_start=0, key_start=0):
+    """What sdpa adds to one sequence's scores: the bias [nh, nq, nk] (float), the window [nq, nk] (bool), both
+    (-inf outside the window), or None."""
+    rel = None if bias is None else relative_bias(bias, num_queries, num_keys, dtype, query_start, key_start)
+    if window is None:
+        return rel
+    allowed = window_mask(num_queries, num_keys, window, device, query_start, key_start)
+    return allowed if rel is None else rel.masked_fill(~allowed, float("-inf"))
+
+
+def _sdpa(q, k, v, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
+    """F.scaled_dot_product_attention, but with dropout on CPU in float32 the math written out: sdpa's CPU kernel
+    takes no dropout, so sdpa falls back to this same math with F.dropout's bernoulli_ mask, and `dropout`'s draws are
+    cheaper. A bool attn_mask is True where a key is seen; the twins' masks leave every query at least one key."""
+    if dropout_p == 0.0 or q.device.type != "cpu" or q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [.., nq, nk], fresh: in place is safe for autograd
+    if attn_mask is not None:
+        scores = scores.masked_fill_(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores.add_(attn_mask)
+    return torch.matmul(dropout(torch.softmax(scores, dim=-1), dropout_p), v)
+
+
+def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out: torch.Tensor | None = None):
+    """q, k, v [b, nh, L, hd] of b sequences of one length L -> [b, nh, L, hd]. A window narrower than the sequence
+    runs WINDOW_CHUNK query rows at a time against only the keys their window reaches. `out`: a [b, L, nh, hd] view
+    to write the context into instead (no autograd: copies into it), returned."""
+    L = q.shape[2]
+    if window is None or L - 1 <= window:  # every key is within every query's window
+        mask = _score_mask(bias, None, L, L, q.dtype, q.device)
+        ctx = _sdpa(q, k, v, None if mask is None else mask[None], dropout_p, scale)
+        return ctx if out is None else out.copy_(ctx.transpose(1, 2))
+    chunks = []
+    for start in range(0, L, WINDOW_CHUNK):
+        stop = min(start + WINDOW_CHUNK, L)
+        k0, k1 = max(0, start - window), min(L, stop + window)
+        mask = _score_mask(bias, window, stop - start, k1 - k0, q.dtype, q.device, start, k0)
+        ctx = _sdpa(q[:, :, start:stop], k[:, :, k0:k1], v[:, :, k0:k1], mask, dropout_p, scale)
+        if out is None:
+            chunks.append(ctx)
+        else:
+            out[:, start:stop].copy_(ctx.transpose(1, 2))
+    return out if out is not None else torch.cat(chunks, dim=2)
+
+
+class Extras(NamedTuple):
+    """What one attention call adds to softmax(q k^T * scale + mask) v, besides the mask: every field None is BERT's
+    attention. Built by the layer, once per forward where it can be (MPNet's table, ModernBERT's rotary tables per
+    layer type), and passed as it is to the twin, the kernel and the custom op.
+
+    bias: a float32 table [nh, 2L - 1] of an additive score bias that depends on (head, j - i) only
+        (twins.relative_bias; MPNet's buckets), added after the scale and before the softmax
+    window: w: query i sees only keys j with |i - j| <= w (positions within its sequence; ModernBERT's local layers)
+    rotary: twins.Rotary, the per-token cos/sin that rotate q and k first (ModernBERT)
+    disentangled: twins.Disentangled, DeBERTa's per-token c2p/p2c terms, added after the scale; padded rows then
+        follow HF's mask rule mask_i * mask_j (a padded query attends uniformly to all S keys). Never combined with
+        the three above.
+    """
+    bias: torch.Tensor | None = None
+    window: int | None = None
+    rotary: Rotary | None = None
+    disentangled: Disentangled | None = None
+
+
+NONE = Extras()
+
+
+def twin(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
+         extras: Extras = NONE, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """qkv [T, 3, nh, hd] -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn` is a TokenLayout (packed
+    sequences, padding-free) or an AttentionMask (padded rows, T = B*S); `extras`: see Extras. `workspace`: see
+    twins.Workspace (packed sequences only read it)."""
+    bias, window, rotary, disentangled = extras
+    if disentangled is not None:
+        _check_disentangled(disentangled, bias, window, rotary)
+    if isinstance(attn, TokenLayout):
+        return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary, disentangled,
+                                      workspace), None
+    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary, disentangled)
+
+
+def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
+                    bias: torch.Tensor | None = None, window: int | None = None, rotary: Rotary | None = None,
+                    disentangled: Disentangled | None = None,
+                    workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`twin` with the extras as keywords (Extras' fields)."""
+    return twin(qkv, attn, scale, dropout_p, return_probs, Extras(bias, window, rotary, disentangled), workspace)
+
+
+def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0,
+                           bias: torch.Tensor | None = None, window: int | None = None,
+                           rotary: Rotary | None = None, disentangled: Disentangled | None = None,
+                           workspace: Workspace | None = None) -> torch.Tensor:
+    """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
+    on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
+    3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
+    sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch; a `window`, a band
+    of keys per block of queries; `disentangled` terms: each sequence's own [1, nh, L, L] (they depend on its
+    tokens)."""
+    T, _, nh, hd = qkv.shape
+    # BERT's inference: sdpa as it is, no host work around it (a forward of short rows is Python-bound)
+    plain = bias is None and window is None and dropout_p == 0.0 and disentangled is None
+    if layout.uniform and disentangled is None:
+        B, S = layout.batch_size, layout.seq_len
+        q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
+        if rotary is not None:
+            q, k, v = rotated_qk(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale) if plain else \
+            _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
+        return ctx.transpose(1, 2).reshape(T, nh * hd)
+    if layout.lengths is None:
+        raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
+                           "(a captured CUDA graph runs the Triton kernel)")
+    if workspace is not None:
+        return _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace)
+    contexts, start = [], 0
+    for piece in qkv.split(layout.lengths):  # views; under autograd one SplitBackward, not a zeroed [T, ...] each
+        length = piece.shape[0]
+        q, k, v = piece.unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
+        q, k, v = rotated_qk(q, k, v, rotary, slice(start, start + length))
+        if plain:
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        elif disentangled is not None:
+            mask = disentangled_bias(disentangled, start, length).to(q.dtype)[None]  # [1, nh, L, L]
+            ctx = _sdpa(q, k, v, mask, dropout_p, scale)
+        else:
+            ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
+        contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
+        start += length
+    return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
+
+
+def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace) -> torch.Tensor:
+    """attention_varlen_torch's ragged case with q and k rotated for all tokens at once (float32) and every
+    sequence's context written straight into one workspace buffer [T, nh*hd] (no per-sequence cat, no final cat)."""
+    T, _, nh, hd = qkv.shape
+    rotated = None
+    if rotary is not None and qkv.dtype == torch.float32:
+        rotated, rotary = _rotate_qk_into(qkv, rotary, workspace), None  # [T, 2, nh, hd]
+    ctx = workspace.take("context", (T, nh * hd), qkv)
+    ctx_heads, start = ctx.view(T, nh, hd), 0
+    for length in layout.lengths:
+        rows = slice(start, start + length)
+        q, k, v = qkv[rows].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
+        if rotated is not None:
+            q, k = rotated[rows].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = rotated_qk(q, k, v, rotary, rows)
+        _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out=ctx_heads[rows].unsqueeze(0))
+        start += length
+    return ctx
+
+
+def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
+                           return_probs: bool = False, bias: torch.Tensor | None = None, window: int | None = None,
+                           rotary: Rotary | None = None,
+                           disentangled: Disentangled | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padded rows, qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None). A `bias` table and a
+    `window` are read at the padded positions (as HF does: distances count padding); a fully padded row still
+    attends uniformly to all S keys (HF eager's answer there). With `disentangled` (DeBERTa) HF's mask is
+    mask_i * mask_j: every padded query attends uniformly to all S keys, in any row."""
+    B, S = mask.batch_size, mask.seq_len
+    T, _, nh, hd = qkv.shape
+    q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
+    if rotary is not None:
+        q, k, v = rotated_qk(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
+    rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
+    if disentangled is not None:
+        rel = disentangled_bias_padded(disentangled, B, S).to(qkv.dtype)  # [B, nh, S, S]
+    # HF's DeBERTa masks (i, j) unless both are real: every score of a padded query is finfo.min, so it attends
+    # uniformly to all S keys
+    pairwise = ~mask.key_valid[:, None, :, None] if (disentangled is not None or mask.pairwise) \
+        and mask.key_valid is not None else None  # [B, 1, S, 1]
+    if window is not None and S - 1 > window and not mask.custom:  # (a custom 3-D/4-D mask is the whole mask: HF
+        # applies no window on top of one)
+        # HF's one mask: finfo.min wherever the window or the padding excludes a key (once, not summed), so a padded
+        # query whose window holds no real key attends uniformly to all S keys, as HF eager computes it
+        low = torch.finfo(qkv.dtype).min
+        band = window_mask(S, S, window, qkv.device)
+        additive = torch.zeros((), dtype=qkv.dtype, device=qkv.device) if mask.additive is None else mask.additive
+        mask = dataclasses.replace(mask, additive=torch.where(band, additive, low))
+    if return_probs:  # HF's eager math, because the caller wants the probabilities themselves
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if rel is not None:
+            scores = scores + rel
+        if mask.additive is not None:
+            scores = scores + mask.additive
+        if pairwise is not None:  # HF's masked_fill of every score of a padded query: uniform, in the graph
+            scores = scores.masked_fill(pairwise, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1)
+        ctx = torch.matmul(dropout(probs, dropout_p), v)
+    else:
+        probs = None
+        if rel is not None and rel.shape[0] == 1 and mask.additive is not None and mask.additive.shape[-2] == 1 \
+                and not tracing():
+            # key mask [B, 1, 1, S] + bias [1, nh, S, S]: one row at a time, so no [B, nh, S, S] sum is formed (a
+            # traced graph keeps the batch dynamic instead: one broadcast sum)
+            ctx = torch.cat([_sdpa(q[b:b + 1], k[b:b + 1], v[b:b + 1], rel + mask.additive[b:b + 1], dropout_p, scale)
+                             for b in range(B)])
+        else:
+            attn_mask = mask.additive if rel is None else rel if mask.additive is None else rel + mask.additive
+            ctx = _sdpa(q, k, v, attn_mask, dropout_p, scale)
+    if mask.empty_rows is not None:
+        # Fully padded rows: HF eager's uniform attention over all S keys, stated outright. Adding finfo.min only
+        # equalises the scores when it swamps them; sdpa adds fp16's -65504 in fp32, where it does not.
+        ctx = torch.where(mask.empty_rows, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
+        if probs is not None:
+            probs = torch.where(mask.empty_rows, torch.full_like(probs, 1.0 / S), probs)
+    if pairwise is not None and probs is None:  # (the probabilities' path masked the scores themselves)
+        ctx = torch.where(pairwise, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
+    return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]
+
+
+# ---- the kernel ----------------------------------------------------------------------------------------------------
+_KERNEL = []  # [fastbert.kernels.attention] once imported (Triton is imported only where a kernel runs)
+
+
+def kernels():
+    if not _KERNEL:
+        from ..kernels import attention as module
+        _KERNEL.append(module)
+    return _KERNEL[0]
+
+
+def kernel(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras: Extras = NONE, workspace=None,
+           checked=False):
+    """The kernel behind twin's signature (dropout and probabilities have been ruled out by `reason`). Packed
+    sequences run over their cu_seqlens; padded rows over uniform cu_seqlens with the key mask, DeBERTa's padded
+    queries (attn.pairwise) uniform over their row."""
+    k = kernels()
+    run = k.attention if checked else k.launch
+    bias, window, rotary, dis = extras
+    terms = {} if dis is None else dict(c2p=dis.c2p, p2c=dis.p2c, column=dis.column)
+    if isinstance(attn, TokenLayout):
+        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary,
+                   **terms), None
+    cu_seqlens = k.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
+    return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, bias=bias, window=window,
+               rotary=rotary, **terms, uniform_padded_queries=attn.pairwise), None
+
+
+# ---- the custom op (a traced forward records one node) -------------------------------------------------------------
+def _flat(extras: Extras) -> tuple:
+    """Extras as the schema holds them: the window (-1: none), then its tensors (None where absent). One optional
+    tensor each, not a Tensor?[] (torch.jit.trace takes no list of optional tensors)."""
+    bias, window, rotary, dis = extras
+    cos, sin = (None, None) if rotary is None else rotary
+    c2p, p2c, column = (None, None, None) if dis is None else (dis.c2p, dis.p2c, dis.column)
+    return -1 if window is None else window, bias, cos, sin, c2p, p2c, column
+
+
+def _unflat(window: int, bias, cos, sin, c2p, p2c, column) -> Extras:
+    return Extras(bias, None if window < 0 else window, None if cos is None else Rotary(cos, sin),
+                  None if column is None else Disentangled(c2p, p2c, column))
+
+
+@torch.library.custom_op("fastbert::attention", mutates_args=())
+def custom_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+              key_valid: torch.Tensor | None, pairwise: bool, backend: str, window: int, bias: torch.Tensor | None,
+              cos: torch.Tensor | None, sin: torch.Tensor | None, c2p: torch.Tensor | None,
+              p2c: torch.Tensor | None, column: torch.Tensor | None) -> torch.Tensor:
+    """Packed qkv [T, 3, nh, hd] -> [T, nh*hd]; key_valid [n, S] for padded rows (then every row has S tokens;
+    pairwise: DeBERTa's mask_i * mask_j); window and the tensors after it: the Extras (`_flat`)."""
+    extras = _unflat(window, bias, cos, sin, c2p, p2c, column)
+
+    def twin_call():
+        if key_valid is None:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the twin loops over sequences on the host
+            attn = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, lengths)
+        else:
+            B, S = key_valid.shape
+            attn = AttentionMask.build(key_valid, B, S, qkv.dtype, flags=(False, False))
+            if pairwise:
+                attn = dataclasses.replace(attn, pairwise=True)
+        return twin(qkv, attn, scale, extras=extras)[0]
+
+    def kernel_call():
+        bias, win, rotary, dis = extras
+        terms = {} if dis is None else dict(c2p=dis.c2p, p2c=dis.p2c, column=dis.column)
+        return kernels().launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid, bias=bias, window=win,
+                                rotary=rotary, **terms, uniform_padded_queries=pairwise)
+
+    return run_backend(OP, backend, qkv, kernel_call, twin_call)
+
+
+@custom_op.register_fake
+def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, pairwise, backend, window, bias, cos, sin, c2p, p2c, column):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[2] * qkv.shape[3])
+
+
+def traced(backend: str):
+    """twin's signature, recording one fastbert::attention node (padded rows: uniform cu_seqlens and the key mask)."""
+    def run(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras: Extras = NONE, workspace=None):
+        if isinstance(attn, TokenLayout):
+            cu_seqlens, max_seqlen, key_valid, pairwise = attn.cu_seqlens, attn.max_seqlen, None, False
+        else:  # padded rows (what a traced forward runs)
+            B, S = attn.batch_size, attn.seq_len
+            cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=qkv.device)
+            max_seqlen, key_valid, pairwise = S, attn.key_valid, attn.pairwise
+            if key_valid is None:
+                key_valid = torch.ones(B, S, dtype=torch.bool, device=qkv.device)
+        return torch.ops.fastbert.attention(qkv, cu_seqlens, max_seqlen, scale, key_valid, pairwise, backend,
+                                            *_flat(extras)), None
+    return run
+
+
+# ---- when the kernel serves a call, and what "auto" times ----------------------------------------------------------
+def reason(situation, facts) -> str | None:
+    """The probabilities or a custom mask (situation.padded) leave attention on its twin, and what every op shares."""
+    return situation.padded or inference_only(OP, situation, facts, situation.attention_dropout, situation.head_dim)
+
+
+def key(dtype: torch.dtype, shapes) -> str:
+    dt = str(dtype).replace("torch.", "")
+    # the twin is one sdpa on a dense batch, a host loop on a ragged one
+    layout = "ragged" if shapes.ragged else "dense"
+    key = f"{OP}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
+    # a bias table: the kernel gathers it into every score tile, the twin forms a [1, nh, L, L] mask per sequence
+    key += f"|bias{shapes.bias_reach}" if shapes.bias_reach else ""
+    # a window: the kernel skips the key blocks outside it, the twin runs a band of keys per chunk of queries;
+    # rotary: both rotate q and k first (the kernel once per visited key block)
+    key += f"|window{shapes.window}" if shapes.window is not None else ""
+    # DeBERTa: the kernel gathers two per-token tables into every score tile, the twin forms each sequence's bias
+    key += f"|dis{shapes.disentangled}" if shapes.disentangled else ""
+    return key + ("|rotary" if shapes.rotary else "")
+
+
+def contenders(dtype, shapes, device, kernel, twin):
+    rand, g = random_inputs(device, dtype)
+    layout = measured_layout(shapes.tokens, shapes.max_seqlen, shapes.ragged, device)
+    qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)
+    bias = rand(shapes.heads, 2 * shapes.bias_reach - 1).float() if shapes.bias_reach else None
+    rotary = None
+    if shapes.rotary:  # the tables of each token's position in its sequence, as the model builds them
+        positions = torch.cat([torch.arange(n, device=device) for n in layout.lengths])
+        half = torch.arange(0, shapes.head_dim, 2, device=device).float() / shapes.head_dim
+        rotary = rotary_tables(positions, 1.0 / (10000.0 ** half))
+    dis = None
+    if shapes.disentangled:  # both terms (DeBERTa-v3's form), columns over the table as the log buckets spread
+        P, L = shapes.disentangled, shapes.max_seqlen
+        column = torch.randint(0, P, (2 * L - 1,), generator=g, device=device, dtype=torch.int32)
+        dis = Disentangled(rand(layout.num_tokens, shapes.heads, P).float(),
+                           rand(layout.num_tokens, shapes.heads, P).float(), column)
+    args = (qkv, layout, shapes.head_dim ** -0.5, 0.0, False, Extras(bias, shapes.window, rotary, dis))
+    return (lambda: kernel(*args)), (lambda: twin(*args))
+
+
+def measured_layout(tokens: int, max_seqlen: int, ragged: bool, device) -> TokenLayout:
+    """The layout attention is timed on: `tokens` tokens in sequences of at most `max_seqlen`. Dense: equal rows.
+    Ragged: lengths spread evenly over [max_seqlen / 8, max_seqlen], as a real batch of mixed texts, so that the
+    twin is timed with the per-sequence loop it runs on such a batch."""
+    L = max(1, min(max_seqlen, tokens))
+    if not ragged:
+        return TokenLayout.dense(max(1, tokens // L), L, device)
+    if L == tokens > 1:  # one sequence would fill the bucket: a ragged batch has at least two lengths
+        L = max(1, 2 * tokens // 3)
+    spread = [max(1, L - (i * (L - L // 8)) // 7) for i in range(8)]  # L down to ~L/8 in 8 steps
+    lengths, total = [], 0
+    while total < tokens:
+        length = min(spread[len(lengths) % len(spread)], tokens - total)
+        lengths.append(length)
+        total += length
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(device=device, dtype=torch.int32)
+    return TokenLayout.from_cu_seqlens(cu, max(lengths), lengths)

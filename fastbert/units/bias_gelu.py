@@ -1,0 +1,82 @@
+"""bias_gelu: act(x @ W^T + b), the FFN's first GEMM with its bias and activation in the epilogue
+(kernels/bias_gelu.py). The activation is any of twins.ACTIVATIONS' (GELU erf or tanh, ReLU); gated: W holds two
+halves [a; g] and the op returns act(a) * g (ModernBERT's GeGLU). The name stays the kernel's: GELU is what BERT
+runs."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..twins import Workspace, activate, activate_into, linear_into
+from .common import inference_only, random_inputs, run_backend
+
+OP = "bias_gelu"
+
+
+def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
+         gated: bool = False, workspace: Workspace | None = None) -> torch.Tensor:
+    """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}. gated: W is
+    [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for [a, g] = x @ W^T + b
+    (GeGLU). `workspace`: see twins.Workspace."""
+    h = F.linear(x, weight, bias) if workspace is None else linear_into(x, weight, bias, workspace, "ffn")
+    if gated and workspace is not None:
+        a, g = h.chunk(2, dim=-1)
+        out = workspace.take("gated", a.shape, a)
+        return activate_into(a, activation, out).mul_(g)
+    if gated:
+        a, g = h.chunk(2, dim=-1)
+        return activate(a, activation) * g
+    return activate(h, activation)
+
+
+_KERNEL = []  # [fastbert.kernels.bias_gelu] once imported (Triton is imported only where a kernel runs)
+
+
+def kernels():
+    if not _KERNEL:
+        from ..kernels import bias_gelu as module
+        _KERNEL.append(module)
+    return _KERNEL[0]
+
+
+def kernel(x, weight, bias, activation="gelu", gated=False, workspace=None, checked=False):
+    k = kernels()
+    return (k.bias_gelu if checked else k.launch)(x, weight, bias, activation, gated)
+
+
+@torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
+def custom_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+              backend: str, gated: bool = False) -> torch.Tensor:
+    """act(x @ W^T + b) [T, N]; gated: W [2I, H] and act(a) * g [T, I]."""
+    return run_backend(OP, backend, x, lambda: kernels().launch(x, weight, bias, activation, gated),
+                       lambda: twin(x, weight, bias, activation, gated))
+
+
+@custom_op.register_fake
+def _(x, weight, bias, activation, backend, gated=False):
+    return x.new_empty(x.shape[0], weight.shape[0] // (2 if gated else 1))
+
+
+def traced(backend: str):
+    def run(x, weight, bias, activation="gelu", gated=False, workspace=None):
+        return torch.ops.fastbert.bias_gelu(x, weight, bias, activation, backend, gated)
+    return run
+
+
+def reason(situation, facts) -> str | None:
+    return inference_only(OP, situation, facts)
+
+
+def key(dtype: torch.dtype, shapes) -> str:
+    # gated: twice the GEMM's columns, and an epilogue the twin runs as three more passes
+    key = f"{OP}|{str(dtype).replace('torch.', '')}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|" \
+          f"{shapes.activation}"
+    return key + ("|gated" if shapes.gated else "")
+
+
+def contenders(dtype, shapes, device, kernel, twin):
+    rand, _ = random_inputs(device, dtype)
+    T, H, I = shapes.tokens, shapes.hidden, shapes.intermediate
+    N = 2 * I if shapes.gated else I
+    args = (rand(T, H), rand(N, H, scale=H ** -0.5), rand(N), shapes.activation, shapes.gated)
+    return (lambda: kernel(*args)), (lambda: twin(*args))

@@ -1,0 +1,68 @@
+"""qkv_projection: x [T, H] @ W_qkv [3H, H]^T + b_qkv -> [T, 3, nh, hd], one GEMM over the fused weight, the bias in
+its epilogue (kernels/qkv_projection.py). The output is the layout the attention kernel reads."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..twins import Workspace, linear_into
+from .common import inference_only, random_inputs, run_backend
+
+OP = "qkv_projection"
+
+
+def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+         workspace: Workspace | None = None) -> torch.Tensor:
+    """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
+    h = F.linear(x, weight, bias) if workspace is None else linear_into(x, weight, bias, workspace, "qkv")
+    return h.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
+
+
+_KERNEL = []  # [fastbert.kernels.qkv_projection] once imported (Triton is imported only where a kernel runs)
+
+
+def kernels():
+    if not _KERNEL:
+        from ..kernels import qkv_projection as module
+        _KERNEL.append(module)
+    return _KERNEL[0]
+
+
+def kernel(x, weight, bias, num_heads, workspace=None, checked=False):
+    k = kernels()
+    return (k.qkv_projection if checked else k.launch)(x, weight, bias, num_heads)
+
+
+@torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
+def custom_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+              backend: str) -> torch.Tensor:
+    """x [T, H] @ W_qkv^T + b -> [T, 3H] (the caller views it as [T, 3, nh, hd])."""
+    return run_backend(OP, backend, x, lambda: kernels().launch(x, weight, bias, num_heads).reshape(
+        x.shape[0], weight.shape[0]), lambda: F.linear(x, weight, bias))
+
+
+@custom_op.register_fake
+def _(x, weight, bias, num_heads, backend):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def traced(backend: str):
+    def run(x, weight, bias, num_heads, workspace=None):
+        out = torch.ops.fastbert.qkv_projection(x, weight, bias, num_heads, backend)
+        return out.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
+    return run
+
+
+def reason(situation, facts) -> str | None:
+    return inference_only(OP, situation, facts)
+
+
+def key(dtype: torch.dtype, shapes) -> str:
+    return f"{OP}|{str(dtype).replace('torch.', '')}|T{shapes.tokens}|H{shapes.hidden}|N{3 * shapes.hidden}"
+
+
+def contenders(dtype, shapes, device, kernel, twin):
+    rand, _ = random_inputs(device, dtype)
+    H = shapes.hidden
+    args = (rand(shapes.tokens, H), rand(3 * H, H, scale=H ** -0.5), rand(3 * H), shapes.heads)
+    return (lambda: kernel(*args)), (lambda: twin(*args))
