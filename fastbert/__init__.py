@@ -4,9 +4,21 @@ from .dispatch import BACKENDS, OPS  # noqa: E402
 from .distributed import encode_dataset, load_embeddings  # noqa: E402  (imports ray only when called)
 from .encode import SentenceEncoder, encode  # noqa: E402
 from .export import export_onnx  # noqa: E402
-from .modeling import AutoModel, BertModel  # noqa: E402
+from .modeling import BertModel  # noqa: E402
+from .models import (  # noqa: E402
+    AutoModel,
+    CamembertModel,
+    DebertaV2Model,
+    DistilBertModel,
+    ElectraModel,
+    ModernBertModel,
+    MPNetModel,
+    RobertaModel,
+    XLMRobertaModel,
+)
 from .patch import optimize, restore  # noqa: E402
 from .version import __version__  # noqa: F401
 
-__all__ = ["AutoModel", "BertModel", "MODEL_TYPES", "OPS", "BACKENDS", "optimize", "restore", "SentenceEncoder",
-           "encode", "encode_dataset", "load_embeddings", "export_onnx"]
+__all__ = ["AutoModel", "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel",
+           "DistilBertModel", "MPNetModel", "ModernBertModel", "DebertaV2Model", "MODEL_TYPES", "OPS", "BACKENDS",
+           "optimize", "restore", "SentenceEncoder", "encode", "encode_dataset", "load_embeddings", "export_onnx"]

@@ -1,11 +1,12 @@
 """The one place that picks a backend for each of the four ops.
 
 The backend of each op is resolved once per forward (`plan`, cached per `Situation` by the model): "torch" runs the
-twin (its unit in fastbert/units/), "triton" runs the kernel in `fastbert.kernels` (and raises, naming the reason, when it
-cannot), "auto" runs Triton when the tensors are on CUDA (or TRITON_INTERPRET=1 is set) and the kernel serves the
-call, else the twin. On a GPU "auto" also measures kernel against twin per shape bucket (fastbert/measure.py), and runs
-every kernel under the safety net of fastbert/fallback.py. When "auto" has to leave a call on the twin (autograd,
-dropout, output_attentions, a custom mask, an unsupported head dim or dtype) it says so once per op and reason.
+twin (its unit in fastbert/units/), "triton" runs the kernel in `fastbert.kernels` (and raises, naming the reason,
+when it cannot), "auto" runs Triton when the tensors are on CUDA (or TRITON_INTERPRET=1 is set) and the kernel serves
+the call, else the twin. On a GPU "auto" also measures kernel against twin per shape bucket (fastbert/measure.py),
+and runs every kernel under the safety net of fastbert/fallback.py. When "auto" has to leave a call on the twin
+(autograd, dropout, output_attentions, a custom mask, an unsupported head dim or dtype) it says so once per op and
+reason.
 """
 from __future__ import annotations
 

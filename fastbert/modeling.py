@@ -1126,21 +1126,3 @@ class BertModel(TransformersModelMixin, nn.Module):
         if run is None:
             run = self._plans[situation] = dispatch.plan(situation)
         return run
-
-
-class AutoModel:
-    """transformers.AutoModel's entry points for the family fastbert runs: the model_type in the config picks the
-    embeddings (every supported type is a fastbert.BertModel); any other model_type raises NotImplementedError
-    naming it."""
-
-    @staticmethod
-    def from_pretrained(name_or_path, **kwargs) -> BertModel:
-        return BertModel.from_pretrained(name_or_path, **kwargs)
-
-    @staticmethod
-    def from_config(config, **kwargs) -> BertModel:
-        return BertModel(config, **kwargs)
-
-    @staticmethod
-    def from_hf(hf_model, **kwargs) -> BertModel:
-        return BertModel.from_hf(hf_model, **kwargs)

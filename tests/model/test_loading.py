@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import transformers
-from helpers import ARCH_VOCAB, has_deberta_v2, has_modernbert, hub_layout_folder, random_hf_bert
+from helpers import ARCH_VOCAB, has_deberta_v2, has_modernbert, hub_layout_folder, random_arch_model, random_hf_bert
 from safetensors.torch import load_file, save_file
 
 import fastbert
@@ -198,6 +198,7 @@ def test_hub_layouts_load_as_transformers_automodel_does(name, architectures, tm
         assert len(listed) == 2, (why, lines[0])
         assert all(key in listed[1].split(";")[0].split(", ") for key in keys), (keys, listed[1])
     hf = transformers.AutoModel.from_pretrained(folder).eval()
+    assert type(fb).__name__ == type(hf).__name__ and getattr(fastbert, type(hf).__name__) is type(fb)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, ARCH_VOCAB, (3, 13), generator=g)
     mask = torch.ones_like(ids)
@@ -438,3 +439,23 @@ def test_modernbert_needs_a_transformers_that_has_it(tmp_path):
     finally:
         if patch is not None:
             patch.undo()
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "mpnet",
+                                  "modernbert", "deberta-v2"])
+def test_each_family_has_transformers_class_name(arch):
+    """fastbert.AutoModel builds the class transformers names for the family (fastbert.ModernBertModel for
+    ModernBERT, ...), each a fastbert.BertModel; from_config, from_hf and the named class agree, and a named class
+    refuses another family's config, naming AutoModel."""
+    if arch.startswith("deberta") and not has_deberta_v2() or arch.startswith("modernbert") and not has_modernbert():
+        pytest.skip(f"{arch}: fastbert runs this family with transformers >= 4.48")
+    hf = random_arch_model(arch, hidden=32, layers=1, intermediate=40)
+    name = type(hf).__name__
+    fb = fastbert.AutoModel.from_hf(hf, kernels="torch")
+    assert type(fb).__name__ == name and isinstance(fb, fastbert.BertModel)
+    assert type(fastbert.AutoModel.from_config(hf.config)) is type(fb) is getattr(fastbert, name)
+    assert type(getattr(fastbert, name)(hf.config)) is type(fb)
+    other = random_arch_model("mpnet" if arch != "mpnet" else "bert", hidden=32, layers=1, intermediate=40).config
+    if name != "BertModel":  # fastbert.BertModel runs every family, as before
+        with pytest.raises(ValueError, match="fastbert.AutoModel picks the class"):
+            getattr(fastbert, name)(other)
