@@ -159,7 +159,7 @@ def plan(situation: Situation) -> Ops:
     backends = {op: requested[op] if use[op] else "torch" for op in OPS}  # "auto" here: the kernel, with its net
     triton = frozenset(op for op, on in use.items() if on)
     if tracing() and inference and TRACE_AS_CUSTOM_OPS:
-        traced = {op: unit.traced(backends[op]) for op, unit in UNITS.items()}
+        traced = traced_ops(backends)
         if situation.padded is not None:  # probabilities and custom masks: the twin
             traced["attention"] = UNITS["attention"].twin
         return Ops(*traced.values(), triton=triton, traced=True, grad=situation.needs_grad)

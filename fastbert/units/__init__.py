@@ -18,6 +18,10 @@ A unit module holds, under the same names in each:
     contenders(dtype, shapes, device, kernel, twin)
                            zero-argument calls of kernel and twin on random inputs of these shapes, which "auto" times
 
+The custom ops are for traced forwards only (torch.compile, torch.export: one node each, where a tracer cannot follow a
+Triton launcher's Python), and for inference; an eager forward calls twin and kernel directly, since the dispatcher
+adds a cost per call that a small batch would feel (bench/RESULTS.md, "Measurements cited by the code").
+
 dispatch, measure, fallback and graphs are generic over UNITS: adding a parameter to an op touches its unit and its
 kernel file (docs/design.md walks through one).
 """

@@ -323,14 +323,18 @@ def kernel(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras: Extras =
     queries (attn.pairwise) uniform over their row."""
     k = kernels()
     run = k.attention if checked else k.launch
+    if isinstance(attn, TokenLayout):
+        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, **_launch_extras(extras)), None
+    cu_seqlens = k.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
+    return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, **_launch_extras(extras),
+               uniform_padded_queries=attn.pairwise), None
+
+
+def _launch_extras(extras: Extras) -> dict:
+    """Extras as the kernel's launcher takes them: DeBERTa's terms as plain tensors (the kernel is a leaf)."""
     bias, window, rotary, dis = extras
     terms = {} if dis is None else dict(c2p=dis.c2p, p2c=dis.p2c, column=dis.column)
-    if isinstance(attn, TokenLayout):
-        return run(qkv, attn.cu_seqlens, attn.max_seqlen, scale, bias=bias, window=window, rotary=rotary,
-                   **terms), None
-    cu_seqlens = k.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
-    return run(qkv, cu_seqlens, attn.seq_len, scale, key_valid=attn.key_valid, bias=bias, window=window,
-               rotary=rotary, **terms, uniform_padded_queries=attn.pairwise), None
+    return dict(bias=bias, window=window, rotary=rotary, **terms)
 
 
 # ---- the custom op (a traced forward records one node) -------------------------------------------------------------
@@ -369,10 +373,8 @@ def custom_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
         return twin(qkv, attn, scale, extras=extras)[0]
 
     def kernel_call():
-        bias, win, rotary, dis = extras
-        terms = {} if dis is None else dict(c2p=dis.c2p, p2c=dis.p2c, column=dis.column)
-        return kernels().launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid, bias=bias, window=win,
-                                rotary=rotary, **terms, uniform_padded_queries=pairwise)
+        return kernels().launch(qkv, cu_seqlens, max_seqlen, scale, key_valid=key_valid, **_launch_extras(extras),
+                                uniform_padded_queries=pairwise)
 
     return run_backend(OP, backend, qkv, kernel_call, twin_call)
 
