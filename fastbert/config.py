@@ -110,11 +110,11 @@ def check_supported(config, where: str = "config") -> None:
     if values["hidden_size"] % values["num_attention_heads"]:
         raise ValueError(f"{where}: {family.raw_name('hidden_size')}={values['hidden_size']} is not a multiple of "
                          f"{family.raw_name('num_attention_heads')}={values['num_attention_heads']}")
-    if family.relative_bias and values["relative_attention_num_buckets"] is None:
+    if family.attention_bias == "buckets" and values["relative_attention_num_buckets"] is None:
         raise ValueError(f"{where}: field 'relative_attention_num_buckets' must be set for model_type={model_type!r}")
-    if family.disentangled:
+    if family.attention_bias == "disentangled":
         check_deberta(config, where)
-    if family.pre_norm:  # ModernBERT: each layer's type and its rotary theta are readable (else ValueError)
+    if family.positions == "rotary":  # each layer's type and its rotary theta are readable (else ValueError)
         for layer_type in set(rotary.layer_types(config)):
             rotary.rope_theta(config, layer_type)
     if family.positions == "padding_idx":

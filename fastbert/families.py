@@ -17,10 +17,18 @@ optimizer groups are HF's own), what its config calls each field, and which valu
 DeBERTa-v2/v3's attention adds content-to-position and position-to-content terms gathered at one bucketed column
 per distance (twins.Disentangled); its heads keep their ContextPooler themselves.
 
-All but ModernBERT are post-norm: x = LN(x + attention), x = LN(x + FFN). ModernBERT is pre-norm with a final norm
-and a gated MLP: x = x + attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T; its checkpoints
-already hold q/k/v as one Wqkv, and its linears and LayerNorms carry biases only where its config says. The same
-four ops run every family, with the parameters each axis adds (fastbert/units/).
+The layer's axes, each named for what it does, and the shape they pick (fastbert/layers/):
+
+    family      norm  final_norm  mlp    attention_bias  windows  embeddings  positions    layer shape
+    bert ...    post  no          plain  none            no       sum         index        post_norm
+    mpnet       post  no          plain  buckets         no       sum         padding_idx  post_norm
+    modernbert  pre   yes         gated  none            yes      tokens      rotary       pre_norm
+    deberta-v2  post  no          plain  disentangled    no       masked      index        disentangled
+
+Post-norm: x = LN(x + attention), x = LN(x + FFN). Pre-norm with a final norm and a gated MLP: x = x +
+attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T; ModernBERT's checkpoints already hold q/k/v
+as one Wqkv, and its linears and LayerNorms carry biases only where its config says. The same four ops run every
+family, with the parameters each axis adds (fastbert/units/).
 """
 from __future__ import annotations
 
@@ -29,6 +37,11 @@ from dataclasses import dataclass, field
 # A post-norm layer's tensors by role, in HF's module order (a model built from a config gets that order too:
 # optimizer states are saved by position). A family's `layer` dict lists its roles in its own HF order.
 ROLES = ("query", "key", "value", "attn_out", "ln1", "ffn_in", "ffn_out", "ln2")
+
+# A layer's dropouts, in the order a layer's `dropouts()` gives them: on the attention probabilities, after the
+# attention output's dense, in the FFN (after its output dense; gated: on act(a) * g), on DeBERTa's rel_embeddings.
+DROPOUT_KINDS = ("attention", "attention_output", "ffn", "positions")
+_ATTN_P, _HIDDEN_P = "attention_probs_dropout_prob", "hidden_dropout_prob"
 
 
 @dataclass(frozen=True)
@@ -39,12 +52,22 @@ class Family:
     positions: str  # "index": each token's index in its sequence; "padding_idx": fairseq's, counted from it + 1;
     # "rotary": the index, rotating q and k in attention (no position table)
     layer: dict  # role -> HF's module path inside one layer
+    dropouts: dict  # kind (DROPOUT_KINDS) -> (HF's module path inside one layer, the config field of its p)
+    # ---- the axes a layer is read along (fastbert/layers/ holds one file per layer shape) ----
+    norm: str = "post"  # "post": x = LN(x + sublayer(x)); "pre": x = x + sublayer(LN(x)), layer 0 without the first LN
+    final_norm: bool = False  # a LayerNorm after the last layer
+    mlp: str = "plain"  # "plain": act(x W1 + b1) W2 + b2; "gated": act(a) * g for [a, g] = x Wi^T, then Wo
+    attention_bias: str = "none"  # what attention adds to its scores: "none"; "buckets": a bias by (head, bucket of
+    # j - i), one table per forward (MPNet); "disentangled": content-to-position and position-to-content terms from
+    # rel_embeddings (DeBERTa-v2)
+    windows: bool = False  # a sliding window on the layers the config names local
+    embeddings: str = "sum"  # "sum": word (+ type) + position tables, LayerNorm; "tokens": the word table, LayerNorm
+    # (positions rotate q and k); "masked": the tables the config keeps, a projection, LayerNorm, zero at padding
+    # ---- the rest of the family's contract ----
     token_types: bool = True
     projection: bool = False  # embeddings of embedding_size widened to hidden_size (ELECTRA)
     pooler: bool = True  # a pooler unless the caller says otherwise
-    relative_bias: bool = False  # MPNet: a bias by (head, bucket of j - i), one table per forward
     layers: str = "encoder"  # the module holding the ModuleList `layer` (ModernBERT: "layers", the list itself)
-    attention_output_dropout: bool = True  # DistilBERT applies none after out_lin
     selects_hidden_states: bool = True  # output_hidden_states=[indices] keeps only those (MPNet's HF code: all)
     resizable_positions: bool = False  # resize_position_embeddings, as the family's transformers class has it
     tuple_keeps_pooler: bool = False  # return_dict=False: pooler_output holds its slot even when None (MPNet)
@@ -52,10 +75,14 @@ class Family:
     fixed: dict = field(default_factory=dict)  # fields the family's modeling file hard-codes instead of reading
     padding_idx: int | None = None  # a fixed padding_idx (MPNet's embeddings use 1, whatever pad_token_id says)
     output: str = "BaseModelOutputWithPoolingAndCrossAttentions"  # transformers.modeling_outputs class
-    pre_norm: bool = False  # ModernBERT: LN before each sublayer, a final norm, rotary q/k, windows, a gated MLP
     min_transformers: str | None = None  # the first transformers release that has the family
-    disentangled: bool = False  # DeBERTa-v2: c2p/p2c score terms from rel_embeddings, HF's embeddings and mask rule
     bounds: dict = field(default_factory=dict)  # fields whose lower bound is not BERT's (DeBERTa: type_vocab_size 0)
+
+    @property
+    def reads_distances(self) -> bool:
+        """Attention reads j - i (a bias by distance, a window, disentangled terms), which packing a row whose real
+        tokens are not one run would change."""
+        return self.attention_bias != "none" or self.windows
 
     def get(self, config, name: str):
         """Config field `name` (BERT's spelling) as this family's config holds it; None when it has none."""
@@ -71,15 +98,19 @@ _BERT_LAYER = {"query": "attention.self.query", "key": "attention.self.key", "va
                "attn_out": "attention.output.dense", "ln1": "attention.output.LayerNorm",
                "ffn_in": "intermediate.dense", "ffn_out": "output.dense", "ln2": "output.LayerNorm"}
 
-BERT = Family("bert", "BERT", "bert.", "index", _BERT_LAYER)
-ROBERTA = Family("roberta", "RoBERTa", "roberta.", "padding_idx", _BERT_LAYER)
-ELECTRA = Family("electra", "ELECTRA", "electra.", "index", _BERT_LAYER, projection=True, pooler=False,
+_BERT_DROPOUTS = {"attention": ("attention.self.dropout", _ATTN_P),
+                  "attention_output": ("attention.output.dropout", _HIDDEN_P), "ffn": ("output.dropout", _HIDDEN_P)}
+
+BERT = Family("bert", "BERT", "bert.", "index", _BERT_LAYER, _BERT_DROPOUTS)
+ROBERTA = Family("roberta", "RoBERTa", "roberta.", "padding_idx", _BERT_LAYER, _BERT_DROPOUTS)
+ELECTRA = Family("electra", "ELECTRA", "electra.", "index", _BERT_LAYER, _BERT_DROPOUTS, projection=True, pooler=False,
                  output="BaseModelOutputWithPastAndCrossAttentions")
 DISTILBERT = Family(
     "distilbert", "DistilBERT", "distilbert.", "index",
     {"query": "attention.q_lin", "key": "attention.k_lin", "value": "attention.v_lin", "attn_out": "attention.out_lin",
      "ln1": "sa_layer_norm", "ffn_in": "ffn.lin1", "ffn_out": "ffn.lin2", "ln2": "output_layer_norm"},
-    token_types=False, pooler=False, layers="transformer", attention_output_dropout=False, resizable_positions=True,
+    {"attention": ("attention.dropout", _ATTN_P), "ffn": ("ffn.dropout", _HIDDEN_P)},  # none after out_lin
+    token_types=False, pooler=False, layers="transformer", resizable_positions=True,
     fields={"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
             "intermediate_size": "hidden_dim", "hidden_act": "activation", "hidden_dropout_prob": "dropout",
             "attention_probs_dropout_prob": "attention_dropout"},
@@ -90,7 +121,9 @@ MPNET = Family(
     {"query": "attention.attn.q", "key": "attention.attn.k", "value": "attention.attn.v",
      "attn_out": "attention.attn.o", "ln1": "attention.LayerNorm", "ffn_in": "intermediate.dense",
      "ffn_out": "output.dense", "ln2": "output.LayerNorm"},
-    token_types=False, relative_bias=True, padding_idx=1, selects_hidden_states=False, tuple_keeps_pooler=True,
+    {"attention": ("attention.attn.dropout", _ATTN_P), "attention_output": ("attention.dropout", _HIDDEN_P),
+     "ffn": ("output.dropout", _HIDDEN_P)},
+    attention_bias="buckets", token_types=False, padding_idx=1, selects_hidden_states=False, tuple_keeps_pooler=True,
     output="BaseModelOutputWithPooling")
 
 # ModernBERT's layer roles, in HF's module order (ModernBertEncoderLayer: attn_norm, attn, mlp_norm, mlp). Its
@@ -100,7 +133,11 @@ _MODERNBERT_LAYER = {"ln1": "attn_norm", "qkv": "attn.Wqkv", "attn_out": "attn.W
                      "ffn_in": "mlp.Wi", "ffn_out": "mlp.Wo"}
 MODERNBERT = Family(
     "modernbert", "ModernBERT", "model.", "rotary", _MODERNBERT_LAYER,
-    token_types=False, pooler=False, layers="layers", pre_norm=True, min_transformers="4.48.0",
+    # its attention_dropout is a float on the attention module, and also the p of out_drop after Wo
+    {"attention": ("attn.attention_dropout", _ATTN_P), "attention_output": ("attn.out_drop", _ATTN_P),
+     "ffn": ("mlp.drop", _HIDDEN_P)},
+    norm="pre", final_norm=True, mlp="gated", windows=True, embeddings="tokens",
+    token_types=False, pooler=False, layers="layers", min_transformers="4.48.0",
     fields={"layer_norm_eps": "norm_eps", "hidden_act": "hidden_activation",
             "hidden_dropout_prob": "mlp_dropout", "attention_probs_dropout_prob": "attention_dropout"},
     output="BaseModelOutput")
@@ -113,7 +150,8 @@ _DEBERTA_LAYER = {"query": "attention.self.query_proj", "key": "attention.self.k
                   "ln2": "output.LayerNorm"}
 DEBERTA_V2 = Family(
     "deberta-v2", "DeBERTa-v2", "deberta.", "index", _DEBERTA_LAYER,
-    pooler=False, disentangled=True, bounds={"type_vocab_size": 0},
+    {**_BERT_DROPOUTS, "positions": ("attention.self.pos_dropout", _HIDDEN_P)},  # pos_dropout: relative_attention's
+    attention_bias="disentangled", embeddings="masked", pooler=False, bounds={"type_vocab_size": 0},
     selects_hidden_states=False,  # HF's encoder always returns every hidden state; the model keeps all or none
     output="BaseModelOutput",
     min_transformers="4.48.0")  # the DeBERTa-v2 definition fastbert follows (earlier: StableDropout, XSoftmax)

@@ -181,7 +181,7 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
     if tables.positions is not None and position_ids is None and S > tables.embeddings.max_length:
         raise ValueError(f"sequence length {S} exceeds {_max_length_words(model)}")
     custom = attention_mask is not None and attention_mask.dim() in (3, 4)
-    if custom and model.family.disentangled:
+    if custom and model.family.embeddings == "masked":
         raise NotImplementedError(f"a {attention_mask.dim()}-D attention_mask is not supported for "
                                   f"{model.family.title}: transformers' DebertaV2Model multiplies its embeddings by "
                                   f"the mask, which only a [batch, seq] key mask fits; pass a 2-D attention_mask")
@@ -219,7 +219,7 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
         reads.add("lengths", attention_mask.sum(dim=1))
         # a row whose real tokens are not one run: packing would change j - i, which a relative bias (MPNet), a
         # sliding window (ModernBERT) and disentangled attention (DeBERTa) read
-        if model.family.relative_bias or model.family.pre_norm or model.family.disentangled:
+        if model.family.reads_distances:
             keep = attention_mask != 0
             runs = (keep[:, 1:] & ~keep[:, :-1]).sum(dim=1) + keep[:, 0]
             reads.add("holes", (runs > 1).any())
@@ -244,7 +244,7 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
         flags = None if values is None or not key_mask else (
             values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
         mask = AttentionMask.build(attention_mask, B, S, tables.weight.dtype, flags)
-        if model.family.disentangled:
+        if model.family.attention_bias == "disentangled":  # HF DeBERTa's rule, mask_i * mask_j
             mask = dataclasses.replace(mask, pairwise=True)
         real_tokens = mask.key_valid if model.padding_free else None
         return Batch(None if input_ids is None else input_ids.reshape(B * S), _flat(token_type_ids, B * S),

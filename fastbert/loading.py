@@ -286,7 +286,7 @@ def encoder_of(hf_model):
 def from_hf(cls, hf_model, kernels="auto", padding_free=True, where: str = "the model"):
     """One copy of the weights. The new model holds HF's own module objects (embeddings, query/key/value, dense
     layers, LayerNorms, pooler), so anything that replaces or moves one of them is seen by both; query/key/value's
-    weights move into one fused QKV weight whose rows they alias (BertSelfAttention.pack)."""
+    weights move into one fused QKV weight whose rows they alias (FusedQKV.pack)."""
     base = encoder_of(hf_model)
     model = check_hf(cls, base, kernels, padding_free, where)
     share_hf(model, base)
@@ -335,7 +335,7 @@ def share_hf(model, base) -> None:
         if theirs is not None and list(ours._modules) != [k for k in theirs._modules if k in ours._modules]:
             order = {k: i for i, k in enumerate(theirs._modules)}
             ordered = sorted(ours._modules.items(), key=lambda kv: order.get(kv[0], len(order)))
-            ours._modules.clear()  # in place: a layer keeps its containers' module dicts (BertLayer._leaves)
+            ours._modules.clear()  # in place: a layer keeps its containers' module dicts (PostNormLayer._leaves)
             ours._modules.update(ordered)
     for layer in model.layers:
         if layer.self_attention is not None:  # (ModernBERT's checkpoints hold one Wqkv already)

@@ -12,7 +12,6 @@ from helpers import arch_inputs, has_deberta_v2, has_modernbert, random_arch_mod
 
 import fastbert
 from fastbert import families
-from fastbert.modeling import LAYER_DROPOUTS
 
 NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
 NEEDS_DEBERTA = pytest.mark.skipif(not has_deberta_v2(), reason="fastbert follows transformers 4.48+'s DeBERTa-v2")
@@ -98,11 +97,12 @@ def no_dropout(model):
 
 
 def set_layer_dropout(model, kind, p):
-    """Dropout `kind` (fastbert.modeling.DROPOUT_KINDS) of every layer set to p at HF's module path; False where the
+    """Dropout `kind` (fastbert.families.DROPOUT_KINDS) of every layer set to p at HF's module path; False where the
     family has none of that kind."""
-    path = LAYER_DROPOUTS[families.of(model.config).name].get(kind)
-    if path is None:
+    entry = families.of(model.config).dropouts.get(kind)
+    if entry is None:
         return False
+    path = entry[0]
     parent, _, name = path.rpartition(".")
     changed = False
     for layer in layer_list(model):
