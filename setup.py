@@ -16,8 +16,8 @@ setup(
     # index belongs to a different project (with the same import name: install one or the other).
     name="fastbert-triton",
     version=VERSION,
-    description="A drop-in Hugging Face BERT-family encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA) whose four "
-                "fused ops run as Triton kernels, with PyTorch twins",
+    description="A drop-in Hugging Face encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, DistilBERT, MPNet, "
+                "ModernBERT, DeBERTa-v2/v3) whose four fused ops run as Triton kernels, with PyTorch twins",
     long_description=README,
     long_description_content_type="text/markdown",
     license="Apache-2.0",
@@ -44,7 +44,8 @@ setup(
     python_requires=">=3.9",
     # kernels/ is a top-level folder of the repo but ships as fastbert.kernels: a bare top-level `kernels` module
     # would collide with HF's `kernels` package, which transformers probes for.
-    packages=["fastbert", "fastbert.cli", "fastbert.distributed", "fastbert.kernels", "fastbert.units"],
+    packages=["fastbert", "fastbert.cli", "fastbert.distributed", "fastbert.kernels", "fastbert.layers",
+              "fastbert.units"],
     package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
     install_requires=[
         "torch>=2.1",

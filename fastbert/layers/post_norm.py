@@ -57,8 +57,9 @@ class PostNormLayer(EncoderLayer):
                 "ffn_out": nn.Linear(I, H), "ln2": nn.LayerNorm(H, eps=eps)}
 
     def extras(self, qkv, w_qkv, b_qkv, positions, p_pos: float) -> Extras:
-        """What attention adds to its scores: `positions` is MPNet's per-distance bias table, or None."""
-        return NONE if positions is None else Extras(positions)
+        """What attention adds to its scores, from this forward's `positions` (not None): MPNet's per-distance bias
+        table."""
+        return Extras(positions)
 
     def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, positions=None, workspace=None):
         """x [T, H] -> ([T, H], attention probabilities or None). `attn`: a TokenLayout (packed) or an AttentionMask
@@ -73,7 +74,7 @@ class PostNormLayer(EncoderLayer):
                                          (p_attn, p_attn_out, p_ffn_out, p_pos))
 
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
-        extras = self.extras(qkv, w.qkv, w.qkv_bias, positions, p_pos)
+        extras = NONE if positions is None else self.extras(qkv, w.qkv, w.qkv_bias, positions, p_pos)
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, extras)     # [T, H]
         x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x, w.ln1, w.ln1_bias, w.ln1_eps,
                                    p_attn_out)                                                  # [T, H]
@@ -94,7 +95,7 @@ class PostNormLayer(EncoderLayer):
             delta = adapters.lora_delta(sa._modules[name], x)                                   # [T, H] or None
             if delta is not None:
                 qkv[:, i] += delta.view(qkv.shape[0], *qkv.shape[2:]).to(qkv.dtype)
-        extras = self.extras(qkv, weight, bias_qkv, positions, p_pos)
+        extras = NONE if positions is None else self.extras(qkv, weight, bias_qkv, positions, p_pos)
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, extras)     # [T, H]
         x = self._dense_residual_layernorm("attn_out", "ln1", ctx, x, run, p_attn_out)          # [T, H]
         dense = self.module("ffn_in")

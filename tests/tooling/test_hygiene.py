@@ -60,3 +60,53 @@ def test_nothing_cites_a_design_file_outside_the_repository():
             if name in text and not (root / name).exists():
                 citing.append(f"{path.relative_to(root)}: {name}")
     assert not citing, citing
+
+
+ROOT = TESTS.parent
+
+
+def test_kernels_are_imported_as_modules_not_by_name():
+    """A reader or an IDE follows a call from the model to the launch: no kernel is reached through an importlib
+    string in the package or the kernels."""
+    found = []
+    for folder in ("fastbert", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            for needle in ("importlib", "import_module(", "__import__("):
+                if needle in text:
+                    found.append(f"{path.relative_to(ROOT)}: {needle}")
+    assert not found, found
+
+
+def test_bench_results_hold_data_only():
+    """Dated result folders keep what a run wrote (json, logs, summaries); the commands that make figures live in
+    bench/ and are maintained there."""
+    scripts = [str(p.relative_to(ROOT)) for p in (ROOT / "bench" / "results").rglob("*")
+               if p.suffix in (".py", ".sh", ".c", ".cpp", ".ipynb") or (p.is_file() and p.stat().st_mode & 0o111)]
+    assert not scripts, scripts
+
+
+def test_every_link_in_the_results_resolves():
+    import re
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    missing = [link for link in re.findall(r"\]\(([^)#\s]+)\)", text)
+               if "://" not in link and not (ROOT / "bench" / link).exists()]
+    assert not missing, missing
+
+
+def test_every_results_section_names_the_command_that_reproduces_it():
+    """Each dated section of bench/RESULTS.md names a maintained command in bench/ (`pytest bench/...` or
+    `python bench/...`) or says it is historical: a figure whose script was retired."""
+    import re
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    silent = []
+    for section in sections:
+        title, body = section.split("\n", 1)
+        commands = re.findall(r"(?:pytest|python) (bench/[\w/.-]+\.py)", body)
+        if not commands and "historical" not in body.lower():
+            silent.append(title)
+        for command in commands:
+            if not (ROOT / command).exists():
+                silent.append(f"{title}: {command} does not exist")
+    assert not silent, silent

@@ -1,6 +1,7 @@
 """The distribution ships the Triton kernels as fastbert.kernels, never as a top-level `kernels` package (HF's
 `kernels` package owns that import name, and transformers probes for it)."""
 import os
+import pathlib
 import subprocess
 import sys
 import zipfile
@@ -26,6 +27,8 @@ def test_wheel_holds_fastbert_kernels_and_no_top_level_kernels(wheel):
     for op in ("qkv_projection", "attention", "bias_gelu", "residual_layernorm", "gemm"):
         assert f"fastbert/kernels/{op}.py" in names
     assert "fastbert/modeling.py" in names
+    source = {str(path.relative_to(REPO)) for path in pathlib.Path(REPO, "fastbert").rglob("*.py")}
+    assert source and not source - set(names), sorted(source - set(names))  # every subpackage (layers/, units/)
     assert "fastbert/distributed/job.py" in names
     assert "fastbert/cli/main_job.py" in names and "fastbert/cli/encode.py" in names  # the two commands
     assert not [n for n in names if n.startswith("kernels/")]
