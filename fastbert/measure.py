@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import units
 from .files import write_atomically
 from .layout import token_bucket  # noqa: F401  (the buckets the table is keyed on)
 from .units import UNITS
@@ -41,12 +42,10 @@ class Shapes:
     max_seqlen: int  # attention: a bucket of the longest sequence
     activation: str
     ragged: bool = True  # attention: sequences of different lengths (the twin then loops over them on the host)
-    bias_reach: int = 0  # attention: a per-distance bias table [nh, 2R - 1] of this reach R (MPNet), or 0 for none
-    window: int | None = None  # attention: a sliding window of +-w keys (ModernBERT's local layers), or None
-    rotary: bool = False  # attention: q and k rotated by per-token cos/sin tables (ModernBERT)
-    gated: bool = False  # bias_gelu: the gated MLP (W_in [2I, H], act(a) * g; ModernBERT)
-    pre_norm: bool = False  # residual_layernorm: the pre-norm form (returns s and LN(s); ModernBERT)
-    disentangled: int = 0  # attention: DeBERTa's c2p and p2c terms over P = 2 * span columns, or 0 for none
+    # what else each op's speed depends on: its unit's own Variant (the op's axes, defined beside its key)
+    attention: units.attention.Variant = units.attention.Variant()
+    bias_gelu: units.bias_gelu.Variant = units.bias_gelu.Variant()
+    residual_layernorm: units.residual_layernorm.Variant = units.residual_layernorm.Variant()
 
 
 def default_timer(fn) -> float:

@@ -36,7 +36,7 @@ from transformers.modeling_outputs import (
 )
 
 from . import config as configs
-from . import dispatch, fallback, families, layers, measure, relative, rotary, twins
+from . import dispatch, fallback, families, layers, measure, relative, rotary, twins, units
 from .compat import TransformersModelMixin
 from .dispatch import OPS
 from .inputs import Batch, prepare
@@ -185,9 +185,13 @@ class BertModel(TransformersModelMixin, nn.Module):
         self.__dict__["_columns"] = {"cpu": relative.deberta_column_table(config)} if self._disentangled else {}
         for layer in self.layers:  # one table (per device) for every layer
             layer.__dict__["_columns"] = self._columns
-        # the local layers' half-window (ModernBERT), which "auto" times attention with; None without local layers
-        self._local_window = next((layer.window for layer in self.layers
-                                   if getattr(layer, "window", None) is not None), None)
+        # what "auto" times attention with besides the shapes: the bias table's reach, the local layers' half-window
+        # (attention is timed as the local layers run it, two of every three in ModernBERT; its global layers take
+        # the same choice), rotary q/k, DeBERTa's P columns
+        window = next((layer.window for layer in self.layers if getattr(layer, "window", None) is not None), None)
+        self._attention_variant = units.attention.Variant(
+            RELATIVE_REACH if family.attention_bias == "buckets" else 0, window, family.positions == "rotary",
+            2 * relative.deberta_span(config) if self._disentangled else 0)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self._kernels = {op: "auto" for op in OPS}
@@ -432,15 +436,12 @@ class BertModel(TransformersModelMixin, nn.Module):
         shapes = None
         if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
                 and not self.training and tokens:
-            # ModernBERT: attention is timed as its local layers run it (two of every three), rotary and windowed;
-            # its global layers take the same choice
             bucket = measure.token_bucket
             shapes = measure.Shapes(bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                     cfg.num_attention_heads, self.head_dim, bucket(max_seqlen), self.activation,
-                                    ragged, RELATIVE_REACH if self.family.attention_bias == "buckets" else 0,
-                                    window=self._local_window, rotary=self.family.positions == "rotary",
-                                    gated=self.family.mlp == "gated", pre_norm=self.family.norm == "pre",
-                                    disentangled=2 * relative.deberta_span(cfg) if self._disentangled else 0)
+                                    ragged, self._attention_variant,
+                                    units.bias_gelu.Variant(gated=self.family.mlp == "gated"),
+                                    units.residual_layernorm.Variant(pre_norm=self.family.norm == "pre"))
         p_attn, p_hidden = self._largest_dropouts() if self.training else (0.0, 0.0)
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
                                        p_hidden, padded, shapes, self._disentangled)

@@ -406,38 +406,48 @@ def reason(situation, facts) -> str | None:
     return situation.padded or inference_only(OP, situation, facts, situation.attention_dropout, situation.head_dim)
 
 
+class Variant(NamedTuple):
+    """What attention's speed depends on beyond the shapes every op shares (measure.Shapes.attention)."""
+    bias_reach: int = 0  # a per-distance bias table [nh, 2R - 1] of this reach R, or 0 for none
+    window: int | None = None  # a sliding window of +-w keys, or None
+    rotary: bool = False  # q and k rotated by per-token cos/sin tables
+    disentangled: int = 0  # c2p and p2c terms over P columns, or 0 for none
+
+
 def key(dtype: torch.dtype, shapes) -> str:
     dt = str(dtype).replace("torch.", "")
     # the twin is one sdpa on a dense batch, a host loop on a ragged one
     layout = "ragged" if shapes.ragged else "dense"
     key = f"{OP}|{dt}|T{shapes.tokens}|nh{shapes.heads}|hd{shapes.head_dim}|S{shapes.max_seqlen}|{layout}"
+    v = shapes.attention
     # a bias table: the kernel gathers it into every score tile, the twin forms a [1, nh, L, L] mask per sequence
-    key += f"|bias{shapes.bias_reach}" if shapes.bias_reach else ""
+    key += f"|bias{v.bias_reach}" if v.bias_reach else ""
     # a window: the kernel skips the key blocks outside it, the twin runs a band of keys per chunk of queries;
     # rotary: both rotate q and k first (the kernel once per visited key block)
-    key += f"|window{shapes.window}" if shapes.window is not None else ""
+    key += f"|window{v.window}" if v.window is not None else ""
     # DeBERTa: the kernel gathers two per-token tables into every score tile, the twin forms each sequence's bias
-    key += f"|dis{shapes.disentangled}" if shapes.disentangled else ""
-    return key + ("|rotary" if shapes.rotary else "")
+    key += f"|dis{v.disentangled}" if v.disentangled else ""
+    return key + ("|rotary" if v.rotary else "")
 
 
 def contenders(dtype, shapes, device, kernel, twin):
     rand, g = random_inputs(device, dtype)
     layout = measured_layout(shapes.tokens, shapes.max_seqlen, shapes.ragged, device)
     qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)
-    bias = rand(shapes.heads, 2 * shapes.bias_reach - 1).float() if shapes.bias_reach else None
+    v = shapes.attention
+    bias = rand(shapes.heads, 2 * v.bias_reach - 1).float() if v.bias_reach else None
     rotary = None
-    if shapes.rotary:  # the tables of each token's position in its sequence, as the model builds them
+    if v.rotary:  # the tables of each token's position in its sequence, as the model builds them
         positions = torch.cat([torch.arange(n, device=device) for n in layout.lengths])
         half = torch.arange(0, shapes.head_dim, 2, device=device).float() / shapes.head_dim
         rotary = rotary_tables(positions, 1.0 / (10000.0 ** half))
     dis = None
-    if shapes.disentangled:  # both terms (DeBERTa-v3's form), columns over the table as the log buckets spread
-        P, L = shapes.disentangled, shapes.max_seqlen
+    if v.disentangled:  # both terms (DeBERTa-v3's form), columns over the table as the log buckets spread
+        P, L = v.disentangled, shapes.max_seqlen
         column = torch.randint(0, P, (2 * L - 1,), generator=g, device=device, dtype=torch.int32)
         dis = Disentangled(rand(layout.num_tokens, shapes.heads, P).float(),
                            rand(layout.num_tokens, shapes.heads, P).float(), column)
-    args = (qkv, layout, shapes.head_dim ** -0.5, 0.0, False, Extras(bias, shapes.window, rotary, dis))
+    args = (qkv, layout, shapes.head_dim ** -0.5, 0.0, False, Extras(bias, v.window, rotary, dis))
     return (lambda: kernel(*args)), (lambda: twin(*args))
 
 

@@ -4,6 +4,8 @@ halves [a; g] and the op returns act(a) * g (ModernBERT's GeGLU). The name stays
 runs."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -67,16 +69,22 @@ def reason(situation, facts) -> str | None:
     return inference_only(OP, situation, facts)
 
 
+class Variant(NamedTuple):
+    """What bias_gelu's speed depends on beyond the shared shapes (measure.Shapes.bias_gelu)."""
+    gated: bool = False  # W [2I, H] and act(a) * g
+
+
 def key(dtype: torch.dtype, shapes) -> str:
     # gated: twice the GEMM's columns, and an epilogue the twin runs as three more passes
     key = f"{OP}|{str(dtype).replace('torch.', '')}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}|" \
           f"{shapes.activation}"
-    return key + ("|gated" if shapes.gated else "")
+    return key + ("|gated" if shapes.bias_gelu.gated else "")
 
 
 def contenders(dtype, shapes, device, kernel, twin):
     rand, _ = random_inputs(device, dtype)
     T, H, I = shapes.tokens, shapes.hidden, shapes.intermediate
-    N = 2 * I if shapes.gated else I
-    args = (rand(T, H), rand(N, H, scale=H ** -0.5), rand(N), shapes.activation, shapes.gated)
+    gated = shapes.bias_gelu.gated
+    N = 2 * I if gated else I
+    args = (rand(T, H), rand(N, H, scale=H ** -0.5), rand(N), shapes.activation, gated)
     return (lambda: kernel(*args)), (lambda: twin(*args))

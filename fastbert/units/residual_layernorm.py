@@ -3,6 +3,8 @@ in one pass per row (kernels/residual_layernorm.py). Post-norm (BERT) returns th
 pre-norm (ModernBERT) returns the new stream s and LN(s), the next sublayer's input."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -83,10 +85,15 @@ def reason(situation, facts) -> str | None:
     return inference_only(OP, situation, facts, situation.hidden_dropout)
 
 
+class Variant(NamedTuple):
+    """What residual_layernorm's speed depends on beyond the shared shapes (measure.Shapes.residual_layernorm)."""
+    pre_norm: bool = False  # the pre-norm form: returns the stream s and LN(s)
+
+
 def key(dtype: torch.dtype, shapes) -> str:
     # pre-norm: the kernel writes a second [T, H] output
     key = f"{OP}|{str(dtype).replace('torch.', '')}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
-    return key + ("|prenorm" if shapes.pre_norm else "")
+    return key + ("|prenorm" if shapes.residual_layernorm.pre_norm else "")
 
 
 def contenders(dtype, shapes, device, kernel, twin):
@@ -96,7 +103,8 @@ def contenders(dtype, shapes, device, kernel, twin):
     T, H, I = shapes.tokens, shapes.hidden, shapes.intermediate
     x = rand(T, H)
     ones = torch.ones(H, device=device, dtype=dtype)
-    beta = None if shapes.pre_norm else torch.zeros(H, device=device, dtype=dtype)
-    first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, shapes.pre_norm)
-    second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, shapes.pre_norm)
+    pre_norm = shapes.residual_layernorm.pre_norm
+    beta = None if pre_norm else torch.zeros(H, device=device, dtype=dtype)
+    first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, pre_norm)
+    second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, pre_norm)
     return (lambda: (kernel(*first), kernel(*second))), (lambda: (twin(*first), twin(*second)))

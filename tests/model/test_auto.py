@@ -81,7 +81,8 @@ def test_token_buckets_and_keys():
 def test_gated_and_pre_norm_are_keyed_as_their_own_variants():
     """The gated MLP and the pre-norm form are timed apart from the BERT forms of the same shapes (key suffix)."""
     bert = measure.Shapes(128, 768, 1152, 12, 64, 128, "gelu")
-    modern = measure.Shapes(128, 768, 1152, 12, 64, 128, "gelu", gated=True, pre_norm=True)
+    modern = measure.Shapes(128, 768, 1152, 12, 64, 128, "gelu", bias_gelu=units.bias_gelu.Variant(gated=True),
+                            residual_layernorm=units.residual_layernorm.Variant(pre_norm=True))
     assert measure.op_key("bias_gelu", torch.bfloat16, bert) == "bias_gelu|bfloat16|T128|H768|I1152|gelu"
     assert measure.op_key("bias_gelu", torch.bfloat16, modern) == "bias_gelu|bfloat16|T128|H768|I1152|gelu|gated"
     assert measure.op_key("residual_layernorm", torch.bfloat16, bert) == "residual_layernorm|bfloat16|T128|H768|I1152"
@@ -95,7 +96,8 @@ def test_gated_and_pre_norm_are_measured_as_they_run(measured_here):
     """The contenders "auto" times for the gated MLP take HF's Wi [2I, H] with gated=True, and for the pre-norm form
     pre_norm=True (and no LN bias, as ModernBERT): kernel and twin then answer the same, and the choice is filed
     under the variant's own key."""
-    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", gated=True, pre_norm=True)
+    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", bias_gelu=units.bias_gelu.Variant(gated=True),
+                            residual_layernorm=units.residual_layernorm.Variant(pre_norm=True))
     device = torch.device("cpu")
     seen = []
 
@@ -401,7 +403,7 @@ def test_windowed_rotary_attention_is_measured_as_that_variant(measured_here, mo
 
     monkeypatch.setattr(units.attention, "kernel", spy("kernel", units.attention.kernel))
     monkeypatch.setattr(units.attention, "twin", spy("twin", units.attention.twin))
-    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3, rotary=True)
+    shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, units.attention.Variant(window=3, rotary=True))
     situation = dispatch.Situation(("auto",) * 4, torch.device("cpu"), torch.float32, 16, False, 0.0, 0.0, None,
                                    shapes)
     assert dispatch._measured("attention", situation) is True
@@ -417,8 +419,8 @@ def test_windowed_rotary_attention_is_measured_as_that_variant(measured_here, mo
         assert torch.equal(rotary.sin[starts], torch.zeros(len(starts), 8))
     plain = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True)
     keys = {measure.op_key("attention", torch.float32, s) for s in
-            (plain, shapes, measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, window=3),
-             measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, rotary=True))}
+            (plain, shapes, measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, units.attention.Variant(window=3)),
+             measure.Shapes(16, 32, 40, 2, 16, 16, "gelu", True, units.attention.Variant(rotary=True)))}
     assert len(keys) == 4
 
 
