@@ -99,7 +99,6 @@ class Situation(NamedTuple):
     hidden_dropout: float
     padded: str | None  # why attention runs on padded rows ("output_attentions=True needs ...", a custom mask), or None
     shapes: object = None  # measure.Shapes where "auto" measures (an inference forward on CUDA), else None
-    disentangled: bool = False  # attention carries DeBERTa's c2p/p2c terms (twins.Disentangled)
 
 
 # Where "auto" picks by measuring (fastbert/measure.py): on a GPU. Elsewhere it takes the kernel wherever one can run

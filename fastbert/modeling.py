@@ -444,7 +444,7 @@ class BertModel(TransformersModelMixin, nn.Module):
                                     units.residual_layernorm.Variant(pre_norm=self.family.norm == "pre"))
         p_attn, p_hidden = self._largest_dropouts() if self.training else (0.0, 0.0)
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
-                                       p_hidden, padded, shapes, self._disentangled)
+                                       p_hidden, padded, shapes)
         if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return dispatch.plan(situation)
         if self._plans_failures != len(fallback._FAILED):

@@ -111,3 +111,19 @@ def test_every_results_section_names_the_command_that_reproduces_it():
             if not (ROOT / command).exists():
                 silent.append(f"{title}: {command} does not exist")
     assert not silent, silent
+
+
+def test_the_generic_modules_name_no_op_axis():
+    """Dispatch, "auto"'s measuring, the safety net and CUDA graphs are generic over the op units: an op's axes (its
+    Extras and Variant fields) are named only in its unit, its kernel and the layers that use them, so adding one
+    touches the unit and the kernel (docs/design.md)."""
+    import re
+
+    from fastbert import units
+    axes = set(units.attention.Extras._fields) | set(units.attention.Variant._fields) \
+        | set(units.bias_gelu.Variant._fields) | set(units.residual_layernorm.Variant._fields)
+    named = []
+    for name in ("dispatch", "measure", "fallback", "graphs"):
+        text = (ROOT / "fastbert" / f"{name}.py").read_text()
+        named += [f"{name}.py: {axis}" for axis in axes if re.search(rf"\b{axis}\b", text)]
+    assert not named, named
