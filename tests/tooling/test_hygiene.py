@@ -127,3 +127,26 @@ def test_the_generic_modules_name_no_op_axis():
         text = (ROOT / "fastbert" / f"{name}.py").read_text()
         named += [f"{name}.py: {axis}" for axis in axes if re.search(rf"\b{axis}\b", text)]
     assert not named, named
+
+
+def test_every_package_path_the_tree_names_exists():
+    """A comment, doc or result section that names fastbert/<file>.py or kernels/<file>.py names a file the tree
+    holds (dated result folders excepted: they are records of their day), and nothing names a folder outside the
+    repository."""
+    import re
+    import subprocess
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True)
+    stale = []
+    for rel in tracked.stdout.split():
+        path = ROOT / rel
+        if path.suffix not in (".py", ".md", ".sh", ".toml", ".cfg", ".txt") or rel.startswith("bench/results/") \
+                or not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        for name in set(re.findall(r"(?<![\w/.])(?:fastbert|kernels)/[\w/-]*\.py\b", text)):
+            if not (ROOT / name).exists():
+                stale.append(f"{rel}: {name}")
+        for outside in ("../shared", "/work/", "../.library"):
+            if outside in text and path != pathlib.Path(__file__).resolve():
+                stale.append(f"{rel}: {outside}")
+    assert not stale, stale
