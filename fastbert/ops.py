@@ -32,11 +32,10 @@ residual_layernorm_torch = _residual_layernorm.twin
 
 
 def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_dim: int | None = None,
-                padded: str | None = None, disentangled: bool = False) -> bool:
+                padded: str | None = None) -> bool:
     """resolve() for one call of the functions below (the model resolves once per forward instead)."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
-    why = reasons(Situation((), x.device, x.dtype, head_dim or 0, needs_grad, dropout, dropout, padded,
-                            disentangled=disentangled))[op]
+    why = reasons(Situation((), x.device, x.dtype, head_dim or 0, needs_grad, dropout, dropout, padded))[op]
 
     def reason():
         if x.dim() and x.stride(-1) != 1:
@@ -72,8 +71,7 @@ def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: 
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
     extras = Extras(bias, window, rotary, disentangled)
     twin = lambda: _attention.twin(qkv, attn, scale, dropout_p, return_probs, extras)  # noqa: E731
-    if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded,
-                   disentangled=disentangled is not None):
+    if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
         kernel = lambda: _attention.kernel(qkv, attn, scale, extras=extras, checked=True)  # noqa: E731
         return _call("attention", backend, qkv, kernel, twin)
     return twin()
