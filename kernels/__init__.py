@@ -20,4 +20,21 @@ fold away. M_BUCKET (a power of two >= 16) only ever takes one specialisation. T
 compile the same: hint None for each argument listed here. tests/kernels/test_launch.py checks with Triton's own
 binder that a launch at 1, 203 and 4096 tokens gets one key.
 """
-import triton  # noqa: F401  (fail here, once, with the real ImportError, if Triton is missing or broken)
+if __name__ == "kernels":
+    # Imported as a top-level `kernels`: Python runs from the repository root (python -m fastbert, pytest), where this
+    # folder shadows Hugging Face's `kernels` package, which transformers (5.25 on: a dependency) imports. Load that
+    # package in this module's place: once this body has run, the import returns what sys.modules holds. Without
+    # one installed, stay an empty module, which transformers' probe reads as "not installed".
+    import os as _os
+    import sys as _sys
+    from importlib.machinery import PathFinder as _PathFinder
+    from importlib.util import module_from_spec as _module_from_spec
+
+    _ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _spec = _PathFinder.find_spec("kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _ROOT])
+    if _spec is not None and _spec.loader is not None:
+        _module = _module_from_spec(_spec)
+        _sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
+else:
+    import triton  # noqa: F401  (fail here, once, with the real ImportError, if Triton is missing or broken)

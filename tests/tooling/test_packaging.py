@@ -51,8 +51,42 @@ def test_distribution_metadata(wheel):
 
 
 def test_transformers_does_not_mistake_our_kernels_for_hfs():
+    """fastbert.kernels is never the top-level `kernels` transformers probes: with Hugging Face's package installed
+    (a dependency of transformers 5.25 on), `kernels` is that package; without it, transformers finds none."""
+    import importlib.metadata
+
     from transformers.utils import import_utils
 
     import fastbert.kernels  # noqa: F401  (imported, as a model forward on CUDA would)
     assert fastbert.kernels.__name__ == "fastbert.kernels"
-    assert not import_utils.is_kernels_available()
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert not import_utils.is_kernels_available()
+        return
+    import kernels
+    assert os.path.realpath(kernels.__file__) != os.path.realpath(os.path.join(REPO, "kernels", "__init__.py"))
+
+
+def test_the_top_level_kernels_folder_yields_to_hf_kernels(tmp_path):
+    """Run from the repository root (python -m fastbert, pytest), `import kernels` finds this repository's kernels/
+    first; it must hand over to Hugging Face's `kernels` package where one is installed (transformers 5.25 imports it
+    at import time), and otherwise stay an empty module that imports nothing (transformers' probe then reads it as
+    absent)."""
+    hf = tmp_path / "site" / "kernels"
+    hf.mkdir(parents=True)
+    (hf / "__init__.py").write_text("MARK = 'hf'\n")
+    probe = "import sys, kernels; print(getattr(kernels, 'MARK', '-'), kernels.__file__, 'triton' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    mark, where, _ = out.stdout.split()
+    assert mark == "hf" and where == str(hf / "__init__.py")
+    env.pop("PYTHONPATH")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    mark, where, triton_imported = out.stdout.split()
+    ours = where == os.path.join(REPO, "kernels", "__init__.py")
+    assert not ours or triton_imported == "False", out.stdout  # ours: an empty module; else an installed one
