@@ -183,15 +183,19 @@ class BertModel(TransformersModelMixin, nn.Module):
         self._disentangled = family.attention_bias == "disentangled" and any(layer.c2p or layer.p2c
                                                                              for layer in self.layers)
         self.__dict__["_columns"] = {"cpu": relative.deberta_column_table(config)} if self._disentangled else {}
-        for layer in self.layers:  # one table (per device) for every layer
-            layer.__dict__["_columns"] = self._columns
-        # what "auto" times attention with besides the shapes: the bias table's reach, the local layers' half-window
-        # (attention is timed as the local layers run it, two of every three in ModernBERT; its global layers take
-        # the same choice), rotary q/k, DeBERTa's P columns
+        if self._disentangled:
+            for layer in self.layers:  # one table (per device) for every layer
+                layer.__dict__["_columns"] = self._columns
+        # what "auto" times each op with besides the shapes (its unit's Variant). Attention: the bias table's reach,
+        # the local layers' half-window (attention is timed as the local layers run it, two of every three in
+        # ModernBERT; its global layers take the same choice), rotary q/k, DeBERTa's P columns
         window = next((layer.window for layer in self.layers if getattr(layer, "window", None) is not None), None)
-        self._attention_variant = units.attention.Variant(
-            RELATIVE_REACH if family.attention_bias == "buckets" else 0, window, family.positions == "rotary",
-            2 * relative.deberta_span(config) if self._disentangled else 0)
+        self._variants = (
+            units.attention.Variant(RELATIVE_REACH if family.attention_bias == "buckets" else 0, window,
+                                    family.positions == "rotary",
+                                    2 * relative.deberta_span(config) if self._disentangled else 0),
+            units.bias_gelu.Variant(gated=family.mlp == "gated"),
+            units.residual_layernorm.Variant(pre_norm=family.norm == "pre"))
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self._kernels = {op: "auto" for op in OPS}
@@ -439,9 +443,7 @@ class BertModel(TransformersModelMixin, nn.Module):
             bucket = measure.token_bucket
             shapes = measure.Shapes(bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                     cfg.num_attention_heads, self.head_dim, bucket(max_seqlen), self.activation,
-                                    ragged, self._attention_variant,
-                                    units.bias_gelu.Variant(gated=self.family.mlp == "gated"),
-                                    units.residual_layernorm.Variant(pre_norm=self.family.norm == "pre"))
+                                    ragged, *self._variants)
         p_attn, p_hidden = self._largest_dropouts() if self.training else (0.0, 0.0)
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
                                        p_hidden, padded, shapes)
