@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 ROLES = ("query", "key", "value", "attn_out", "ln1", "ffn_in", "ffn_out", "ln2")
 
 # A layer's dropouts, in the order a layer's `dropouts()` gives them: on the attention probabilities, after the
-# attention output's dense, in the FFN (after its output dense; gated: on act(a) * g), on DeBERTa's rel_embeddings.
-DROPOUT_KINDS = ("attention", "attention_output", "ffn", "positions")
+# attention output's dense, in the FFN (after its output dense; ModernBERT's: on act(a) * g), on DeBERTa's
+# rel_embeddings, on a post-norm gated MLP's act(a) * g before its down projection (GTE's).
+DROPOUT_KINDS = ("attention", "attention_output", "ffn", "positions", "gated")
 _ATTN_P, _HIDDEN_P = "attention_probs_dropout_prob", "hidden_dropout_prob"
 
 
@@ -67,6 +68,8 @@ class Family:
     token_types: bool = True
     projection: bool = False  # embeddings of embedding_size widened to hidden_size (ELECTRA)
     pooler: bool = True  # a pooler unless the caller says otherwise
+    poolable: bool | None = None  # the caller may ask for a pooler (None: where the family has one by default)
+    unbiased: tuple = ()  # roles whose linears have no bias (NomicBERT: all of them; GTE: gate and up)
     layers: str = "encoder"  # the module holding the ModuleList `layer` (ModernBERT: "layers", the list itself)
     selects_hidden_states: bool = True  # output_hidden_states=[indices] keeps only those (MPNet's HF code: all)
     resizable_positions: bool = False  # resize_position_embeddings, as the family's transformers class has it
@@ -77,6 +80,11 @@ class Family:
     output: str = "BaseModelOutputWithPoolingAndCrossAttentions"  # transformers.modeling_outputs class
     min_transformers: str | None = None  # the first transformers release that has the family
     bounds: dict = field(default_factory=dict)  # fields whose lower bound is not BERT's (DeBERTa: type_vocab_size 0)
+
+    @property
+    def can_pool(self) -> bool:
+        """A caller may ask for a pooler (transformers' add_pooling_layer=True builds one)."""
+        return self.pooler if self.poolable is None else self.poolable
 
     @property
     def reads_distances(self) -> bool:
@@ -156,12 +164,41 @@ DEBERTA_V2 = Family(
     output="BaseModelOutput",
     min_transformers="4.48.0")  # the DeBERTa-v2 definition fastbert follows (earlier: StableDropout, XSoftmax)
 
+# Jina-Embeddings-v3, NomicBERT and GTE: transformers' JinaEmbeddingsV3Layer (GPT-NeoX's module order:
+# post_attention_layernorm, the MLP, self_attn, post_mlp_layernorm), rotary q/k with one rope for every layer, and
+# word (+ type) embeddings without a position table. Jina's MLP is CLIP's (fc1, fc2); NomicBERT's and GTE's are gated
+# (act(gate_proj) * up_proj, down_proj), which fastbert runs as one GEMM over [gate; up].
+_ROTARY_ATTENTION = {"query": "self_attn.q_proj", "key": "self_attn.k_proj", "value": "self_attn.v_proj",
+                     "attn_out": "self_attn.o_proj"}
+_JINA_LAYER = {"ln1": "post_attention_layernorm", "ffn_in": "mlp.fc1", "ffn_out": "mlp.fc2", **_ROTARY_ATTENTION,
+               "ln2": "post_mlp_layernorm"}
+_GATED_LAYER = {"ln1": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_out": "mlp.down_proj", **_ROTARY_ATTENTION, "ln2": "post_mlp_layernorm"}
+_ROTARY_DROPOUTS = {"attention": ("self_attn.attention_dropout", _ATTN_P),  # a float on the attention module
+                    "attention_output": ("post_attention_dropout", _HIDDEN_P),
+                    "ffn": ("post_mlp_dropout", _HIDDEN_P)}
+_LINEARS = ("query", "key", "value", "attn_out", "ffn_in", "ffn_gate", "ffn_up", "ffn_out")
+JINA_V3 = Family(
+    "jina_embeddings_v3", "Jina-Embeddings-v3", "roberta.", "rotary", _JINA_LAYER, _ROTARY_DROPOUTS,
+    layers="layers", output="BaseModelOutputWithPooling", min_transformers="5.24.0")
+NOMIC_BERT = Family(
+    "nomic_bert", "NomicBERT", "nomic_bert.", "rotary", _GATED_LAYER, _ROTARY_DROPOUTS, mlp="gated",
+    unbiased=_LINEARS, pooler=False, poolable=True, layers="layers", output="BaseModelOutputWithPooling",
+    min_transformers="5.24.0")
+GTE = Family(
+    "gte", "GTE", "gte.", "rotary", _GATED_LAYER, {**_ROTARY_DROPOUTS, "gated": ("mlp.dropout", _HIDDEN_P)},
+    mlp="gated", unbiased=("ffn_gate", "ffn_up"), pooler=False, poolable=True, layers="layers",
+    bounds={"type_vocab_size": 0},  # gte-base-en-v1.5: no token type table
+    output="BaseModelOutputWithPooling", min_transformers="5.24.0")
+
 # model_type -> (family, transformers' encoder class of that model_type)
 MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel"),
                "xlm-roberta": (ROBERTA, "XLMRobertaModel"), "camembert": (ROBERTA, "CamembertModel"),
                "electra": (ELECTRA, "ElectraModel"), "distilbert": (DISTILBERT, "DistilBertModel"),
                "mpnet": (MPNET, "MPNetModel"), "modernbert": (MODERNBERT, "ModernBertModel"),
-               "deberta-v2": (DEBERTA_V2, "DebertaV2Model")}
+               "deberta-v2": (DEBERTA_V2, "DebertaV2Model"),
+               "jina_embeddings_v3": (JINA_V3, "JinaEmbeddingsV3Model"), "nomic_bert": (NOMIC_BERT, "NomicBertModel"),
+               "gte": (GTE, "GteModel")}
 
 
 def of(config) -> Family:

@@ -70,6 +70,39 @@ def read_checkpoint(folder: str) -> dict:
     raise FileNotFoundError(f"no weights in {folder!r}: looked for {', '.join(WEIGHT_FILES)}")
 
 
+def hub_layout(raw: dict, model_type: str) -> dict:
+    """A checkpoint in the layout its model_type ships on the Hub -> transformers' module names, by transformers' own
+    conversion list for that model_type (conversion_mapping: the renames, and the fused tensors it splits, e.g.
+    NomicBERT's attn.Wqkv into q/k/v_proj and GTE's mlp.up_gate_proj into up_proj and gate_proj), applied as its
+    from_pretrained applies them. Keys no rule matches (a checkpoint already in transformers' names) pass as they
+    are. Only renames and splits along dim 0 occur in the families fastbert runs; any other operation is refused."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Chunk, WeightConverter
+    except ImportError:  # transformers before 5: checkpoints load by their own names
+        return raw
+    rules = get_checkpoint_conversion_mapping(model_type) or []
+    if not rules:
+        return raw
+    out = {}
+    for key, tensor in raw.items():
+        name, split = key, None
+        for rule in rules:
+            name, matched = rule.rename_source_key(name)
+            if matched is not None and isinstance(rule, WeightConverter):
+                if not (len(rule.operations) == 1 and isinstance(rule.operations[0], Chunk)
+                        and rule.operations[0].dim == 0 and len(rule.source_patterns) == 1):
+                    raise NotImplementedError(f"checkpoint key {key!r}: transformers converts it with "
+                                              f"{rule.operations!r}, which fastbert does not implement")
+                split = rule.target_patterns
+        if split is None:
+            out[name] = tensor
+            continue
+        for target, part in zip(split, tensor.chunk(len(split), dim=0), strict=True):
+            out[name.replace(split[0], target, 1)] = part
+    return out
+
+
 def split_checkpoint(raw: dict, model_type: str) -> tuple[dict, list]:
     """({encoder key: checkpoint key} for the encoder's tensors, [the other checkpoint keys]). A head checkpoint keeps
     its encoder under transformers' base_model_prefix (the encoder key drops it) and its head's modules outside it:
@@ -136,6 +169,7 @@ def hf_state_dict(raw: dict, model, where: str = "checkpoint") -> dict:
     does not persist is required, and a missing weight is an error even where a class's
     `_keys_to_ignore_on_load_missing` would let transformers initialise it randomly."""
     config = model.config
+    raw = hub_layout(raw, config.model_type)
     encoder, head = split_checkpoint(raw, config.model_type)
     skipped = {f"the head's (outside {model.family.prefix!r})": sorted(head)} if head else {}
     state, names = {}, {}
@@ -338,8 +372,8 @@ def share_hf(model, base) -> None:
             ours._modules.clear()  # in place: a layer keeps its containers' module dicts (PostNormLayer._leaves)
             ours._modules.update(ordered)
     for layer in model.layers:
-        if layer.self_attention is not None:  # (ModernBERT's checkpoints hold one Wqkv already)
-            layer.self_attention.pack()
+        for holder in layer.fused_holders():  # (ModernBERT's checkpoints hold one Wqkv already)
+            holder.pack()
     for name, ours in model.named_modules():  # ModernBERT's dropout on the attention probabilities: a float of HF's
         # attention module, which fastbert's own container at that path holds
         theirs = getattr(hf_modules.get(name), "attention_dropout", None)

@@ -155,7 +155,7 @@ class BertModel(TransformersModelMixin, nn.Module):
         self.family = family = families.of(config)
         if add_pooling_layer is None:
             add_pooling_layer = family.pooler
-        elif add_pooling_layer and not family.pooler:
+        elif add_pooling_layer and not family.can_pool:
             raise ValueError(f"add_pooling_layer=True: {family.title} has no pooler (transformers' "
                              f"{families.encoder_class(config.model_type)} has none)")
         # Padded input runs on its real tokens only; False keeps padded execution (HF's values at padded positions).
@@ -178,7 +178,7 @@ class BertModel(TransformersModelMixin, nn.Module):
             self.add_module(family.layers, BertEncoder(config, family))  # HF's: encoder (DistilBERT: transformer)
         self.final_norm = nn.LayerNorm(H, eps=family.get(config, "layer_norm_eps"), bias=config.norm_bias) \
             if family.final_norm else None
-        self.__dict__["_inv_freq"] = {}  # (layer type, device) -> rotary inv_freq (ModernBERT), made on first use
+        self.__dict__["_inv_freq"] = {}  # (layer type, device) -> rotary (inv_freq, factor), made on first use
         # DeBERTa: the column each distance j - i reads, one table for every length (relative.deberta_column_table)
         self._disentangled = family.attention_bias == "disentangled" and any(layer.c2p or layer.p2c
                                                                              for layer in self.layers)
@@ -365,13 +365,13 @@ class BertModel(TransformersModelMixin, nn.Module):
         for layer in self.layers:
             if layer.layer_type not in tables:
                 tables[layer.layer_type] = twins.rotary_tables(position_ids.reshape(-1),
-                                                               self._rotary_inv_freq(layer.layer_type,
-                                                                                     position_ids.device))
+                                                               *self._rotary_inv_freq(layer.layer_type,
+                                                                                      position_ids.device))
         return [tables[layer.layer_type] for layer in self.layers]
 
-    def _rotary_inv_freq(self, layer_type: str, device) -> torch.Tensor:
-        """A layer type's inv_freq, computed from the config once per device (not a buffer: nothing to load, nothing
-        for to_empty to leave uninitialised)."""
+    def _rotary_inv_freq(self, layer_type: str, device) -> tuple[torch.Tensor, float]:
+        """A layer type's inv_freq and attention factor (rotary.inv_freq), computed from the config once per device
+        (not a buffer: nothing to load, nothing for to_empty to leave uninitialised)."""
         if tracing():
             return rotary.inv_freq(self.config, layer_type, self.head_dim, device)
         key = (layer_type, device)

@@ -170,8 +170,8 @@ def write_back(fb: BertModel):
         if holder._modules.get(leaf) is not module:
             holder._modules[leaf] = module
     for layer in fb.layers:
-        if layer.self_attention is not None:
-            layer.self_attention.untie()
+        for holder in layer.fused_holders():
+            holder.untie()
     _bring_buffers(hf, fb.device)
     checkpointing = fb.is_gradient_checkpointing
     for module in hf.modules():

@@ -67,10 +67,13 @@ class Rotary(NamedTuple):
     sin: torch.Tensor
 
 
-def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rotary:
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0) -> Rotary:
     """positions [T] (int) and inv_freq [hd/2] (float32) -> Rotary. The product is HF's (position as float32 times
-    inv_freq), so every angle, and its cos and sin, is bit-identical to transformers'."""
+    inv_freq), so every angle, and its cos and sin, is bit-identical to transformers'; `factor`: the attention factor
+    of a scaled rope type, which HF multiplies cos and sin by."""
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    if factor != 1.0:
+        return Rotary(freqs.cos() * factor, freqs.sin() * factor)
     return Rotary(freqs.cos(), freqs.sin())
 
 

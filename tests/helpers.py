@@ -128,6 +128,8 @@ def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_
     elif arch.startswith("deberta-v2"):  # "-v2style": absolute positions, token types, pos_*_proj, a projection
         model = transformers.DebertaV2Model(deberta_config(hidden, heads, layers, intermediate, max_len,
                                                            v2style=arch == "deberta-v2-v2style"))
+    elif arch in ROTARY_POST_NORM:
+        model = rotary_post_norm_model(arch, hidden, heads, layers, intermediate, max_len)
     elif arch in ("bert", "bert-no-pooler"):
         model = transformers.BertModel(transformers.BertConfig(**common, max_position_embeddings=max_len,
                                                                type_vocab_size=3),
@@ -144,6 +146,51 @@ def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_
                               type_vocab_size=1 if arch == "xlm-roberta" else 2))
     torch.manual_seed(seed)
     return perturb_(model, weight_std=0.05).eval().to(DEVICE)  # padding rows too: HF reads them, so must fastbert
+
+
+# The post-norm families with rotary q/k (transformers 5.24+): Jina-Embeddings-v3 (plain GELU MLP, every bias),
+# NomicBERT (SwiGLU, no bias on any linear, 2 token types), GTE (a gated GELU MLP, biases but on gate/up;
+# gte-base-en-v1.5 has no token type table: "gte-notypes"). "-yarn" / "-linear" / "-llama3": a scaled rope type.
+ROTARY_POST_NORM = ("jina_embeddings_v3", "nomic_bert", "gte", "gte-notypes", "nomic_bert-yarn", "gte-linear",
+                    "jina_embeddings_v3-llama3")
+ROPE_SCALINGS = {"yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+                 "linear": {"rope_type": "linear", "factor": 2.0},
+                 "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8}}
+
+
+def has_rotary_post_norm() -> bool:
+    import transformers
+    return hasattr(transformers, "NomicBertModel")
+
+
+def rotary_post_norm_config(arch, hidden=64, heads=2, layers=2, intermediate=100, max_len=24, **extra):
+    """A small config of one of ROTARY_POST_NORM (the base name picks the family, a suffix a scaled rope type), a
+    theta small enough that short rows turn every frequency, token ids inside ARCH_VOCAB."""
+    import transformers
+    family, _, scaling = arch.partition("-")
+    cls = {"jina_embeddings_v3": transformers.JinaEmbeddingsV3Config, "nomic_bert": transformers.NomicBertConfig,
+           "gte": transformers.GteConfig}[family]
+    rope = {"rope_type": "default", "rope_theta": 100.0}
+    if scaling and scaling != "notypes":
+        rope.update(ROPE_SCALINGS[scaling])
+    fields = dict(vocab_size=ARCH_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  intermediate_size=intermediate, max_position_embeddings=max_len, rope_parameters=rope,
+                  attn_implementation="eager", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if family == "gte" and scaling == "notypes":
+        fields["type_vocab_size"] = 0
+    if family == "nomic_bert":
+        fields["type_vocab_size"] = 2
+    fields.update(extra)
+    return cls(**fields)
+
+
+def rotary_post_norm_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_len=24, **extra):
+    import transformers
+    config = rotary_post_norm_config(arch, hidden, heads, layers, intermediate, max_len, **extra)
+    cls = {"jina_embeddings_v3": transformers.JinaEmbeddingsV3Model, "nomic_bert": transformers.NomicBertModel,
+           "gte": transformers.GteModel}[config.model_type]
+    return cls(config)
 
 
 def modernbert_config(hidden=64, heads=2, layers=2, intermediate=100, max_len=24, biases=False, window=2, **extra):
@@ -370,7 +417,9 @@ def _family_tokenizer(family, minilm_path):
 
 def family_st_folder(family, minilm_path, root):
     """A sentence-transformers folder: all-mpnet-base-v2's layout for MPNet (mean pooling, Normalize,
-    max_seq_length 384), CLS pooling without Normalize for DistilBERT, ModernBERT and DeBERTa-v2; random weights."""
+    max_seq_length 384), CLS pooling without Normalize for DistilBERT, ModernBERT, DeBERTa-v2 and GTE, mean pooling
+    for Jina-Embeddings-v3, and for NomicBERT with Normalize and nomic-embed-text's query / document prompts; random
+    weights."""
     import transformers
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
     try:  # sentence-transformers 6 moved the modules
@@ -390,6 +439,10 @@ def family_st_folder(family, minilm_path, root):
     elif family == "deberta-v2":
         cfg = deberta_config(hidden=hidden, heads=4, layers=2, intermediate=100, max_len=512, vocab_size=len(tok))
         cls = transformers.DebertaV2Model
+    elif family in ("jina_embeddings_v3", "nomic_bert", "gte"):
+        cls = type(rotary_post_norm_model(family, hidden, 4, 1, 16, 512))
+        cfg = rotary_post_norm_config(family, hidden=hidden, heads=4, layers=2, intermediate=100, max_len=512,
+                                      vocab_size=len(tok), attn_implementation="sdpa")
     else:
         cfg = transformers.DistilBertConfig(vocab_size=len(tok), dim=hidden, n_layers=2, n_heads=4, hidden_dim=100,
                                             max_position_embeddings=512)
@@ -399,11 +452,14 @@ def family_st_folder(family, minilm_path, root):
     perturb_(cls(cfg), weight_std=0.05).save_pretrained(hf_folder)
     tok.save_pretrained(hf_folder)
     word = st_modules.Transformer(str(hf_folder), max_seq_length=384 if family == "mpnet" else 256)
-    modules = [word, st_modules.Pooling(hidden, "mean" if family == "mpnet" else "cls")]
-    if family == "mpnet":
+    mean = family in ("mpnet", "jina_embeddings_v3", "nomic_bert")  # GTE's models pool CLS, as the others here
+    modules = [word, st_modules.Pooling(hidden, "mean" if mean else "cls")]
+    if family in ("mpnet", "nomic_bert"):
         modules.append(st_modules.Normalize())
+    # nomic-embed-text's task prefixes
+    prompts = {"query": "search_query: ", "document": "search_document: "} if family == "nomic_bert" else None
     folder = root / "st"
-    st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    st.SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(folder))
     return folder
 
 

@@ -3,6 +3,7 @@
     post_norm.py     x = LN(x + attention(x)), x = LN(x + FFN(x))        BERT, RoBERTa, ELECTRA, DistilBERT, MPNet
     disentangled.py  post-norm, attention adds c2p + p2c terms            DeBERTa-v2/v3
     pre_norm.py      x = x + attention(LN(x)), x = x + gated MLP(LN(x))   ModernBERT
+    rotary_post_norm.py  post-norm, rotary q/k, plain or gated MLP       Jina-Embeddings-v3, NomicBERT, GTE
     base.py          what the shapes share: HF's module paths, the dropouts' p, the module at a role now
     embeddings.py    token ids -> the first layer's input, per family
     fused_qkv.py     query/key/value as HF's modules over one fused weight
@@ -18,14 +19,19 @@ from .disentangled import DisentangledLayer
 from .embeddings import embeddings_class
 from .post_norm import PostNormLayer
 from .pre_norm import PreNormLayer
+from .rotary_post_norm import RotaryPostNormLayer
 
-__all__ = ["DisentangledLayer", "PostNormLayer", "PreNormLayer", "embeddings_class", "layer_class"]
+__all__ = ["DisentangledLayer", "PostNormLayer", "PreNormLayer", "RotaryPostNormLayer", "embeddings_class",
+           "layer_class"]
 
 
 def layer_class(family: families.Family) -> type:
     """The layer shape a family's axes name (norm placement, MLP kind, attention bias kind, windows)."""
     if family.norm == "pre" and family.mlp == "gated" and family.attention_bias == "none":
         return PreNormLayer
+    if family.norm == "post" and family.positions == "rotary" and family.attention_bias == "none" \
+            and not family.windows:
+        return RotaryPostNormLayer
     if family.norm == "post" and family.mlp == "plain" and not family.windows:
         return DisentangledLayer if family.attention_bias == "disentangled" else PostNormLayer
     raise NotImplementedError(f"{family.title}: no layer shape has norm={family.norm!r}, mlp={family.mlp!r}, "

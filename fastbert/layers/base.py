@@ -14,7 +14,11 @@ from .. import families, twins
 from .fused_qkv import FusedQKV
 from .host import GradientCheckpointingLayer
 
-NO_DROPOUT = (0.0, 0.0, 0.0, 0.0)
+NO_DROPOUT = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+# Roles whose linears read the same input and run as one GEMM over a fused weight (FusedQKV): query/key/value where a
+# checkpoint keeps them apart; a gated MLP's gate (activated) and up projections where it keeps them apart.
+FUSED_GROUPS = (("query", "key", "value"), ("ffn_gate", "ffn_up"))
 
 
 class Block(nn.Module):
@@ -33,15 +37,16 @@ class EncoderLayer(GradientCheckpointingLayer):
         H = config.hidden_size
         paths = {role: tuple(path.split(".")) for role, path in family.layer.items()}
         leaves = self.leaves(config, family, index)
-        qkv_path = paths["query"][:-1] if "query" in paths else None
-        qkv_names = tuple(paths[role][-1] for role in ("query", "key", "value")) if qkv_path else ()
+        # the containers whose linears run as one GEMM over a fused weight: q/k/v; a gated MLP's gate and up
+        fused = {paths[group[0]][:-1]: group for group in FUSED_GROUPS if group[0] in paths}
         for role in family.layer:  # in HF's order, which is the order of the family's roles
             *parents, leaf = paths[role]
             node = self
             for depth, name in enumerate(parents):
                 if name not in node._modules:
-                    node.add_module(name, FusedQKV(H, qkv_names) if tuple(parents[:depth + 1]) == qkv_path
-                                    else Block())
+                    group = fused.get(tuple(parents[:depth + 1]))
+                    node.add_module(name, Block() if group is None else
+                                    self.fused_linears(config, group, tuple(paths[r][-1] for r in group)))
                 node = node._modules[name]
             if role in leaves:
                 node.add_module(leaf, leaves[role])
@@ -56,6 +61,10 @@ class EncoderLayer(GradientCheckpointingLayer):
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self.scale = twins.default_scale(H // config.num_attention_heads)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (also a head's, transformers')
+
+    def fused_linears(self, config, roles: tuple, names: tuple) -> FusedQKV:
+        """The container of a fused group (FUSED_GROUPS) at HF's module names `names`: q/k/v of width H with biases."""
+        return FusedQKV(config.hidden_size, names)
 
     def leaves(self, config, family: families.Family, index: int) -> dict:
         """role -> the module this shape puts at the role's path (query/key/value: FusedQKV builds them)."""
@@ -99,10 +108,15 @@ class EncoderLayer(GradientCheckpointingLayer):
         slot = self._slots.get("query")
         return None if slot is None else slot[0]
 
-    def dropouts(self) -> tuple[float, float, float, float]:
-        """(attention probabilities, attention output, FFN, DeBERTa's positions) dropout in train mode (the forward
-        takes none in eval mode): the p of the layer's dropout modules now, where transformers' forward reads it (so a
-        change after the model was built is seen by the next forward)."""
+    def fused_holders(self) -> tuple:
+        """The layer's FusedQKV containers (q/k/v; a gated MLP's gate and up), whose weights loading packs and
+        restore unties."""
+        return tuple(self._slots[group[0]][0] for group in FUSED_GROUPS if group[0] in self._slots)
+
+    def dropouts(self) -> tuple[float, float, float, float, float]:
+        """(attention probabilities, attention output, FFN, DeBERTa's positions, a post-norm gated MLP's act(a) * g)
+        dropout in train mode (the forward takes none in eval mode): the p of the layer's dropout modules now, where
+        transformers' forward reads it (so a change after the model was built is seen by the next forward)."""
         return tuple(0.0 if slot is None else _probability(*slot) for slot in self._dropouts)
 
 

@@ -27,15 +27,22 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         pad = family.padding_idx if family.padding_idx is not None else config.pad_token_id
         self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=pad)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width) if family.token_types else None
+        # rotary families (Jina-Embeddings-v3, NomicBERT, GTE): no position table, positions rotate q and k; GTE's
+        # type_vocab_size 0: no token type table
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width) \
+            if family.positions != "rotary" else None
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width) \
+            if family.token_types and config.type_vocab_size else None
+        self._max_positions = config.max_position_embeddings
         self.LayerNorm = nn.LayerNorm(width, eps=family.get(config, "layer_norm_eps"))
         self.dropout = nn.Dropout(family.get(config, "hidden_dropout_prob"))
 
     @property
     def max_length(self) -> int:
-        """The longest sequence the position table covers (read off the table: resize_position_embeddings swaps it)."""
-        return self.position_embeddings.num_embeddings
+        """The longest sequence the position table covers (read off the table: resize_position_embeddings swaps it);
+        rotary positions: max_position_embeddings, what the model was trained for (longer input is not refused)."""
+        table = self.position_embeddings
+        return self._max_positions if table is None else table.num_embeddings
 
     def tables(self) -> tuple:
         """(word, token type, position) tables as they are now; None where the family has none."""
@@ -56,7 +63,9 @@ class BertEmbeddings(nn.Module):
         types = tables.get("token_type_embeddings")  # (None: the family has no token types)
         if types is not None:
             x = x + embed(types, token_type_ids)
-        x = x + embed(tables["position_embeddings"], position_ids)
+        positions = tables.get("position_embeddings")  # (None: rotary positions, applied in attention)
+        if positions is not None:
+            x = x + embed(positions, position_ids)
         return drop(tables["dropout"], norm(tables["LayerNorm"], x))           # [T, width]
 
 

@@ -21,11 +21,12 @@ class FusedQKV(nn.Module):
     tensors, while an in-place update (an optimizer step, load_state_dict, PEFT's merge) lands in the fused weight at
     once: one copy of the weights. Where HF's module holds more (DistilBERT's out_lin, MPNet's o), the layer adds it."""
 
-    def __init__(self, hidden: int, names: tuple = ("query", "key", "value")):
+    def __init__(self, hidden: int, names: tuple = ("query", "key", "value"), out_features: int | None = None,
+                 bias: bool = True):
         super().__init__()
         self.names = names
         for name in names:
-            self.add_module(name, nn.Linear(hidden, hidden))
+            self.add_module(name, nn.Linear(hidden, hidden if out_features is None else out_features, bias=bias))
         self._fused = None  # (weight [3H, H], bias [3H], the parts' data pointers when packed)
         self.register_load_state_dict_post_hook(lambda module, keys: module.pack())  # assign=True puts new tensors
         self.pack()
@@ -34,6 +35,12 @@ class FusedQKV(nn.Module):
         """(query.weight, key.weight, value.weight, query.bias, key.bias, value.bias) of the base layers (under a
         PEFT adapter, the layer it wraps)."""
         mods, names = self._modules, self.names
+        if len(names) == 2:  # a gated MLP's gate and up projections (FusedPair)
+            a, b = mods[names[0]], mods[names[1]]
+            if not type(a) is type(b) is nn.Linear:
+                a, b = adapters.base_layer(a), adapters.base_layer(b)
+            a, b = a._parameters, b._parameters
+            return a["weight"], b["weight"], a["bias"], b["bias"]
         q, k, v = mods[names[0]], mods[names[1]], mods[names[2]]
         if not type(q) is type(k) is type(v) is nn.Linear:  # (a plain read first: this runs every forward)
             q, k, v = (adapters.base_layer(m) for m in (q, k, v))
@@ -49,11 +56,13 @@ class FusedQKV(nn.Module):
         if record is not None and record[2] == _pointers(parts):
             self._fused = record
             return
+        n = len(self.names)
         with torch.no_grad():
-            weight, bias = torch.cat([p.detach() for p in parts[:3]]), torch.cat([p.detach() for p in parts[3:]])
-        for fused, group in ((weight, parts[:3]), (bias, parts[3:])):
-            for part, rows in zip(group, fused.chunk(3, dim=0)):
-                part.data = _alias(rows)
+            weight, bias = _cat([p.detach() for p in parts[:n]]), _cat([p for p in parts[n:]])
+        for fused, group in ((weight, parts[:n]), (bias, parts[n:])):
+            if fused is not None:
+                for part, rows in zip(group, fused.chunk(n, dim=0)):
+                    part.data = _alias(rows)
         self._fused = holder["_fastbert_fused"] = (weight, bias, _pointers(parts))
 
     def fused(self, parts: tuple | None = None, traced: bool | None = None,
@@ -64,10 +73,11 @@ class FusedQKV(nn.Module):
         layer's forward: `parts()`, and its plan's `traced` and `grad`)."""
         parts = self.parts() if parts is None else parts
         grad = torch.is_grad_enabled() if grad is None else grad
-        if grad and any(p.requires_grad for p in parts) or (tracing() if traced is None else traced):
-            return torch.cat(parts[:3]), torch.cat(parts[3:])
+        if grad and any(p is not None and p.requires_grad for p in parts) or (tracing() if traced is None else traced):
+            n = len(self.names)
+            return _cat(parts[:n]), _cat(parts[n:])
         fused = self._fused
-        if fused is None or fused[2] != tuple(map(_DATA_PTR, parts)):  # `.data =`, a replaced module, ...
+        if fused is None or fused[2] != _pointers(parts):  # `.data =`, a replaced module, ...
             self.pack()
             fused = self._fused
         return fused[0], fused[1]
@@ -87,7 +97,8 @@ class FusedQKV(nn.Module):
     def untie(self) -> None:
         """Give query/key/value storage of their own again (what an HF model handed back holds)."""
         for part in self.parts():
-            part.data = part.data.clone()
+            if part is not None:
+                part.data = part.data.clone()
         self._fused = None
 
     def _apply(self, fn, recurse=True):
@@ -100,7 +111,18 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 def _pointers(parts) -> tuple:
+    if parts[-1] is None:  # linears without biases (NomicBERT's)
+        return tuple(0 if p is None else p.data_ptr() for p in parts)
     return tuple(map(_DATA_PTR, parts))  # (no generator frame per part)
+
+
+def _cat(parts) -> torch.Tensor | None:
+    """The parts side by side along dim 0; None for linears without a bias."""
+    if parts[0] is None:
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("fused linears must all have a bias or all have none")
+    return torch.cat(parts)
 
 
 def _alias(rows: torch.Tensor) -> torch.Tensor:

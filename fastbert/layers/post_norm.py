@@ -74,10 +74,10 @@ class PostNormLayer(EncoderLayer):
         Under gradient checkpointing, GradientCheckpointingLayer recomputes this in the backward pass (the arguments
         come positionally for that)."""
         w = self.weights(run)
-        p_attn, p_attn_out, p_ffn_out, p_pos = self.dropouts() if self.training else NO_DROPOUT
+        p_attn, p_attn_out, p_ffn_out, p_pos, _ = self.dropouts() if self.training else NO_DROPOUT
         if w is None:  # an adapter (PEFT) wraps one of the layer's linears, or another module sits at one
             return self._forward_adapted(x, attn, run, output_attentions, positions,
-                                         (p_attn, p_attn_out, p_ffn_out, p_pos))
+                                         (p_attn, p_attn_out, p_ffn_out, p_pos, 0.0))
 
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
         extras = NONE if positions is None else self.extras(qkv, w.qkv, w.qkv_bias, positions, p_pos)
@@ -93,7 +93,7 @@ class PostNormLayer(EncoderLayer):
         """The same layer with adapters on some linears. The QKV projection stays one GEMM over the base weights;
         each adapted part adds its low-rank x·A·B to its third of the output. Any other adapted linear is called as
         the module it is (its op runs as PyTorch: merge_and_unload() puts it back on the fused ops)."""
-        p_attn, p_attn_out, p_ffn_out, p_pos = p
+        p_attn, p_attn_out, p_ffn_out, p_pos, _ = p
         sa = self.self_attention
         weight, bias_qkv = sa.fused()
         qkv = run.qkv_projection(x, weight, bias_qkv, self.num_heads)                            # [T, 3, nh, hd]
@@ -104,12 +104,15 @@ class PostNormLayer(EncoderLayer):
         extras = NONE if positions is None else self.extras(qkv, weight, bias_qkv, positions, p_pos)
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions, extras)     # [T, H]
         x = self._dense_residual_layernorm("attn_out", "ln1", ctx, x, run, p_attn_out)          # [T, H]
+        h = self._ffn_hidden(x, run, p[4])                                                      # [T, I]
+        return self._dense_residual_layernorm("ffn_out", "ln2", h, x, run, p_ffn_out), probs    # [T, H]
+
+    def _ffn_hidden(self, x, run, p_gated: float) -> torch.Tensor:
+        """act(x @ W_1 + b_1) with adapters about: on the fused op when ffn_in is a plain linear."""
         dense = self.module("ffn_in")
         if adapters.is_plain_linear(dense):
-            h = run.bias_gelu(x, dense.weight, dense.bias, self.activation)                      # [T, I]
-        else:
-            h = twins.activate(dense(x), self.activation)
-        return self._dense_residual_layernorm("ffn_out", "ln2", h, x, run, p_ffn_out), probs    # [T, H]
+            return run.bias_gelu(x, dense.weight, dense.bias, self.activation)                   # [T, I]
+        return twins.activate(dense(x), self.activation)
 
     def _dense_residual_layernorm(self, dense_role, ln_role, y, residual, run, p):
         """LayerNorm(dropout(dense(y)) + residual), on the fused op when `dense` is a plain linear."""

@@ -59,7 +59,7 @@ class PreNormLayer(EncoderLayer):
         tokens; `workspace`: the twins' buffers, or None. What the layer returns is never one of the workspace's
         buffers (the addmm or x + wo(g) allocates the new stream)."""
         ln1, qkv_in, out, ln2, wi, wo = map(self.module, ("ln1", "qkv", "attn_out", "ln2", "ffn_in", "ffn_out"))
-        p_attn, p_attn_out, p_mlp, _ = self.dropouts() if self.training else NO_DROPOUT
+        p_attn, p_attn_out, p_mlp, _, _ = self.dropouts() if self.training else NO_DROPOUT
         plain = adapters.is_plain_linear
         ws = {} if workspace is None else {"workspace": workspace}
         if type(ln1) is nn.LayerNorm:

@@ -1,6 +1,7 @@
-"""DistilBERT, MPNet, ModernBERT and DeBERTa-v2 as their users hold them: every head through fastbert.optimize and
-restore, saved and reloaded, and sentence-transformers models on them (a folder shaped like all-mpnet-base-v2's: mean
-pooling, Normalize; DistilBERT, ModernBERT and DeBERTa-v2 ones with CLS pooling) through fastbert.encode and
+"""DistilBERT, MPNet, ModernBERT, DeBERTa-v2, Jina-Embeddings-v3, NomicBERT and GTE as their users hold them: every
+head through fastbert.optimize and restore, saved and reloaded, and sentence-transformers models on them (a folder
+shaped like all-mpnet-base-v2's: mean pooling, Normalize; DistilBERT, ModernBERT, DeBERTa-v2 and GTE ones with CLS
+pooling; Jina-v3 and NomicBERT ones with mean pooling, NomicBERT's with its prompts) through fastbert.encode and
 SentenceTransformer with fastbert inside. Random weights, built with transformers' and sentence-transformers' own
 classes (no model hub here); fp32, CPU, the PyTorch path. Bar: 1e-5 on real tokens; cosine >= 0.99999 for
 embeddings."""
@@ -12,7 +13,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import deberta_config, family_st_folder, has_modernbert, modernbert_config, optional, perturb_
+from helpers import (
+    deberta_config,
+    family_st_folder,
+    has_modernbert,
+    has_rotary_post_norm,
+    modernbert_config,
+    optional,
+    perturb_,
+    rotary_post_norm_config,
+)
 
 import fastbert
 
@@ -44,6 +54,9 @@ def config(family, **extra):
         return modernbert_config(hidden=64, heads=4, layers=3, intermediate=100, max_len=32, **extra)
     if family == "deberta-v2":  # v3's shape, small (buckets 8, max_relative 16); the MLM head's non-legacy form
         return deberta_config(hidden=64, heads=4, layers=2, intermediate=100, max_len=32, legacy=False, **extra)
+    if family in ("jina_embeddings_v3", "nomic_bert", "gte"):  # rotary q/k; NomicBERT and GTE: a gated MLP;
+        # eager attention, as DistilBERT's, for the fully padded row
+        return rotary_post_norm_config(family, hidden=64, heads=4, layers=2, intermediate=100, max_len=32, **extra)
     return transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=100, max_position_embeddings=34, **extra)
 
@@ -51,7 +64,11 @@ def config(family, **extra):
 HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM",
          "ForMultipleChoice")
 CLASS = {"distilbert": "DistilBert", "mpnet": "MPNet", "deberta-v2": "DebertaV2",
-         **({"modernbert": "ModernBert"} if has_modernbert() else {})}
+         **({"modernbert": "ModernBert"} if has_modernbert() else {}),
+         **({"jina_embeddings_v3": "JinaEmbeddingsV3", "nomic_bert": "NomicBert", "gte": "Gte"}
+            if has_rotary_post_norm() else {})}
+# every head transformers defines for each family (NomicBERT and GTE have no question answering or multiple choice)
+FAMILY_HEADS = [(family, head) for family in CLASS for head in HEADS if hasattr(transformers, CLASS[family] + head)]
 
 
 def head_model(family, head):
@@ -75,8 +92,7 @@ def outputs(head, out):
 
 
 @pytest.mark.parametrize("padding", PADDINGS)
-@pytest.mark.parametrize("head", HEADS)
-@pytest.mark.parametrize("family", CLASS)
+@pytest.mark.parametrize(("family", "head"), FAMILY_HEADS)
 def test_heads_before_during_and_after_optimize(family, head, padding):
     """Real tokens carry HF's numbers padding-free (the default); a head that reads position 0 of each row (the
     sequence heads) gets HF's numbers where position 0 is a real token, and everywhere with padding_free=False

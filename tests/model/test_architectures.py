@@ -13,7 +13,15 @@ import pytest
 import torch
 import transformers
 from helpers import ARCH_VOCAB as VOCAB
-from helpers import DEVICE, assert_close_on, has_deberta_v2, has_modernbert, type_kwargs
+from helpers import (
+    DEVICE,
+    ROTARY_POST_NORM,
+    assert_close_on,
+    has_deberta_v2,
+    has_modernbert,
+    has_rotary_post_norm,
+    type_kwargs,
+)
 from helpers import arch_inputs as inputs
 from helpers import random_arch_model as random_hf
 
@@ -22,9 +30,13 @@ import fastbert
 NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
 NEEDS_DEBERTA = pytest.mark.skipif(not has_deberta_v2(), reason="fastbert follows transformers 4.48+'s DeBERTa-v2")
 
+NEEDS_ROTARY_POST_NORM = pytest.mark.skipif(not has_rotary_post_norm(),
+                                            reason="this transformers has no NomicBERT, GTE or Jina-v3 (5.24+)")
+
 ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
          pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
-         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA))
+         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA),
+         *(pytest.param(arch, marks=NEEDS_ROTARY_POST_NORM) for arch in ROTARY_POST_NORM))
 BACKENDS = ("torch", "triton")
 
 
@@ -143,7 +155,10 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
                 "distilbert": transformers.DistilBertForSequenceClassification,
                 "mpnet": transformers.MPNetForSequenceClassification,
                 "modernbert": getattr(transformers, "ModernBertForSequenceClassification", None),
-                "deberta-v2": transformers.DebertaV2ForSequenceClassification}[hf.config.model_type]
+                "deberta-v2": transformers.DebertaV2ForSequenceClassification,
+                "jina_embeddings_v3": getattr(transformers, "JinaEmbeddingsV3ForSequenceClassification", None),
+                "nomic_bert": getattr(transformers, "NomicBertForSequenceClassification", None),
+                "gte": getattr(transformers, "GteForSequenceClassification", None)}[hf.config.model_type]
     head = head_cls(hf.config)
     head.base_model.load_state_dict(hf.state_dict(), strict=False)
     head.save_pretrained(tmp_path / "head")
