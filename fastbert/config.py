@@ -110,6 +110,11 @@ def check_supported(config, where: str = "config") -> None:
     if values["hidden_size"] % values["num_attention_heads"]:
         raise ValueError(f"{where}: {family.raw_name('hidden_size')}={values['hidden_size']} is not a multiple of "
                          f"{family.raw_name('num_attention_heads')}={values['num_attention_heads']}")
+    head_dim = getattr(config, "head_dim", None)  # NomicBERT's config may set one apart from hidden / heads
+    if isinstance(head_dim, int) and head_dim * values["num_attention_heads"] != values["hidden_size"]:
+        raise NotImplementedError(f"{where}: head_dim={head_dim} is not supported: fastbert's heads split "
+                                  f"hidden_size={values['hidden_size']} into num_attention_heads="
+                                  f"{values['num_attention_heads']}")
     if family.attention_bias == "buckets" and values["relative_attention_num_buckets"] is None:
         raise ValueError(f"{where}: field 'relative_attention_num_buckets' must be set for model_type={model_type!r}")
     if family.attention_bias == "disentangled":
