@@ -11,8 +11,11 @@ from .models import (  # noqa: E402
     DebertaV2Model,
     DistilBertModel,
     ElectraModel,
+    GteModel,
+    JinaEmbeddingsV3Model,
     ModernBertModel,
     MPNetModel,
+    NomicBertModel,
     RobertaModel,
     XLMRobertaModel,
 )
@@ -20,5 +23,6 @@ from .patch import optimize, restore  # noqa: E402
 from .version import __version__  # noqa: F401
 
 __all__ = ["AutoModel", "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel",
-           "DistilBertModel", "MPNetModel", "ModernBertModel", "DebertaV2Model", "MODEL_TYPES", "OPS", "BACKENDS",
+           "DistilBertModel", "MPNetModel", "ModernBertModel", "DebertaV2Model", "JinaEmbeddingsV3Model",
+           "NomicBertModel", "GteModel", "MODEL_TYPES", "OPS", "BACKENDS",
            "optimize", "restore", "SentenceEncoder", "encode", "encode_dataset", "load_embeddings", "export_onnx"]

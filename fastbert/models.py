@@ -45,6 +45,9 @@ DistilBertModel = CLASSES["distilbert"]
 MPNetModel = CLASSES["mpnet"]
 ModernBertModel = CLASSES["modernbert"]
 DebertaV2Model = CLASSES["deberta-v2"]
+JinaEmbeddingsV3Model = CLASSES["jina_embeddings_v3"]
+NomicBertModel = CLASSES["nomic_bert"]
+GteModel = CLASSES["gte"]
 
 
 def _class_of(config) -> type:

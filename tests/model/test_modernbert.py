@@ -241,3 +241,21 @@ def test_torch_compile_fullgraph_and_export():
     targets = [str(n.target) for n in program.graph.nodes]
     for op in ("qkv_projection", "attention", "bias_gelu", "residual_layernorm_pre"):
         assert targets.count(f"fastbert.{op}.default") == len(hf.layers), op
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}],
+                         ids=["linear", "yarn"])
+def test_scaled_rope_types_per_layer_type(rope):
+    """A scaled rope type in each layer type's rope_parameters: transformers' own frequencies and attention factor
+    (yarn scales cos and sin), past the original length."""
+    hf = hf_model("sdpa", window=8, max_len=256)
+    hf.config.rope_parameters = {kind: {**params, **rope} for kind, params in hf.config.rope_parameters.items()}
+    hf = type(hf)(hf.config)  # rebuilt: its rotary embedding reads the rope parameters when built
+    torch.manual_seed(0)
+    perturb_(hf, weight_std=0.05).eval()
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, mask = ragged([100, 40])
+    with torch.no_grad():
+        assert max_error_on_real_tokens(fb(ids, attention_mask=mask).last_hidden_state,
+                                        hf(ids, attention_mask=mask).last_hidden_state, mask) <= 1e-5
