@@ -175,23 +175,31 @@ def hf_config(model: str):
             max_position_embeddings=512, relative_attention=True, position_buckets=256, max_relative_positions=512,
             share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
             type_vocab_size=0, layer_norm_eps=1e-7, pad_token_id=0)
+    if model == "nomic-embed-base":  # nomic-embed-text-v1.5's shape: 12 layers of 768, 12 heads, SwiGLU 3,072, no
+        # bias on any linear, rotary theta 1,000
+        return transformers.NomicBertConfig(max_position_embeddings=8192)
+    if model == "gte-base":  # gte-base-en-v1.5's shape: 12 layers of 768, 12 heads, a gated GELU MLP of 3,072, no
+        # token types, rotary theta 160,000 (its long-context rope scaling is not one transformers implements)
+        return transformers.GteConfig(vocab_size=30528, type_vocab_size=0, max_position_embeddings=8192,
+                                      hidden_dropout_prob=0.0)
     raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
 
 
 # pad id 0 (the random ids start at 1000), the specials inside any vocabulary: ModernBERT's positions do not depend
 # on the pad id, so this changes nothing it computes
 _MODERNBERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base", "deberta-v3-base", *TINY_MODELS,
-          "host")
+MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base", "deberta-v3-base",
+          "nomic-embed-base", "gte-base", *TINY_MODELS, "host")
 # transformers' encoder class for each model_type the bank builds
 HF_CLASSES = {"bert": "BertModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
-              "modernbert": "ModernBertModel", "deberta-v2": "DebertaV2Model"}
+              "modernbert": "ModernBertModel", "deberta-v2": "DebertaV2Model", "nomic_bert": "NomicBertModel",
+              "gte": "GteModel"}
 
 
 def reference_attention(model: str) -> str:
     """HF's implementation the fp32 reference runs: eager, except for ModernBERT, whose eager scores at 8,192 tokens
     would be 3 GB per head-batch and layer; its sdpa in fp32 is the reference there."""
-    return "sdpa" if "modernbert" in model else "eager"
+    return "sdpa" if "modernbert" in model or model == "gte-base" else "eager"
 
 
 def hf_attention(model: str) -> tuple[str, ...]:

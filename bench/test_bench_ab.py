@@ -19,6 +19,9 @@ Cells (the CPU goals of padding-free execution):
   modernbert-base 16xvar64-2048, 4x8192
                          ModernBERT-base's shape against HF sdpa (its reference too: eager cannot hold 8,192^2
                          scores): 16 rows of 64..2,048 tokens (goal >= 2.5x), and 4 full rows of 8,192
+  nomic-embed-base 32xvar16-512, gte-base 16xvar64-2048
+                         nomic-embed-text-v1.5's and gte-base-en-v1.5's shapes (random weights; rotary post-norm,
+                         gated MLPs) against HF sdpa: the ragged batch, and 16 rows of 64..2,048 (goals >= 2.5x)
   deberta-v3-base 32xvar16-512
                          DeBERTa-v3-base's shape (random weights) against HF eager (it has no other attention): the
                          ragged batch, HF padding every row to 512 with its [B*nh, S, S] c2p/p2c gathers
@@ -44,11 +47,13 @@ CASES = {  # id: (model, cell, rounds, warm-up rounds)
     "modernbert-base-16xvar64-2048": ("modernbert-base", harness._varlen(16, 64, 2048), 2, 0),
     "modernbert-base-4x8192": ("modernbert-base", harness._fixed(4, 8192), 1, 0),
     "deberta-v3-base-32xvar16-512": ("deberta-v3-base", harness._varlen(32, 16, 512), 3, 0),
+    "nomic-embed-base-32xvar16-512": ("nomic-embed-base", harness._varlen(32, 16, 512), 3, 0),
+    "gte-base-16xvar64-2048": ("gte-base", harness._varlen(16, 64, 2048), 2, 0),
 }
 
 
 # Too slow for the one-pass check of `pytest bench --benchmark-disable` (CI): HF's reference forward alone is 100-190 s
-SLOW_MODELS = ("modernbert-base", "deberta-v3-base")
+SLOW_MODELS = ("modernbert-base", "deberta-v3-base", "nomic-embed-base", "gte-base")
 
 
 @pytest.mark.parametrize("case", list(CASES))
