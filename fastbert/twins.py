@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 # hidden_act -> the activation name the kernels understand. HF's "gelu" is the exact erf GELU; "gelu_new" and
-# "gelu_pytorch_tanh" are the same tanh approximation computed two ways.
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# "gelu_pytorch_tanh" are the same tanh approximation computed two ways; "silu" is x * sigmoid(x) (gated: SwiGLU).
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+               "silu": "silu"}
 
 
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -127,6 +128,8 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
         return F.gelu(h, approximate="tanh")
     if activation == "relu":
         return F.relu(h)
+    if activation == "silu":
+        return F.silu(h)
     raise ValueError(f"activation={activation!r} is not one of {sorted(set(ACTIVATIONS.values()))}")
 
 
@@ -139,6 +142,8 @@ def activate_into(a: torch.Tensor, activation: str, out: torch.Tensor) -> torch.
         return torch._C._nn.gelu(a, approximate="tanh", out=out)
     if activation == "relu":
         return torch.clamp_min(a, 0, out=out)
+    if activation == "silu":
+        return torch._C._nn.silu(a, out=out)  # F.silu's own kernel
     raise ValueError(f"activation={activation!r} is not one of {sorted(set(ACTIVATIONS.values()))}")
 
 

@@ -10,10 +10,13 @@ Activations (`fastbert.ops.ACTIVATIONS` maps HF's hidden_act to these):
     "gelu_tanh"  0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))  == F.gelu(h, approximate="tanh"), HF "gelu_new" /
                  "gelu_pytorch_tanh"; computed as x * sigmoid(2u), the same function without a tanh call
     "relu"       max(h, 0)
+    "silu"       x * sigmoid(x)                              == F.silu(h), HF "silu"; computed from e = exp(-|x|) as
+                 x - x e / (1 + e) for x > 0, x e / (1 + e) else: no 1 + exp(-x) rounded near 1 (gemm._silu)
 
-Gated (GeGLU, ModernBERT's MLP in): weight is HF's Wi [2I, H] (the input half, then the gate half), bias [2I] or
-None, and the result act(a) * g [T, I] for [a, g] = x @ W^T + b, from two fp32 accumulators over the two halves read
-in place, rounded once: the [T, 2I] pre-activation never reaches memory either (kernels/gemm.py's header).
+Gated (GeGLU, ModernBERT's MLP in; with "silu" SwiGLU, NomicBERT's, GTE's and EuroBERT's): weight is HF's Wi
+[2I, H] (the input half, then the gate half), bias [2I] or None, and the result act(a) * g [T, I] for
+[a, g] = x @ W^T + b, from two fp32 accumulators over the two halves read in place, rounded once: the [T, 2I]
+pre-activation never reaches memory either (kernels/gemm.py's header).
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from .gemm import ACTIVATIONS, check_device, check_dtypes, check_linear, check_o
 OP = "bias_gelu"
 
 
-GATED_AOT_ACTIVATIONS = ("gelu", "gelu_tanh")  # GeGLU's (ModernBERT: "gelu"); the launcher takes relu gated too
+# GeGLU's (ModernBERT: "gelu") and SwiGLU's ("silu"); the launcher takes relu gated too
+GATED_AOT_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 
 
 def bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
@@ -60,6 +64,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
 
 
 def aot_specs() -> list:
-    """Every kernel x dtype x config x activation (gelu, gelu_tanh, relu) x {bias, no bias}, and the gated epilogue
-    for gelu and gelu_tanh in every dtype with its tiles, on the archs each runs on."""
+    """Every kernel x dtype x config x activation (gelu, gelu_tanh, relu, silu) x {bias, no bias}, and the gated
+    epilogue for gelu, gelu_tanh and silu in every dtype with its tiles, on the archs each runs on."""
     return gemm_aot_specs(OP, ACTIVATIONS, GATED_AOT_ACTIVATIONS)

@@ -30,6 +30,7 @@ a/g rows at load time would need a second copy or a relayout of the parameter); 
 is then exact). A gated tile holds two accumulators and streams two W panels per K step, so its configs are the
 plain lists with BLOCK_N halved (`gated_configs`): registers and shared memory stay where the plain tiles had them.
 The TMA kernel's gated epilogue needed no other change, so no layout is refused to it.
+With "silu" the gated epilogue is the SwiGLU of NomicBERT, GTE and EuroBERT.
 
 fp32 honours torch.backends.cuda.matmul.allow_tf32 (tl.dot's input_precision "tf32", else "ieee"); 16-bit types
 always pass "ieee" so the flag never causes a second compile.
@@ -47,7 +48,7 @@ from triton.runtime import _allocation
 from . import utils
 from .utils import DTYPES, input_precision, loop_bound
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # plus None: no activation
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")  # plus None: no activation
 GROUP_M = 8
 
 # On CUDA the epilogue's reciprocal is the hardware's rcp.approx (one MUFU op); the interpreter cannot run inline PTX
@@ -94,6 +95,20 @@ def _gelu_tanh(x):
 
 
 @triton.jit
+def _silu(x):
+    """x sigmoid(x) in fp32 with two MUFU ops (ex2, rcp), as _gelu_tanh. F.silu's x / (1 + exp(-x)) rounds
+    1 + exp(-x) near 1 for x > 0, an ulp of 1 lost in the sigmoid (|error| up to 1.3e-6 on [-24, 24]). Here
+    e = exp(-|x|) <= 1 and t = x e / (1 + e); the result is x - t for x > 0 (t a small correction: within 3 eps)
+    and t for x <= 0 (within (3 + 0.75|x|) eps: exp2's argument is rounded); |error| <= 1e-6 on [-24, 24]
+    (tests/kernels/test_gemm.py). x is capped at 128 in t, past which e is 0: +inf gives +inf, not inf * 0. Very
+    negative x (-3e38 too): e -> 0, the result -0.0, as F.silu's. NaN stays NaN (through e); -inf gives NaN
+    (-inf * 0), as F.silu."""
+    e = tl.exp2(-1.4426950408889634 * tl.abs(x))
+    t = tl.minimum(x, 128.0) * e * _rcp(1.0 + e)
+    return tl.where(x > 0, x - t, t)
+
+
+@triton.jit
 def _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
     """bias + activation on the fp32 accumulator tile."""
     if HAS_BIAS:
@@ -105,6 +120,8 @@ def _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.c
         acc = _gelu_tanh(acc)
     elif ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)  # as torch.relu: NaN in, NaN out
+    elif ACTIVATION == "silu":
+        acc = _silu(acc)
     return acc
 
 
@@ -148,7 +165,7 @@ def gemm_kernel(
     stride_am, stride_wn, stride_wk, stride_cm,
     # epilogue and precision choices
     HAS_BIAS: tl.constexpr,  # add bias[N] to the fp32 accumulator
-    ACTIVATION: tl.constexpr,  # None, "gelu" (erf), "gelu_tanh", "relu"
+    ACTIVATION: tl.constexpr,  # None, "gelu" (erf), "gelu_tanh", "relu", "silu"
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (only matters for fp32 inputs)
     # tile shape
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -1,7 +1,7 @@
 """bias_gelu: act(x @ W^T + b), the FFN's first GEMM with its bias and activation in the epilogue
-(kernels/bias_gelu.py). The activation is any of twins.ACTIVATIONS' (GELU erf or tanh, ReLU); gated: W holds two
-halves [a; g] and the op returns act(a) * g (ModernBERT's GeGLU). The name stays the kernel's: GELU is what BERT
-runs."""
+(kernels/bias_gelu.py). The activation is any of twins.ACTIVATIONS' (GELU erf or tanh, ReLU, SiLU); gated: W holds
+two halves [a; g] and the op returns act(a) * g (ModernBERT's GeGLU; with SiLU the SwiGLU of NomicBERT, GTE and
+EuroBERT). The name stays the kernel's: GELU is what BERT runs."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -17,9 +17,9 @@ OP = "bias_gelu"
 
 def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
          gated: bool = False, workspace: Workspace | None = None) -> torch.Tensor:
-    """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu"}. gated: W is
-    [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for [a, g] = x @ W^T + b
-    (GeGLU). `workspace`: see twins.Workspace."""
+    """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu", "silu"}. gated:
+    W is [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for
+    [a, g] = x @ W^T + b (GeGLU; SwiGLU with "silu"). `workspace`: see twins.Workspace."""
     h = F.linear(x, weight, bias) if workspace is None else linear_into(x, weight, bias, workspace, "ffn")
     if gated and workspace is not None:
         a, g = h.chunk(2, dim=-1)

@@ -65,6 +65,8 @@ def act64(h, activation):
         return h
     if activation == "relu":
         return F.relu(h)
+    if activation == "silu":
+        return h * torch.sigmoid(h)
     return F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
@@ -137,7 +139,7 @@ BIAS_GELU_CASES = [  # (T, H, I, x layout)
 ]
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,H,I,layout", BIAS_GELU_CASES,
                          ids=[f"T{c[0]}-H{c[1]}-I{c[2]}-{c[3]}" for c in BIAS_GELU_CASES])
@@ -160,6 +162,26 @@ def test_bias_gelu(T, H, I, layout, dtype, activation):
     assert_kernel_matches(y, twin, ref64, dtype)
 
 
+PRIME_CASES = [(1, 97, 101), (13, 97, 131), (37, 193, 61)]  # (T, H, I): odd everywhere, one token, I < one tile
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("T,H,I", PRIME_CASES, ids=[f"T{c[0]}-H{c[1]}-I{c[2]}" for c in PRIME_CASES])
+def test_bias_gelu_silu_prime_shapes(T, H, I, dtype, gated):
+    """SiLU (SwiGLU when gated) on prime sizes: partial tiles in T, H (K) and I, a single token. Plain: wide inputs
+    (pre-activations of std 3, to ~+-12, where the sigmoid saturates; the whole range: test_gelu_epilogue_*); gated:
+    unit ones, so that act(a) * g stays O(1) where the fp32 bar is absolute."""
+    N = 2 * I if gated else I
+    x = make((T, H), dtype, scale=1.0 if gated else 3.0)
+    w = make((N, H), dtype, scale=H ** -0.5, seed=1)
+    b = make((N,), dtype, scale=0.5, seed=2)
+    y = bias_gelu(x, w, b, "silu", gated=gated, out=poisoned((T, I), dtype))
+    twin = ops.bias_gelu_torch(x, w, b, "silu", gated=gated)
+    ref64 = gated64(x, w, b, "silu") if gated else act64(F.linear(x.double(), w.double(), b.double()), "silu")
+    assert_kernel_matches(y, twin, ref64, dtype)
+
+
 def test_bias_gelu_large_T_fp16():
     """131 tokens x I=1536: several row and column blocks, the full FFN-in width of MiniLM."""
     dtype = torch.float16
@@ -169,7 +191,7 @@ def test_bias_gelu_large_T_fp16():
                           F.gelu(F.linear(x.double(), w.double(), b.double())), dtype)
 
 
-@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "gelu_pytorch_tanh", "silu"])
 def test_bias_gelu_matches_bert_intermediate(hidden_act):
     transformers = pytest.importorskip("transformers")
     from transformers.models.bert.modeling_bert import BertIntermediate
@@ -186,6 +208,36 @@ def test_bias_gelu_matches_bert_intermediate(hidden_act):
                         out=poisoned((T, 1536), torch.float32))
     assert torch.isfinite(got).all()
     assert (got - want).abs().max().item() <= FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("hidden_act", sorted(ops.ACTIVATIONS))
+def test_twin_activations_are_hf_act2fn(hidden_act, dtype):
+    """Every hidden_act the model accepts: the twins' activation, allocating and into a buffer, is bit-for-bit
+    transformers' ACT2FN[hidden_act], on a contiguous tensor and on a column slice (the gated twin's input half, which
+    torch's kernels may round differently from a contiguous copy); so is the gated twin with a workspace against the
+    allocating one. gelu_new is HF's Python formula of the tanh GELU, which the twin computes as F.gelu's tanh form:
+    within the same bound of the fp64 function as HF's own rounding."""
+    transformers = pytest.importorskip("transformers")
+    from fastbert import twins
+    g = torch.Generator().manual_seed(0)
+    h = torch.cat([torch.randn(1000, 37, generator=g, dtype=torch.float64) * 6,
+                   torch.tensor([[0.0, -0.0, 88.0, -88.0, 1e4, -1e4, 30.0] * 5 + [-30.0, 0.5]],
+                                dtype=torch.float64)]).to(dtype)
+    activation = ops.ACTIVATIONS[hidden_act]
+    for a in (h, torch.cat([h, h], dim=1)[:, :37]):
+        want = transformers.activations.ACT2FN[hidden_act](a)
+        out = torch.empty_like(h)
+        assert twins.activate_into(a, activation, out).data_ptr() == out.data_ptr()
+        for got in (twins.activate(a, activation), out):
+            if hidden_act == "gelu_new":
+                ref64 = F.gelu(a.double(), approximate="tanh")
+                assert max_error(got, ref64) <= error_bound(dtype, max_error(want, ref64)), hidden_act
+            else:
+                assert torch.equal(got, want), hidden_act
+    x, w = make((13, 64), dtype), make((2 * 37, 64), dtype, 0.125, 1)
+    assert torch.equal(ops.bias_gelu_torch(x, w, None, activation, gated=True, workspace=twins.Workspace()),
+                       ops.bias_gelu_torch(x, w, None, activation, gated=True))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -205,7 +257,7 @@ GATED_CASES = [  # (T, H, I, x layout, bias): the interpreter's tile is 32 x 128
 ]
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,H,I,layout,has_bias", GATED_CASES,
                          ids=[f"T{c[0]}-H{c[1]}-I{c[2]}-{c[3]}{'' if c[4] else '-nobias'}" for c in GATED_CASES])
@@ -236,31 +288,33 @@ def test_bias_gelu_gated_relu_and_fresh_output():
                           torch.float32)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_gemm_gated_every_config(dtype):
+def test_gemm_gated_every_config(dtype, activation):
     """Every gated tile of the pointer kernel on M=131, N=100 (2N = 200 weight rows), K=200: partial in M, N and K."""
     M, N, K = 131, 100, 200
     a, w, b = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5, 1), make((2 * N,), dtype, 0.5, 2)
-    twin = ops.bias_gelu_torch(a, w, b, "gelu", gated=True)
-    ref64 = gated64(a, w, b, "gelu")
+    twin = ops.bias_gelu_torch(a, w, b, activation, gated=True)
+    ref64 = gated64(a, w, b, activation)
     for cfg in gemm_core.gated_configs(gemm_core.gemm_configs(a.element_size())):
-        out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), "gelu", gated=True, config=cfg, kernel="ptr")
+        out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), activation, gated=True, config=cfg, kernel="ptr")
         assert_kernel_matches(out, twin, ref64, dtype)
 
 
 @TMA_ON_CUDA
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_GEMM_ON_CPU)], ids=str)
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
-def test_gemm_tma_gated_every_config(dtype, has_bias):
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_gemm_tma_gated_every_config(dtype, has_bias, activation):
     """The persistent TMA kernel's gated tiles: the gate half through its own descriptor at row N, clipped at N rows
     (M=131, N=104, K=200: 16-byte rows, partial tiles everywhere)."""
     M, N, K = 131, 104, 200
     a, w = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5, 1)
     b = make((2 * N,), dtype, 0.5, 2) if has_bias else None
-    twin = ops.bias_gelu_torch(a, w, b, "gelu_tanh", gated=True)
-    ref64 = gated64(a, w, b, "gelu_tanh")
+    twin = ops.bias_gelu_torch(a, w, b, activation, gated=True)
+    ref64 = gated64(a, w, b, activation)
     for cfg in gemm_core.gated_configs(gemm_core.gemm_tma_configs(warp_specialize=True)):
-        out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), "gelu_tanh", gated=True, config=cfg, kernel="tma")
+        out = gemm_core.gemm(a, w, b, poisoned((M, N), dtype), activation, gated=True, config=cfg, kernel="tma")
         assert_kernel_matches(out, twin, ref64, dtype)
 
 
@@ -277,14 +331,16 @@ def test_gated_weight_strides():
                               torch.float32)
 
 
+@pytest.mark.parametrize("hidden_activation", ["gelu", "silu"])
 @pytest.mark.parametrize("mlp_bias", [False, True])
-def test_gated_matches_modernbert_mlp(mlp_bias):
-    """The kernel, then Wo, is transformers' ModernBertMLP (GeGLU; random weights) in fp32."""
+def test_gated_matches_modernbert_mlp(mlp_bias, hidden_activation):
+    """The kernel, then Wo, is transformers' ModernBertMLP (GeGLU, or SwiGLU with "silu": its act is HF's
+    ACT2FN[hidden_activation]; random weights) in fp32."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
 
     config = transformers.ModernBertConfig(hidden_size=64, intermediate_size=100, mlp_bias=mlp_bias,
-                                           hidden_activation="gelu")
+                                           hidden_activation=hidden_activation)
     torch.manual_seed(0)
     module = ModernBertMLP(config).to(DEVICE).eval()
     with torch.no_grad():
@@ -698,8 +754,8 @@ def _expected_gated_specs(prefix, activations):
 
 
 @pytest.mark.parametrize("mod,activations,gated", [(qkv_mod, [None], []),
-                                                   (bias_gelu_mod, ["gelu", "gelu_tanh", "relu"],
-                                                    ["gelu", "gelu_tanh"])],
+                                                   (bias_gelu_mod, ["gelu", "gelu_tanh", "relu", "silu"],
+                                                    ["gelu", "gelu_tanh", "silu"])],
                          ids=["qkv_projection", "bias_gelu"])
 def test_aot_specs_cover_every_config(mod, activations, gated):
     """Every dtype x tile x activation x {bias, no bias} the launchers can run, on the archs it runs on: 40 kernels
@@ -765,10 +821,11 @@ def _wide_inputs(dtype):
 
 
 GELU64 = {"gelu": lambda x: x * 0.5 * torch.erfc(-x / 2 ** 0.5),  # erfc: no cancellation in the negative tail
-          "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+          "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+          "silu": lambda x: x * torch.sigmoid(x)}  # SiLU rides along: the same ex2 + rcp form as the tanh GELU
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
 def test_gelu_epilogue_fp32_against_fp64(activation):
     """fp32: max |error| against fp64 <= 1e-6 everywhere (the bar is 1e-5 on O(1) outputs); the erf form is
     within 3.3e-7 by construction (A&S 7.1.26, 1.5e-7 on erf, halved). Relative error <= 1e-6 where |y| >= 1.
@@ -786,7 +843,7 @@ def test_gelu_epilogue_fp32_against_fp64(activation):
 
 
 @pytest.mark.parametrize("kernel", ["ptr", pytest.param("tma", marks=TMA_ON_CUDA)])
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
 def test_gelu_epilogue_fp16_against_fp64(activation, kernel):
     """fp16 output: error against fp64 at most 2x the twin's own (F.gelu in fp16 rounds once, too)."""
     x = _wide_inputs(torch.float16)
@@ -798,10 +855,10 @@ def test_gelu_epilogue_fp16_against_fp64(activation, kernel):
     assert torch.isfinite(got).all() and err <= error_bound(torch.float16, twin_err), (err, twin_err)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", None])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu", None])
 def test_epilogue_nan_and_inf(activation):
     """NaN stays NaN through every epilogue. +inf stays +inf; -inf gives the limit 0 for the erf GELU (torch's
-    0.5x(1 + erf) form gives NaN there) and NaN for the tanh form (as torch)."""
+    0.5x(1 + erf) form gives NaN there) and NaN for the tanh GELU and SiLU (as torch: -inf * 0)."""
     # The values ride in as the bias of a zero GEMM (x @ I would turn inf into inf * 0 = NaN in the dot).
     bias = torch.zeros(16, device=DEVICE)
     bias[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.5])
@@ -813,8 +870,9 @@ def test_epilogue_nan_and_inf(activation):
     assert got[0] != got[0]  # NaN
     assert got[1] == float("inf")
     expected_neg_inf = {"gelu": 0.0, "relu": 0.0, None: -float("inf")}.get(activation)
-    if activation == "gelu_tanh":
+    if activation in ("gelu_tanh", "silu"):
         assert got[2] != got[2]
+        assert act64(torch.tensor(-float("inf"), dtype=torch.float64), activation).isnan()  # torch's answer too
     else:
         assert got[2] == expected_neg_inf
     assert abs(got[3] - (act64(torch.tensor(1.5, dtype=torch.float64), activation).item())) <= 1e-6
@@ -852,6 +910,35 @@ def test_gelu_erf_bound_holds_with_a_one_ulp_reciprocal(rcp, monkeypatch):
     _gelu_erf_probe[(n // block,)](x, out, BLOCK=block)
     err = max_error(out, GELU64["gelu"](x.double()))
     assert err <= 1e-6, err
+
+
+@triton.jit
+def _silu_probe(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    # The kernel's own SiLU epilogue function, alone, on a block of fp32 values.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, gemm_core._silu(tl.load(x_ptr + offs)))
+
+
+@pytest.mark.parametrize("rcp", [None, _rcp_one_ulp_down, _rcp_one_ulp_up], ids=["exact", "down", "up"])
+def test_silu_bounds_hold_with_a_one_ulp_reciprocal(rcp, monkeypatch):
+    """kernels/gemm.py's _silu itself, with its reciprocal exact or 1 ulp off either way (the GPU's rcp.approx), over
+    2^21 points of [-24, 24] against x sigmoid(x) in fp64: |error| <= 1e-6 everywhere (measured 9.54e-7, the
+    rounding of |y| in [16, 24); F.silu's x / (1 + exp(-x)) reaches 1.27e-6, its 1 + exp(-x) rounded near 1);
+    relative error <= 3 eps for x > 0 (measured 2.35); for x <= 0 <= (3 + 0.75|x|) eps, the rounding of exp2's
+    argument (measured 15.5 eps at x = -24, where y ~ -1e-9)."""
+    if rcp is not None:
+        monkeypatch.setattr(gemm_core, "_rcp", rcp)
+    n, block = 2 ** 21, (2 ** 20 if DEVICE == "cpu" else 1024)
+    x = torch.linspace(-24, 24, n, dtype=torch.float32, device=DEVICE)
+    out = poisoned((n,), torch.float32)
+    _silu_probe[(n // block,)](x, out, BLOCK=block)
+    want = GELU64["silu"](x.double())
+    err = (out.double() - want).abs()
+    assert torch.isfinite(out).all() and err.max().item() <= 1e-6, err.max().item()
+    eps, pos = torch.finfo(torch.float32).eps, x > 0
+    neg = ~pos & (want.abs() >= torch.finfo(torch.float32).tiny)
+    assert (err[pos] / want[pos]).max().item() <= 3 * eps
+    assert (err[neg] / want[neg].abs() / (3 + 0.75 * x[neg].abs().double())).max().item() <= eps
 
 
 # --------------------------------------------------------------------------------------------------------------------
