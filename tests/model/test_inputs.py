@@ -78,7 +78,7 @@ def test_custom_masks_follow_hf_semantics(fb):
     ("position_embedding_type", "relative_key", "position_embedding_type='relative_key' is not supported"),
     ("is_decoder", True, "is_decoder=True is not supported"),
     ("add_cross_attention", True, "add_cross_attention=True is not supported"),
-    ("hidden_act", "silu", "hidden_act='silu' is not supported"),
+    ("hidden_act", "mish", "hidden_act='mish' is not supported"),
 ])
 def test_unsupported_configs_raise_at_construction(field, value, words):
     cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=40)
