@@ -257,17 +257,21 @@ def arch_inputs(hf, padding, B=3, S=11, seed=1):
 
 
 def fused_rows_alias_parts(encoder) -> bool:
-    """query/key/value's parameters (DistilBERT's q_lin/k_lin/v_lin, MPNet's q/k/v) are rows of the layer's fused
-    QKV weight (one copy, one GEMM)."""
+    """query/key/value's parameters (DistilBERT's q_lin/k_lin/v_lin, MPNet's q/k/v), and a gated MLP's gate/up where
+    the checkpoint keeps them apart, are rows of the layer's fused weights (one copy, one GEMM). (ModernBERT: the
+    checkpoint's own Wqkv and Wi are the fused weights.)"""
     for layer in encoder.layers:
-        sa = layer.self_attention
-        if sa is None:  # ModernBERT: the checkpoint's own Wqkv is the fused weight
-            continue
-        rows = sa.qkv_weight.chunk(3), sa.qkv_bias.chunk(3)
-        for i, name in enumerate(sa.names):
-            part = getattr(sa, name)
-            if part.weight.data_ptr() != rows[0][i].data_ptr() or part.bias.data_ptr() != rows[1][i].data_ptr():
-                return False
+        for holder in layer.fused_holders():
+            n = len(holder.names)
+            weight, bias = holder.qkv_weight, holder.qkv_bias
+            rows = weight.chunk(n), (None,) * n if bias is None else bias.chunk(n)
+            for i, name in enumerate(holder.names):
+                part = getattr(holder, name)
+                if part.weight.data_ptr() != rows[0][i].data_ptr():
+                    return False
+                if (part.bias is None) != (rows[1][i] is None) or \
+                        part.bias is not None and part.bias.data_ptr() != rows[1][i].data_ptr():
+                    return False
     return True
 
 

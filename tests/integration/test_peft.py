@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 import transformers
-from helpers import deberta_config, fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
+from helpers import deberta_config, fused_rows_alias_parts, has_modernbert, has_rotary_post_norm, modernbert_config
+from helpers import perturb_, rotary_post_norm_config
 
 import fastbert
 from fastbert.units import qkv_projection
@@ -187,14 +188,22 @@ if has_modernbert():  # its fused Wqkv and its gated MLP's Wi: the adapted paths
     NEW_FAMILIES["modernbert"] = lambda: transformers.ModernBertForSequenceClassification(modernbert_config(
         hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50, num_labels=3))
 
+if has_rotary_post_norm():  # rotary q/k; NomicBERT's and GTE's gate/up over one fused weight: the adapted paths
+    for _family, _cls in (("jina_embeddings_v3", "JinaEmbeddingsV3"), ("nomic_bert", "NomicBert"), ("gte", "Gte")):
+        NEW_FAMILIES[_family] = (lambda family, cls: lambda: getattr(transformers, cls + "ForSequenceClassification")(
+            rotary_post_norm_config(family, hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50,
+                                    num_labels=3)))(_family, _cls)
+TARGETS_OF = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"], "modernbert": ["Wqkv", "Wi"],
+              "deberta-v2": ["query_proj", "value_proj"], "jina_embeddings_v3": ["q_proj", "v_proj"],
+              "nomic_bert": ["k_proj", "gate_proj"], "gte": ["v_proj", "up_proj"]}
+
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 @pytest.mark.parametrize("order", ORDERS)
 def test_query_value_of_other_families_equal_stock_peft(family, order):
     torch.manual_seed(0)
     hf = perturb_(NEW_FAMILIES[family](), weight_std=0.05).eval()
-    targets = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"], "modernbert": ["Wqkv", "Wi"],
-               "deberta-v2": ["query_proj", "value_proj"]}[family]
+    targets = TARGETS_OF[family]
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="SEQ_CLS")
     stock = randomize_adapters_(peft.get_peft_model(copy.deepcopy(hf), config))
     if order == "peft-then-optimize":
@@ -237,3 +246,47 @@ def test_deberta_adapters_reach_the_position_terms_as_in_stock_peft(targets, v2s
     with torch.no_grad():
         merged = ours.eval().merge_and_unload()
         assert (merged(IDS, attention_mask=MASK).logits - want).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not has_rotary_post_norm(), reason="this transformers has no Jina-Embeddings-v3 (5.24+)")
+@pytest.mark.parametrize("order", ORDERS)
+def test_jina_task_adapters_switched_per_call(order):
+    """Jina-Embeddings-v3's use: one LoRA adapter per task on q/k/v/o and the MLP, the task chosen per call
+    (set_adapter). Each task's forward equals stock PEFT's with the same adapters; the base projection stays one
+    fused GEMM with the active adapter's x·A·B added."""
+    torch.manual_seed(0)
+    hf = perturb_(transformers.JinaEmbeddingsV3Model(rotary_post_norm_config(
+        "jina_embeddings_v3", hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50)),
+        weight_std=0.05).eval()
+    tasks = ("retrieval_query", "classification")  # (PEFT adapter names cannot hold a dot)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"])
+
+    def with_tasks(model):
+        model = peft.get_peft_model(model, config, adapter_name=tasks[0])
+        model.add_adapter(tasks[1], config)
+        for seed, task in enumerate(tasks, start=1):  # each task's weights from its own seed, by name
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, p in sorted(model.named_parameters()):
+                    if f".{task}." in name:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        return model.eval()
+
+    stock = with_tasks(copy.deepcopy(hf))
+    if order == "peft-then-optimize":
+        ours = fastbert.optimize(with_tasks(copy.deepcopy(hf)), kernels="torch")
+    else:
+        ours = with_tasks(fastbert.optimize(copy.deepcopy(hf), kernels="torch"))
+    assert isinstance(ours.base_model.model, fastbert.BertModel)
+    assert fused_rows_alias_parts(ours.base_model.model)  # q/k/v: rows of one fused weight under the adapters
+    outputs = []
+    with torch.no_grad():
+        for task in (*tasks, tasks[0]):
+            stock.set_adapter(task)
+            ours.set_adapter(task)
+            want = stock(input_ids=IDS, attention_mask=MASK).last_hidden_state
+            got = ours(input_ids=IDS, attention_mask=MASK).last_hidden_state
+            assert (got - want)[REAL].abs().max() <= 1e-5, task
+            outputs.append(want)
+    assert (outputs[0] - outputs[1])[REAL].abs().max() > 1e-3  # the tasks' adapters differ, and each was applied
