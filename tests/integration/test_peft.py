@@ -7,8 +7,15 @@ import copy
 import pytest
 import torch
 import transformers
-from helpers import deberta_config, fused_rows_alias_parts, has_modernbert, has_rotary_post_norm, modernbert_config
-from helpers import perturb_, rotary_post_norm_config
+from helpers import (
+    deberta_config,
+    fused_rows_alias_parts,
+    has_modernbert,
+    has_rotary_post_norm,
+    modernbert_config,
+    perturb_,
+    rotary_post_norm_config,
+)
 
 import fastbert
 from fastbert.units import qkv_projection
