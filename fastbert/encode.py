@@ -335,6 +335,14 @@ _LOAD_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "inc
                  "kernels", "cuda_graphs", "tokenizer")
 
 
+def check_truncate_dim(value) -> int | None:
+    """sentence-transformers' truncate_dim (Matryoshka models: the first `value` dimensions of each vector, cut after
+    the pipeline, Normalize included): None, or an integer >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"truncate_dim must be None or an integer >= 1, got {value!r}")
+    return value
+
+
 class SentenceEncoder:
     """A fastbert model, its tokenizer and the pipeline that turns token vectors into one vector per text.
     Build it once with `from_pretrained` (or from a model and a tokenizer) and call `encode` as often as needed.
@@ -343,7 +351,7 @@ class SentenceEncoder:
 
     def __init__(self, model: BertModel, tokenizer, *, pooling=None, normalize=None, max_seq_length=None,
                  do_lower_case=None, include_prompt=None, pipeline: Pipeline | None = None, name: str = "the model",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, truncate_dim: int | None = None):
         if not isinstance(model, BertModel):
             raise TypeError(f"model must be a fastbert.BertModel, got {type(model).__name__} (load a folder with "
                             f"SentenceEncoder.from_pretrained, or convert a transformers model with "
@@ -352,6 +360,7 @@ class SentenceEncoder:
             raise TypeError("a fastbert.BertModel needs its tokenizer: pass "
                             "tokenizer=AutoTokenizer.from_pretrained(...)")
         self.model, self.tokenizer = model.eval(), tokenizer  # eval: no dropout (SentenceTransformer.encode does too)
+        self.truncate_dim = check_truncate_dim(truncate_dim)  # every call's, unless the call gives its own
         base = pipeline or Pipeline()
         defaulted = [option for option, given in (("pooling", pooling), ("normalize", normalize),
                                                   ("max_seq_length", max_seq_length)) if given is None]
@@ -384,7 +393,7 @@ class SentenceEncoder:
     @classmethod
     def from_pretrained(cls, name_or_path, *, pooling=None, normalize=None, max_seq_length=None, do_lower_case=None,
                         include_prompt=None, dtype=None, device=None, kernels="auto",
-                        cuda_graphs: bool = True) -> "SentenceEncoder":
+                        cuda_graphs: bool = True, truncate_dim: int | None = None) -> "SentenceEncoder":
         """A sentence-transformers folder (modules.json) or a plain Hugging Face BERT folder, or a Hub id in the
         local cache. dtype: None = what the folder says (sentence_bert_config's model_kwargs, else the checkpoint's
         own, like transformers' dtype="auto"); device: None = cuda when available, else cpu. cuda_graphs: False runs
@@ -406,7 +415,7 @@ class SentenceEncoder:
             pipeline = replace(pipeline, max_seq_length=tokenizer_kwargs["model_max_length"])
         return cls(model, tokenizer, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length,
                    do_lower_case=do_lower_case, include_prompt=include_prompt, pipeline=pipeline,
-                   name=os.fspath(name_or_path), cuda_graphs=cuda_graphs)
+                   name=os.fspath(name_or_path), cuda_graphs=cuda_graphs, truncate_dim=truncate_dim)
 
     def _check_max_seq_length(self) -> int:
         limit = self.model.embeddings.max_length  # the position table's usable length (RoBERTa's starts after pad)
@@ -442,9 +451,12 @@ class SentenceEncoder:
 
     def encode(self, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None,
                max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH, batch_size: int | None = None,
-               progress: bool | None = None) -> np.ndarray:
+               progress: bool | None = None, truncate_dim: int | None = None) -> np.ndarray:
         """[len(texts), dimension] float32, row i for texts[i]. progress: None = a bar on stderr when it is a
-        terminal and the work takes more than a second; True / False = always / never."""
+        terminal and the work takes more than a second; True / False = always / never. truncate_dim: keep the first
+        this many dimensions (None: the encoder's truncate_dim), cut after the pipeline as sentence-transformers
+        cuts them (a normalised model's cut vectors are not renormalised)."""
+        keep = self.truncate_dim if truncate_dim is None else check_truncate_dim(truncate_dim)
         texts = _check_texts(texts)
         check_counts(max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size)
         prompt = self.resolve_prompt(prompt, prompt_name)
@@ -475,7 +487,7 @@ class SentenceEncoder:
                 result[start:start + len(window)] = out.cpu().numpy()
         if bar is not None:
             bar.close()
-        return result
+        return result if keep is None or keep >= self.dimension else np.ascontiguousarray(result[:, :keep])
 
 
 def _check_texts(texts) -> list[str]:
@@ -517,7 +529,7 @@ def _lowercase_first(tokenizer) -> None:
 
 def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None,
            max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH, batch_size: int | None = None,
-           progress: bool | None = None, **options) -> np.ndarray:
+           progress: bool | None = None, truncate_dim: int | None = None, **options) -> np.ndarray:
     """Sentence embeddings of `texts` as sentence-transformers computes them: [len(texts), dim] float32, in order.
 
     model_or_path: a folder or cached Hub id (sentence-transformers or plain Hugging Face BERT), a SentenceEncoder,
@@ -529,11 +541,14 @@ def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, pr
         default_prompt_name applies when neither is given; prompt="" turns it off).
     max_tokens_per_batch: the token budget of one forward (padding counted while the forward is padded);
         batch_size: at most this many texts per forward (default: the token budget alone decides).
+    truncate_dim: keep the first this many dimensions of each vector (Matryoshka models), cut after the pipeline as
+        sentence-transformers cuts them; None: no cut.
     """
     unknown = sorted(set(options) - set(_LOAD_OPTIONS))
     if unknown:
         raise TypeError(f"encode() got unexpected keyword argument(s) {', '.join(unknown)}; the options are "
-                        f"prompt, prompt_name, max_tokens_per_batch, batch_size, progress, {', '.join(_LOAD_OPTIONS)}")
+                        f"prompt, prompt_name, max_tokens_per_batch, batch_size, progress, truncate_dim, "
+                        f"{', '.join(_LOAD_OPTIONS)}")
     if isinstance(model_or_path, SentenceEncoder):
         if options:
             raise TypeError(f"{', '.join(sorted(options))}: set when the encoder is built "
@@ -553,4 +568,4 @@ def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, pr
         raise TypeError(f"model_or_path must be a folder, a Hub id, a SentenceEncoder or a fastbert.BertModel, "
                         f"got {type(model_or_path).__name__}")
     return encoder.encode(texts, prompt=prompt, prompt_name=prompt_name, max_tokens_per_batch=max_tokens_per_batch,
-                          batch_size=batch_size, progress=progress)
+                          batch_size=batch_size, progress=progress, truncate_dim=truncate_dim)

@@ -180,6 +180,35 @@ def test_sentence_transformers_folder_through_encode_and_optimize(family, minilm
     assert type(fastbert.restore(ours)[0].auto_model).__name__ == CLASS[family] + "Model"
 
 
+@pytest.mark.skipif(not has_rotary_post_norm(), reason="this transformers has no NomicBERT (5.24+)")
+@pytest.mark.parametrize("truncate_dim", [None, 16, 64, 100], ids=["full", "16", "64", "past-the-width"])
+def test_nomic_prompts_and_matryoshka_truncation_as_sentence_transformers(minilm_path, texts, tmp_path,
+                                                                            truncate_dim):
+    """nomic-embed-text's use: each text behind its task prefix (prompt_name "query" / "document", or a prompt
+    given), and Matryoshka's truncate_dim (per call, or the encoder's), cut after Normalize as sentence-transformers
+    cuts it: the same vectors, norms included (a cut normalised vector is not renormalised)."""
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    folder = family_st_folder("nomic_bert", minilm_path, tmp_path)
+    stock = st.SentenceTransformer(str(folder), device="cpu")
+    encoder = fastbert.SentenceEncoder.from_pretrained(str(folder), device="cpu", kernels="torch")
+    for how in ({"prompt_name": "query"}, {"prompt_name": "document"}, {"prompt": "classification: "}):
+        want = stock.encode(texts, batch_size=4, truncate_dim=truncate_dim, **how)
+        got = encoder.encode(texts, truncate_dim=truncate_dim, **how)
+        assert got.shape == want.shape and cosines(got, want).min() >= 0.99999, how
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1), rtol=1e-5)
+    plain = stock.encode(texts, batch_size=4, truncate_dim=truncate_dim)
+    assert np.abs(plain - want).max() > 1e-4  # the prompt changed the vectors (far past the parity bar above)
+    if truncate_dim is not None:  # the encoder's own default, and fastbert.encode's per-call keyword
+        cut = fastbert.SentenceEncoder.from_pretrained(str(folder), device="cpu", kernels="torch",
+                                                       truncate_dim=truncate_dim)
+        assert cosines(cut.encode(texts, prompt_name="query"),
+                       stock.encode(texts, prompt_name="query", truncate_dim=truncate_dim)).min() >= 0.99999
+        assert fastbert.encode(str(folder), texts[:2], truncate_dim=truncate_dim, kernels="torch", device="cpu"
+                               ).shape == (2, min(truncate_dim, 64))
+    with pytest.raises(ValueError, match="truncate_dim must be None or an integer >= 1"):
+        encoder.encode(texts[:1], truncate_dim=0)
+
+
 @pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
 def test_cli_encode_on_a_modernbert_folder(minilm_path, texts, tmp_path):
     """`python -m fastbert encode` on a sentence-transformers folder built on ModernBERT: stock
