@@ -11,6 +11,7 @@ from .models import (  # noqa: E402
     DebertaV2Model,
     DistilBertModel,
     ElectraModel,
+    EuroBertModel,
     GteModel,
     JinaEmbeddingsV3Model,
     ModernBertModel,
@@ -24,5 +25,5 @@ from .version import __version__  # noqa: F401
 
 __all__ = ["AutoModel", "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel",
            "DistilBertModel", "MPNetModel", "ModernBertModel", "DebertaV2Model", "JinaEmbeddingsV3Model",
-           "NomicBertModel", "GteModel", "MODEL_TYPES", "OPS", "BACKENDS",
+           "NomicBertModel", "GteModel", "EuroBertModel", "MODEL_TYPES", "OPS", "BACKENDS",
            "optimize", "restore", "SentenceEncoder", "encode", "encode_dataset", "load_embeddings", "export_onnx"]

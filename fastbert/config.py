@@ -110,6 +110,11 @@ def check_supported(config, where: str = "config") -> None:
     if values["hidden_size"] % values["num_attention_heads"]:
         raise ValueError(f"{where}: {family.raw_name('hidden_size')}={values['hidden_size']} is not a multiple of "
                          f"{family.raw_name('num_attention_heads')}={values['num_attention_heads']}")
+    kv_heads = getattr(config, "num_key_value_heads", None)  # EuroBERT's grouped-query attention
+    if kv_heads is not None and (not isinstance(kv_heads, int) or kv_heads < 1
+                                 or values["num_attention_heads"] % kv_heads):
+        raise ValueError(f"{where}: num_key_value_heads={kv_heads!r} must be a positive integer dividing "
+                         f"num_attention_heads={values['num_attention_heads']}")
     head_dim = getattr(config, "head_dim", None)  # NomicBERT's config may set one apart from hidden / heads
     if isinstance(head_dim, int) and head_dim * values["num_attention_heads"] != values["hidden_size"]:
         raise NotImplementedError(f"{where}: head_dim={head_dim} is not supported: fastbert's heads split "

@@ -56,14 +56,17 @@ class Family:
     dropouts: dict  # kind (DROPOUT_KINDS) -> (HF's module path inside one layer, the config field of its p)
     # ---- the axes a layer is read along (fastbert/layers/ holds one file per layer shape) ----
     norm: str = "post"  # "post": x = LN(x + sublayer(x)); "pre": x = x + sublayer(LN(x)), layer 0 without the first LN
-    final_norm: bool = False  # a LayerNorm after the last layer
+    final_norm: bool = False  # a norm after the last layer
+    final_norm_name: str = "final_norm"  # its HF module name on the model (EuroBERT: "norm")
+    norm_kind: str = "layer"  # "layer": LayerNorm; "rms": RMSNorm, no bias, no mean (EuroBERT)
     mlp: str = "plain"  # "plain": act(x W1 + b1) W2 + b2; "gated": act(a) * g for [a, g] = x Wi^T, then Wo
     attention_bias: str = "none"  # what attention adds to its scores: "none"; "buckets": a bias by (head, bucket of
     # j - i), one table per forward (MPNet); "disentangled": content-to-position and position-to-content terms from
     # rel_embeddings (DeBERTa-v2)
     windows: bool = False  # a sliding window on the layers the config names local
     embeddings: str = "sum"  # "sum": word (+ type) + position tables, LayerNorm; "tokens": the word table, LayerNorm
-    # (positions rotate q and k); "masked": the tables the config keeps, a projection, LayerNorm, zero at padding
+    # (positions rotate q and k); "masked": the tables the config keeps, a projection, LayerNorm, zero at padding;
+    # "table": the word table alone, held by the model at HF's name (EuroBERT's embed_tokens)
     # ---- the rest of the family's contract ----
     token_types: bool = True
     projection: bool = False  # embeddings of embedding_size widened to hidden_size (ELECTRA)
@@ -191,6 +194,20 @@ GTE = Family(
     bounds={"type_vocab_size": 0},  # gte-base-en-v1.5: no token type table
     output="BaseModelOutputWithPooling", min_transformers="5.24.0")
 
+# EuroBERT: Llama's layer as an encoder (transformers' EuroBertModel is a LlamaModel with bidirectional attention):
+# pre-norm with RMSNorm, a final RMSNorm ("norm"), rotary q/k, grouped-query attention where num_key_value_heads <
+# num_attention_heads, a SwiGLU MLP over gate_proj / up_proj, biases as attention_bias / mlp_bias say, the token table
+# at the model's top (embed_tokens) with no norm and no token types.
+_EUROBERT_LAYER = {**_ROTARY_ATTENTION, "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                   "ffn_out": "mlp.down_proj", "ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+EUROBERT = Family(
+    "eurobert", "EuroBERT", "model.", "rotary", _EUROBERT_LAYER,
+    {"attention": ("self_attn.attention_dropout", _ATTN_P)},  # a float on the attention module, its only dropout
+    norm="pre", final_norm=True, final_norm_name="norm", norm_kind="rms", mlp="gated", embeddings="table",
+    token_types=False, pooler=False, layers="layers",
+    fields={"layer_norm_eps": "rms_norm_eps", "attention_probs_dropout_prob": "attention_dropout"},
+    fixed={"hidden_dropout_prob": 0.0}, output="BaseModelOutput", min_transformers="5.24.0")
+
 # model_type -> (family, transformers' encoder class of that model_type)
 MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel"),
                "xlm-roberta": (ROBERTA, "XLMRobertaModel"), "camembert": (ROBERTA, "CamembertModel"),
@@ -198,7 +215,7 @@ MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel")
                "mpnet": (MPNET, "MPNetModel"), "modernbert": (MODERNBERT, "ModernBertModel"),
                "deberta-v2": (DEBERTA_V2, "DebertaV2Model"),
                "jina_embeddings_v3": (JINA_V3, "JinaEmbeddingsV3Model"), "nomic_bert": (NOMIC_BERT, "NomicBertModel"),
-               "gte": (GTE, "GteModel")}
+               "gte": (GTE, "GteModel"), "eurobert": (EUROBERT, "EuroBertModel")}
 
 
 def of(config) -> Family:

@@ -11,6 +11,7 @@ import torch
 
 from . import adapters, families
 from . import config as configs
+from .layers.base import RMSNorm, is_rms_norm
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -278,8 +279,9 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
 
 
 # The module types fastbert takes over from an HF encoder by reference: every module of it, query/key/value included
-# (their weights become rows of the fused QKV weight).
-_SHARED_LEAVES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding, torch.nn.Dropout)
+# (their weights become rows of the fused QKV weight). An RMSNorm's place takes transformers' own class of the same
+# definition (EuroBertRMSNorm: is_rms_norm).
+_SHARED_LEAVES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding, torch.nn.Dropout, RMSNorm)
 
 
 def shared_leaves(model):
@@ -349,7 +351,9 @@ def check_hf(cls, base, kernels="auto", padding_free=True, where: str = "the mod
     for name, ours in shared_leaves(model):
         theirs = hf_modules.get(name)
         theirs = None if theirs is None else adapters.base_layer(theirs)
-        if theirs is None or theirs.__class__ is not ours.__class__:
+        same = theirs is not None and (theirs.__class__ is ours.__class__
+                                       or isinstance(ours, RMSNorm) and is_rms_norm(theirs))
+        if not same:
             raise ValueError(f"{where}: {type(base).__name__}.{name} is {type(theirs).__name__}, not the "
                              f"{type(ours).__name__} fastbert runs")
     return model.train(base.training)

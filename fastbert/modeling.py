@@ -41,7 +41,7 @@ from .compat import TransformersModelMixin
 from .dispatch import OPS
 from .inputs import Batch, prepare
 from .layers import host
-from .layers.base import NO_DROPOUT
+from .layers.base import NO_DROPOUT, RMSNorm
 from .layout import first_tokens, pad, unpad
 from .mask import AttentionMask, tracing
 
@@ -166,7 +166,12 @@ class BertModel(TransformersModelMixin, nn.Module):
         H = config.hidden_size
         width = config.embedding_size if family.projection else H
         self.head_dim = H // config.num_attention_heads
-        self.embeddings = layers.embeddings_class(family)(config, width, family)
+        embeddings = layers.embeddings_class(family)(config, width, family)
+        if isinstance(embeddings, nn.Module):
+            self.embeddings = embeddings
+        else:  # EuroBERT's table sits on the model itself (HF's embed_tokens); `embeddings` reads it there
+            embeddings.attach(self)
+            self.__dict__["embeddings"] = embeddings
         # ELECTRA: embeddings narrower than the layers are widened by a projection (HF's module name and key)
         self.embeddings_project = nn.Linear(width, H) if width != H else None
         self._layer_class = layers.layer_class(family)
@@ -176,8 +181,12 @@ class BertModel(TransformersModelMixin, nn.Module):
                                                           for i in range(config.num_hidden_layers)])
         else:
             self.add_module(family.layers, BertEncoder(config, family))  # HF's: encoder (DistilBERT: transformer)
-        self.final_norm = nn.LayerNorm(H, eps=family.get(config, "layer_norm_eps"), bias=config.norm_bias) \
-            if family.final_norm else None
+        # the norm after the last layer, at HF's name (ModernBERT: final_norm; EuroBERT: norm), or None
+        self.__dict__["_final_norm_name"] = family.final_norm_name if family.final_norm else None
+        if family.final_norm:
+            eps = family.get(config, "layer_norm_eps")
+            self.add_module(family.final_norm_name, RMSNorm(H, eps) if family.norm_kind == "rms"
+                            else nn.LayerNorm(H, eps=eps, bias=config.norm_bias))
         self.__dict__["_inv_freq"] = {}  # (layer type, device) -> rotary (inv_freq, factor), made on first use
         # DeBERTa: the column each distance j - i reads, one table for every length (relative.deberta_column_table)
         self._disentangled = family.attention_bias == "disentangled" and any(layer.c2p or layer.p2c
@@ -212,6 +221,8 @@ class BertModel(TransformersModelMixin, nn.Module):
                 nn.init.zeros_(module.weight[module.padding_idx])
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
         if isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             if module.bias is not None:  # ModernBERT's norm_bias=False
@@ -345,8 +356,8 @@ class BertModel(TransformersModelMixin, nn.Module):
             x, probs = call(layer, x, attn, run, output_attentions, at, workspace)
             if output_attentions:
                 attentions.append(probs)
-        if self.final_norm is not None:  # pre-norm: the last hidden state is normed (and is HF's last hidden_states)
-            x = self.final_norm(x)
+        if self._final_norm_name is not None:  # pre-norm: the last hidden state is normed (HF's last hidden_states)
+            x = self._modules[self._final_norm_name](x)
         if keep_hidden_states:
             x = keep_hidden_states.record(hidden_states, x)
         return x, hidden_states, attentions
@@ -434,7 +445,8 @@ class BertModel(TransformersModelMixin, nn.Module):
         does, and on a GPU the token and sequence-length buckets "auto" measured for, and whether the sequences'
         lengths differ), resolved once and cached: a forward pays one dictionary lookup for its backend choices. A
         kernel failure under "auto" (fallback.kernel_failed) drops the cache, so the plans say what runs."""
-        weight = self._modules["embeddings"].tables()[0].weight  # the word table: the model's device and dtype
+        embeddings = self._modules.get("embeddings") or self.__dict__["embeddings"]  # (EuroBERT's: not a module)
+        weight = embeddings.tables()[0].weight  # the word table: the model's device and dtype
         cfg = self.config
         kernels = tuple(map(self._kernels.__getitem__, OPS))
         shapes = None

@@ -48,6 +48,7 @@ DebertaV2Model = CLASSES["deberta-v2"]
 JinaEmbeddingsV3Model = CLASSES["jina_embeddings_v3"]
 NomicBertModel = CLASSES["nomic_bert"]
 GteModel = CLASSES["gte"]
+EuroBertModel = CLASSES["eurobert"]
 
 
 def _class_of(config) -> type:

@@ -128,6 +128,9 @@ def random_arch_model(arch, hidden=64, heads=2, layers=2, intermediate=100, max_
     elif arch.startswith("deberta-v2"):  # "-v2style": absolute positions, token types, pos_*_proj, a projection
         model = transformers.DebertaV2Model(deberta_config(hidden, heads, layers, intermediate, max_len,
                                                            v2style=arch == "deberta-v2-v2style"))
+    elif arch.startswith("eurobert"):
+        model = transformers.EuroBertModel(eurobert_config(hidden, heads, layers, intermediate, max_len,
+                                                           gqa=arch == "eurobert-gqa", biases=arch == "eurobert-gqa"))
     elif arch in ROTARY_POST_NORM:
         model = rotary_post_norm_model(arch, hidden, heads, layers, intermediate, max_len)
     elif arch in ("bert", "bert-no-pooler"):
@@ -157,6 +160,19 @@ ROPE_SCALINGS = {"yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_posi
                  "linear": {"rope_type": "linear", "factor": 2.0},
                  "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8}}
+
+
+def eurobert_config(hidden=64, heads=2, layers=2, intermediate=100, max_len=24, gqa=False, biases=False, **extra):
+    """A small EuroBertConfig (special ids inside ARCH_VOCAB, pad 0, a theta small enough that short rows turn every
+    frequency); gqa: one key/value head for every two query heads; biases: attention_bias and mlp_bias."""
+    import transformers
+    fields = dict(vocab_size=ARCH_VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=heads // 2 if gqa else heads, intermediate_size=intermediate,
+                  max_position_embeddings=max_len, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3, attn_implementation="eager",
+                  attention_bias=biases, mlp_bias=biases)
+    fields.update(extra)
+    return transformers.EuroBertConfig(**fields)
 
 
 def has_rotary_post_norm() -> bool:
@@ -264,7 +280,8 @@ def fused_rows_alias_parts(encoder) -> bool:
         for holder in layer.fused_holders():
             n = len(holder.names)
             weight, bias = holder.qkv_weight, holder.qkv_bias
-            rows = weight.chunk(n), (None,) * n if bias is None else bias.chunk(n)
+            widths = [getattr(holder, name).weight.shape[0] for name in holder.names]  # (grouped k/v: narrower)
+            rows = weight.split(widths), (None,) * n if bias is None else bias.split(widths)
             for i, name in enumerate(holder.names):
                 part = getattr(holder, name)
                 if part.weight.data_ptr() != rows[0][i].data_ptr():
@@ -443,6 +460,10 @@ def family_st_folder(family, minilm_path, root):
     elif family == "deberta-v2":
         cfg = deberta_config(hidden=hidden, heads=4, layers=2, intermediate=100, max_len=512, vocab_size=len(tok))
         cls = transformers.DebertaV2Model
+    elif family == "eurobert":
+        cfg = eurobert_config(hidden=hidden, heads=4, layers=2, intermediate=100, max_len=512, gqa=True,
+                              vocab_size=len(tok), attn_implementation="sdpa")
+        cls = transformers.EuroBertModel
     elif family in ("jina_embeddings_v3", "nomic_bert", "gte"):
         cls = type(rotary_post_norm_model(family, hidden, 4, 1, 16, 512))
         cfg = rotary_post_norm_config(family, hidden=hidden, heads=4, layers=2, intermediate=100, max_len=512,
@@ -456,7 +477,7 @@ def family_st_folder(family, minilm_path, root):
     perturb_(cls(cfg), weight_std=0.05).save_pretrained(hf_folder)
     tok.save_pretrained(hf_folder)
     word = st_modules.Transformer(str(hf_folder), max_seq_length=384 if family == "mpnet" else 256)
-    mean = family in ("mpnet", "jina_embeddings_v3", "nomic_bert")  # GTE's models pool CLS, as the others here
+    mean = family in ("mpnet", "jina_embeddings_v3", "nomic_bert", "eurobert")  # GTE's pool CLS, as the others
     modules = [word, st_modules.Pooling(hidden, "mean" if mean else "cls")]
     if family in ("mpnet", "nomic_bert"):
         modules.append(st_modules.Normalize())

@@ -4,6 +4,7 @@
     disentangled.py  post-norm, attention adds c2p + p2c terms            DeBERTa-v2/v3
     pre_norm.py      x = x + attention(LN(x)), x = x + gated MLP(LN(x))   ModernBERT
     rotary_post_norm.py  post-norm, rotary q/k, plain or gated MLP       Jina-Embeddings-v3, NomicBERT, GTE
+    rms_pre_norm.py  pre-norm with RMSNorm, grouped-query attention, SwiGLU    EuroBERT
     base.py          what the shapes share: HF's module paths, the dropouts' p, the module at a role now
     embeddings.py    token ids -> the first layer's input, per family
     fused_qkv.py     query/key/value as HF's modules over one fused weight
@@ -19,14 +20,17 @@ from .disentangled import DisentangledLayer
 from .embeddings import embeddings_class
 from .post_norm import PostNormLayer
 from .pre_norm import PreNormLayer
+from .rms_pre_norm import RMSPreNormLayer
 from .rotary_post_norm import RotaryPostNormLayer
 
-__all__ = ["DisentangledLayer", "PostNormLayer", "PreNormLayer", "RotaryPostNormLayer", "embeddings_class",
-           "layer_class"]
+__all__ = ["DisentangledLayer", "PostNormLayer", "PreNormLayer", "RMSPreNormLayer", "RotaryPostNormLayer",
+           "embeddings_class", "layer_class"]
 
 
 def layer_class(family: families.Family) -> type:
     """The layer shape a family's axes name (norm placement, MLP kind, attention bias kind, windows)."""
+    if family.norm == "pre" and family.norm_kind == "rms" and family.mlp == "gated" and family.attention_bias == "none":
+        return RMSPreNormLayer
     if family.norm == "pre" and family.mlp == "gated" and family.attention_bias == "none":
         return PreNormLayer
     if family.norm == "post" and family.positions == "rotary" and family.attention_bias == "none" \

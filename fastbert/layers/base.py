@@ -8,6 +8,7 @@ states (saved by position: the family's order is HF's) and adapters fit a layer 
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from .. import families, twins
@@ -19,6 +20,33 @@ NO_DROPOUT = (0.0, 0.0, 0.0, 0.0, 0.0)
 # Roles whose linears read the same input and run as one GEMM over a fused weight (FusedQKV): query/key/value where a
 # checkpoint keeps them apart; a gated MLP's gate (activated) and up projections where it keeps them apart.
 FUSED_GROUPS = (("query", "key", "value"), ("ffn_gate", "ffn_up"))
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm of the Llama-shaped encoders (EuroBERT): x / sqrt(mean(x^2) + eps) in float32, back in
+    x's dtype, times weight; HF's parameter and attribute names (`weight`, `variance_epsilon`)."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm.forward, operation for operation (the same rounding in every dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """fastbert's RMSNorm or a transformers one of the same definition (EuroBertRMSNorm, LlamaRMSNorm, ...): a
+    `weight` and a `variance_epsilon`, no other parameter."""
+    return type(module).__name__.endswith("RMSNorm") and set(module._parameters) == {"weight"} \
+        and isinstance(getattr(module, "variance_epsilon", None), float)
 
 
 class Block(nn.Module):

@@ -4,6 +4,7 @@
     tokens  (ModernBERT)                                 the word table, LayerNorm, dropout; positions rotate q and k
     masked  (DeBERTa-v2)                                 the tables the config keeps, a projection, LayerNorm, times
                                                          the key mask, dropout
+    table   (EuroBERT)                                   the word table alone, at the model's top (embed_tokens)
 
 Positions come from each token's index in its sequence, or (padding_idx, RoBERTa's family) counted from
 padding_idx + 1 over the real tokens.
@@ -174,8 +175,48 @@ class DebertaEmbeddings(nn.Module):
         return self.dropout(x)                                                    # [T, H]
 
 
+class TableEmbeddings:
+    """EuroBERT: the token table alone (no norm, no token types, no dropout; positions rotate q and k), which HF's
+    model holds at its top as `embed_tokens`. Not a module: the model registers the table itself (`attach`), so that
+    its state_dict key is HF's, and this reads it there at every call (from_hf and set_input_embeddings put theirs
+    there)."""
+
+    position_embeddings = token_type_embeddings = None
+    word_embeddings_name = "embed_tokens"
+
+    def __init__(self, config, width: int, family: families.Family):
+        self._home = {"embed_tokens": nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)}
+        self.max_length = config.max_position_embeddings  # what it was trained for; longer input is not refused
+
+    def attach(self, model: nn.Module) -> None:
+        """Register the table on `model` at HF's name and read it from there from now on."""
+        model.add_module("embed_tokens", self._home["embed_tokens"])
+        self._home = model._modules
+
+    @property
+    def word_embeddings(self) -> nn.Embedding:  # the name the rest of fastbert reads
+        return self._home["embed_tokens"]
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._home["embed_tokens"]
+
+    @embed_tokens.setter
+    def embed_tokens(self, table: nn.Embedding) -> None:  # set_input_embeddings
+        self._home["embed_tokens"] = table
+
+    def tables(self) -> tuple:
+        return self._home["embed_tokens"], None, None
+
+    def position_ids(self, input_ids, index):
+        return index
+
+    def __call__(self, input_ids, token_type_ids, position_ids, inputs_embeds):
+        return self._home["embed_tokens"](input_ids) if inputs_embeds is None else inputs_embeds     # [T, H]
+
+
 def embeddings_class(family: families.Family) -> type:
     """The embeddings a family's `embeddings` and `positions` axes name."""
     if family.embeddings == "sum":
         return RobertaEmbeddings if family.positions == "padding_idx" else BertEmbeddings
-    return {"tokens": TokenEmbeddings, "masked": DebertaEmbeddings}[family.embeddings]
+    return {"tokens": TokenEmbeddings, "masked": DebertaEmbeddings, "table": TableEmbeddings}[family.embeddings]

@@ -21,12 +21,15 @@ class FusedQKV(nn.Module):
     tensors, while an in-place update (an optimizer step, load_state_dict, PEFT's merge) lands in the fused weight at
     once: one copy of the weights. Where HF's module holds more (DistilBERT's out_lin, MPNet's o), the layer adds it."""
 
-    def __init__(self, hidden: int, names: tuple = ("query", "key", "value"), out_features: int | None = None,
+    def __init__(self, hidden: int, names: tuple = ("query", "key", "value"), out_features: int | tuple | None = None,
                  bias: bool = True):
+        """out_features: every part's width (default: hidden), or one per part (grouped-query attention: key and
+        value narrower than query)."""
         super().__init__()
         self.names = names
-        for name in names:
-            self.add_module(name, nn.Linear(hidden, hidden if out_features is None else out_features, bias=bias))
+        widths = hidden if out_features is None else out_features
+        for name, width in zip(names, widths if isinstance(widths, tuple) else (widths,) * len(names), strict=True):
+            self.add_module(name, nn.Linear(hidden, width, bias=bias))
         self._fused = None  # (weight [3H, H], bias [3H], the parts' data pointers when packed)
         self.register_load_state_dict_post_hook(lambda module, keys: module.pack())  # assign=True puts new tensors
         self.pack()
@@ -61,7 +64,7 @@ class FusedQKV(nn.Module):
             weight, bias = _cat([p.detach() for p in parts[:n]]), _cat([p for p in parts[n:]])
         for fused, group in ((weight, parts[:n]), (bias, parts[n:])):
             if fused is not None:
-                for part, rows in zip(group, fused.chunk(n, dim=0)):
+                for part, rows in zip(group, fused.split([p.shape[0] for p in parts[:n]], dim=0)):
                     part.data = _alias(rows)
         self._fused = holder["_fastbert_fused"] = (weight, bias, _pointers(parts))
 

@@ -9,6 +9,7 @@ import torch
 import transformers
 from helpers import (
     deberta_config,
+    eurobert_config,
     fused_rows_alias_parts,
     has_modernbert,
     has_rotary_post_norm,
@@ -200,9 +201,12 @@ if has_rotary_post_norm():  # rotary q/k; NomicBERT's and GTE's gate/up over one
         NEW_FAMILIES[_family] = (lambda family, cls: lambda: getattr(transformers, cls + "ForSequenceClassification")(
             rotary_post_norm_config(family, hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50,
                                     num_labels=3)))(_family, _cls)
+    # grouped-query attention (q_proj adapted beside narrower k/v) and the SwiGLU's up projection
+    NEW_FAMILIES["eurobert"] = lambda: transformers.EuroBertForSequenceClassification(eurobert_config(
+        hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50, num_labels=3, gqa=True))
 TARGETS_OF = {"distilbert": ["q_lin", "v_lin"], "mpnet": ["q", "v"], "modernbert": ["Wqkv", "Wi"],
               "deberta-v2": ["query_proj", "value_proj"], "jina_embeddings_v3": ["q_proj", "v_proj"],
-              "nomic_bert": ["k_proj", "gate_proj"], "gte": ["v_proj", "up_proj"]}
+              "nomic_bert": ["k_proj", "gate_proj"], "gte": ["v_proj", "up_proj"], "eurobert": ["q_proj", "up_proj"]}
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)

@@ -36,7 +36,8 @@ NEEDS_ROTARY_POST_NORM = pytest.mark.skipif(not has_rotary_post_norm(),
 ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
          pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
          pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA),
-         *(pytest.param(arch, marks=NEEDS_ROTARY_POST_NORM) for arch in ROTARY_POST_NORM))
+         *(pytest.param(arch, marks=NEEDS_ROTARY_POST_NORM)
+           for arch in (*ROTARY_POST_NORM, "eurobert", "eurobert-gqa")))
 BACKENDS = ("torch", "triton")
 
 
@@ -158,7 +159,8 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
                 "deberta-v2": transformers.DebertaV2ForSequenceClassification,
                 "jina_embeddings_v3": getattr(transformers, "JinaEmbeddingsV3ForSequenceClassification", None),
                 "nomic_bert": getattr(transformers, "NomicBertForSequenceClassification", None),
-                "gte": getattr(transformers, "GteForSequenceClassification", None)}[hf.config.model_type]
+                "gte": getattr(transformers, "GteForSequenceClassification", None),
+                "eurobert": getattr(transformers, "EuroBertForSequenceClassification", None)}[hf.config.model_type]
     head = head_cls(hf.config)
     head.base_model.load_state_dict(hf.state_dict(), strict=False)
     head.save_pretrained(tmp_path / "head")

@@ -1,0 +1,121 @@
+"""EuroBERT against transformers' EuroBertModel (sdpa and eager), random weights, fp32: the PyTorch path and the
+Triton kernels through the interpreter; EuroBERT-210m's shape, grouped-query attention (key/value heads shared by
+2 and by 4 query heads) with and without biases, rows of 1 to 1,030 tokens right and left padded, a fully padded row,
+packed input, the refusals. q and k are scaled up so that a wrong angle or a wrong key/value head cannot hide under
+the bar. Bar: 1e-5 on real tokens."""
+import pytest
+import torch
+import transformers
+from helpers import eurobert_config, has_rotary_post_norm, perturb_
+
+import fastbert
+
+pytestmark = pytest.mark.skipif(not has_rotary_post_norm(), reason="this transformers has no EuroBERT (5.24+)")
+
+VOCAB = 99
+LENGTHS = [1, 63, 64, 65, 129, 1030]
+
+
+def hf_model(impl="sdpa", seed=0, qk_gain=4.0, hidden=64, heads=4, kv_heads=2, layers=2, intermediate=96, **extra):
+    config = eurobert_config(hidden=hidden, heads=heads, layers=layers, intermediate=intermediate, max_len=2048,
+                             num_key_value_heads=kv_heads, attn_implementation=impl, **extra)
+    torch.manual_seed(seed)
+    model = perturb_(transformers.EuroBertModel(config), weight_std=0.05).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk_gain)
+            layer.self_attn.k_proj.weight.mul_(qk_gain)
+    return model
+
+
+def ragged(lengths, seed=1, left=False):
+    S = max(lengths)
+    ids = torch.randint(4, VOCAB, (len(lengths), S), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if left:
+            mask[b, S - n:] = 1
+        else:
+            mask[b, :n] = 1
+    return ids, mask
+
+
+def error(got, want, mask):
+    return (got - want)[mask.bool()].abs().max().item()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa4"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_long_and_short_rows(kv_heads, impl, left):
+    hf = hf_model(impl, kv_heads=kv_heads, attention_bias=kv_heads == 1, mlp_bias=kv_heads == 1)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, mask = ragged(LENGTHS, left=left)
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, output_hidden_states=True)
+        got = fb(ids, attention_mask=mask, output_hidden_states=True)
+    for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
+        assert error(g, w, mask) <= 1e-5
+    assert error(got.last_hidden_state, want.last_hidden_state, mask) <= 1e-5
+    assert got.last_hidden_state[~mask.bool()].abs().max() == 0
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa2"])
+def test_kernels_through_the_interpreter(kv_heads):
+    """kernels="triton": the fused QKV GEMM (or, grouped, q/k/v laid out for the attention kernel), the rotary
+    attention kernel, the SwiGLU epilogue; rows past one key block."""
+    hf = hf_model("eager", kv_heads=kv_heads)
+    fb = fastbert.BertModel.from_hf(hf, kernels="triton")
+    ids, mask = ragged([1, 70, 33])
+    with torch.no_grad():
+        assert error(fb(ids, attention_mask=mask).last_hidden_state,
+                     hf(ids, attention_mask=mask).last_hidden_state, mask) <= 1e-5
+
+
+def test_eurobert_210m_shape():
+    """EuroBERT-210m's shape: 12 layers of 768, 12 heads (as many key/value heads), SwiGLU 3,072, theta 250,000."""
+    hf = hf_model(qk_gain=1.0, hidden=768, heads=12, kv_heads=12, layers=12, intermediate=3072,
+                  rope_parameters={"rope_type": "default", "rope_theta": 250000.0})
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, mask = ragged([3, 70, 130])
+    with torch.no_grad():
+        assert error(fb(ids, attention_mask=mask).last_hidden_state,
+                     hf(ids, attention_mask=mask).last_hidden_state, mask) <= 1e-5
+
+
+def test_fully_padded_row_and_packed_input():
+    hf = hf_model("eager")
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, mask = ragged([9, 70, 1, 4])
+    mask[2] = 0
+    with torch.no_grad():
+        got = fb(ids, attention_mask=mask).last_hidden_state
+        assert torch.isfinite(got).all() and got[2].abs().max() == 0
+        lengths = [9, 70, 4]
+        rows = [0, 1, 3]
+        packed = torch.cat([ids[b, :n] for b, n in zip(rows, lengths)])
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        out = fb(packed, cu_seqlens=cu).last_hidden_state
+        for i, (b, n) in enumerate(zip(rows, lengths)):
+            alone = hf(ids[b:b + 1, :n]).last_hidden_state[0]
+            assert (got[b, :n] - alone).abs().max() <= 1e-5
+            assert (out[cu[i]:cu[i + 1]] - alone).abs().max() <= 1e-5
+
+
+def test_the_model_holds_hf_modules_and_keys():
+    """HF's state_dict keys (embed_tokens at the top, norm after the layers), HF's own modules after from_hf (the
+    RMSNorms included: one copy of every weight), and transformers' class name."""
+    hf = hf_model()
+    fb = fastbert.AutoModel.from_hf(hf, kernels="torch")
+    assert type(fb).__name__ == "EuroBertModel" and isinstance(fb, fastbert.BertModel)
+    assert list(fb.state_dict()) == list(hf.state_dict())
+    assert fb.get_input_embeddings() is hf.embed_tokens
+    assert fb.layers[0].input_layernorm is hf.layers[0].input_layernorm and fb.norm is hf.norm
+    assert fb.layers[1].self_attn.k_proj.weight.shape == (32, 64)  # 2 key/value heads of 16
+
+
+def test_num_key_value_heads_must_divide_the_heads():
+    config = eurobert_config(hidden=64, heads=4, layers=1, intermediate=32, max_len=64)
+    config.num_key_value_heads = 3
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        fastbert.BertModel(config)
