@@ -17,8 +17,8 @@ setup(
     name="fastbert-triton",
     version=VERSION,
     description="A drop-in Hugging Face encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, DistilBERT, MPNet, "
-                "ModernBERT, DeBERTa-v2/v3, Jina-Embeddings-v3, NomicBERT, GTE) whose four fused ops run as Triton "
-                "kernels, with PyTorch twins",
+                "ModernBERT, DeBERTa-v2/v3, Jina-Embeddings-v3, NomicBERT, GTE, EuroBERT) whose four fused ops run as "
+                "Triton kernels, with PyTorch twins",
     long_description=README,
     long_description_content_type="text/markdown",
     license="Apache-2.0",
