@@ -3,7 +3,7 @@ import numpy as np
 import onnxruntime  # noqa: E402  (a test dependency: setup.py's test extras)
 import pytest
 import torch
-from helpers import has_modernbert, random_arch_model, random_hf_bert
+from helpers import has_modernbert, has_rotary_post_norm, random_arch_model, random_hf_bert
 
 import fastbert
 
@@ -65,11 +65,14 @@ def test_refuses_other_objects(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["distilbert", "mpnet", pytest.param("modernbert", marks=pytest.mark.skipif(
-    not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")), "deberta-v2"])
+    not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")), "deberta-v2",
+    *(pytest.param(arch, marks=pytest.mark.skipif(not has_rotary_post_norm(), reason="transformers 5.24+ families"))
+      for arch in ("gte-notypes", "eurobert-gqa"))])
 def test_families_without_token_types(tmp_path, arch):
-    """DistilBERT, MPNet and ModernBERT export with input_ids and attention_mask only (they have no token types);
-    MPNet's relative bias table, ModernBERT's rotary tables and sliding window, DeBERTa-v3's disentangled terms and
-    column table are part of the graph. HF's numbers
+    """DistilBERT, MPNet, ModernBERT, GTE without token types and EuroBERT export with input_ids and attention_mask
+    only; MPNet's relative bias table, ModernBERT's rotary tables and sliding window, DeBERTa-v3's disentangled terms
+    and column table, GTE's gated MLP, EuroBERT's RMSNorms and grouped key/value heads are part of the graph. HF's
+    numbers
     on real tokens, at lengths the export never saw."""
     hf = random_arch_model(arch)
     fb = fastbert.BertModel.from_hf(hf, kernels="torch")

@@ -11,9 +11,19 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import deberta_config, fused_rows_alias_parts, has_modernbert, modernbert_config, perturb_
+from helpers import (
+    deberta_config,
+    eurobert_config,
+    fused_rows_alias_parts,
+    has_modernbert,
+    has_rotary_post_norm,
+    modernbert_config,
+    perturb_,
+    rotary_post_norm_config,
+)
 
 import fastbert
+from fastbert.layers.base import RMSNorm
 
 S = 7
 IDS = torch.tensor([[5, 8, 13, 21, 34, 2, 3], [9, 10, 11, 12, 0, 0, 0]])
@@ -36,6 +46,17 @@ FAMILIES = {
     "deberta-v2": (lambda: deberta_config(hidden=32, heads=2, layers=2, intermediate=40, max_len=16, vocab_size=50),
                    transformers.DebertaV2ForMaskedLM),
 }
+if has_rotary_post_norm():  # transformers 5.24+: rotary post-norm (NomicBERT: SwiGLU, no biases); EuroBERT (grouped)
+    FAMILIES["nomic_bert"] = (lambda: rotary_post_norm_config("nomic_bert", hidden=32, heads=2, layers=2,
+                                                              intermediate=40, max_len=16, vocab_size=50),
+                              transformers.NomicBertForMaskedLM)
+    FAMILIES["jina_embeddings_v3"] = (lambda: rotary_post_norm_config("jina_embeddings_v3", hidden=32, heads=2,
+                                                                      layers=2, intermediate=40, max_len=16,
+                                                                      vocab_size=50),
+                                      transformers.JinaEmbeddingsV3ForMaskedLM)
+    FAMILIES["eurobert"] = (lambda: eurobert_config(hidden=32, heads=2, layers=2, intermediate=40, max_len=16,
+                                                    vocab_size=50, gqa=True),
+                            transformers.EuroBertForMaskedLM)
 if has_modernbert():  # layer 0 full attention, layer 1 a window of +-2 keys
     FAMILIES["modernbert"] = (lambda: modernbert_config(hidden=32, heads=2, layers=2, intermediate=40, max_len=16,
                                                         vocab_size=50),
@@ -595,8 +616,8 @@ def test_bare_encoder_on_meta_then_to_empty_and_init_weights(family):
         fb = fastbert.BertModel(config, kernels="torch")
     fb.to_empty(device="cpu")
     fb.init_weights()
-    norms = {f"{name}.{kind}" for name, m in fb.named_modules() if isinstance(m, torch.nn.LayerNorm)
-             for kind in ("weight", "bias")}  # (DistilBERT's are sa_layer_norm, output_layer_norm)
+    norms = {f"{name}.{kind}" for name, m in fb.named_modules() if isinstance(m, (torch.nn.LayerNorm, RMSNorm))
+             for kind in ("weight", "bias")}  # (DistilBERT's are sa_layer_norm, output_layer_norm; EuroBERT's RMS)
     for name, p in fb.named_parameters():
         if name in norms:
             assert torch.equal(p, torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p)), name
