@@ -13,6 +13,10 @@ optimizer groups are HF's own), what its config calls each field, and which valu
                                                       "sliding" layers
     deberta-v2  word (+ position) (+ type), a         disentangled c2p + p2c  no      BaseModelOutput
                 projection, LayerNorm, times the mask  (column by bucket)
+    jina-v3     word + type, LayerNorm; rotary q/k     none                    yes     ...WithPooling
+    nomic_bert  word + type, LayerNorm; rotary q/k     none                    asked   ...WithPooling
+    gte         word (+ type), LayerNorm; rotary q/k   none                    asked   ...WithPooling
+    eurobert    word alone (embed_tokens); rotary q/k  none                    no      BaseModelOutput
 
 DeBERTa-v2/v3's attention adds content-to-position and position-to-content terms gathered at one bucketed column
 per distance (twins.Disentangled); its heads keep their ContextPooler themselves.
@@ -24,6 +28,9 @@ The layer's axes, each named for what it does, and the shape they pick (fastbert
     mpnet       post  no          plain  buckets         no       sum         padding_idx  post_norm
     modernbert  pre   yes         gated  none            yes      tokens      rotary       pre_norm
     deberta-v2  post  no          plain  disentangled    no       masked      index        disentangled
+    jina-v3     post  no          plain  none            no       sum         rotary       rotary_post_norm
+    nomic, gte  post  no          gated  none            no       sum         rotary       rotary_post_norm
+    eurobert    pre   yes (RMS)   gated  none            no       table       rotary       rms_pre_norm
 
 Post-norm: x = LN(x + attention), x = LN(x + FFN). Pre-norm with a final norm and a gated MLP: x = x +
 attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T; ModernBERT's checkpoints already hold q/k/v

@@ -1,10 +1,11 @@
 """fastbert.BertModel: Hugging Face's BertModel, same checkpoints, same calls, same numbers, four fused ops.
 
 One model for every family fastbert runs (fastbert/families.py): BERT and the BERT-architecture embedding models
-(BGE, E5, GTE), RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA discriminators, DistilBERT, MPNet, ModernBERT and
-DeBERTa-v2/v3. A family is data: HF's module path of each of the layer's tensors, and its values along a few named
-axes (embeddings, positions, norm placement, MLP kind, attention bias kind, windows). The axes pick the embeddings
-and the layer shape (fastbert/layers/: one file each); this file holds what every family shares.
+(BGE, E5, GTE), RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA discriminators, DistilBERT, MPNet, ModernBERT,
+DeBERTa-v2/v3, Jina-Embeddings-v3, NomicBERT, GTE (model_type gte) and EuroBERT. A family is data: HF's module path
+of each of the layer's tensors, and its values along a few named axes (embeddings, positions, norm placement and
+kind, MLP kind, attention bias kind, windows). The axes pick the embeddings and the layer shape (fastbert/layers/:
+one file each); this file holds what every family shares.
 
 One forward in three parts:
 
