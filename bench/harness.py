@@ -182,6 +182,10 @@ def hf_config(model: str):
         # token types, rotary theta 160,000 (its long-context rope scaling is not one transformers implements)
         return transformers.GteConfig(vocab_size=30528, type_vocab_size=0, max_position_embeddings=8192,
                                       hidden_dropout_prob=0.0)
+    if model == "eurobert-210m":  # EuroBERT-210m's shape: 12 layers of 768, 12 heads (as many key/value heads),
+        # SwiGLU 3,072, RMSNorm, rotary theta 250,000
+        return transformers.EuroBertConfig(rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)
     raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
 
 
@@ -189,17 +193,17 @@ def hf_config(model: str):
 # on the pad id, so this changes nothing it computes
 _MODERNBERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
 MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base", "deberta-v3-base",
-          "nomic-embed-base", "gte-base", *TINY_MODELS, "host")
+          "nomic-embed-base", "gte-base", "eurobert-210m", *TINY_MODELS, "host")
 # transformers' encoder class for each model_type the bank builds
 HF_CLASSES = {"bert": "BertModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
               "modernbert": "ModernBertModel", "deberta-v2": "DebertaV2Model", "nomic_bert": "NomicBertModel",
-              "gte": "GteModel"}
+              "gte": "GteModel", "eurobert": "EuroBertModel"}
 
 
 def reference_attention(model: str) -> str:
     """HF's implementation the fp32 reference runs: eager, except for ModernBERT, whose eager scores at 8,192 tokens
     would be 3 GB per head-batch and layer; its sdpa in fp32 is the reference there."""
-    return "sdpa" if "modernbert" in model or model == "gte-base" else "eager"
+    return "sdpa" if "modernbert" in model or model in ("gte-base", "eurobert-210m") else "eager"
 
 
 def hf_attention(model: str) -> tuple[str, ...]:

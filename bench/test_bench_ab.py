@@ -22,6 +22,9 @@ Cells (the CPU goals of padding-free execution):
   nomic-embed-base 32xvar16-512, gte-base 16xvar64-2048
                          nomic-embed-text-v1.5's and gte-base-en-v1.5's shapes (random weights; rotary post-norm,
                          gated MLPs) against HF sdpa: the ragged batch, and 16 rows of 64..2,048 (goals >= 2.5x)
+  eurobert-210m 16xvar64-2048
+                         EuroBERT-210m's shape (random weights; pre-norm RMSNorm, SwiGLU) against HF sdpa, 16 rows
+                         of 64..2,048 (goal >= 2.5x)
   deberta-v3-base 32xvar16-512
                          DeBERTa-v3-base's shape (random weights) against HF eager (it has no other attention): the
                          ragged batch, HF padding every row to 512 with its [B*nh, S, S] c2p/p2c gathers
@@ -49,11 +52,12 @@ CASES = {  # id: (model, cell, rounds, warm-up rounds)
     "deberta-v3-base-32xvar16-512": ("deberta-v3-base", harness._varlen(32, 16, 512), 3, 0),
     "nomic-embed-base-32xvar16-512": ("nomic-embed-base", harness._varlen(32, 16, 512), 3, 0),
     "gte-base-16xvar64-2048": ("gte-base", harness._varlen(16, 64, 2048), 2, 0),
+    "eurobert-210m-16xvar64-2048": ("eurobert-210m", harness._varlen(16, 64, 2048), 2, 0),
 }
 
 
 # Too slow for the one-pass check of `pytest bench --benchmark-disable` (CI): HF's reference forward alone is 100-190 s
-SLOW_MODELS = ("modernbert-base", "deberta-v3-base", "nomic-embed-base", "gte-base")
+SLOW_MODELS = ("modernbert-base", "deberta-v3-base", "nomic-embed-base", "gte-base", "eurobert-210m")
 
 
 @pytest.mark.parametrize("case", list(CASES))
