@@ -175,6 +175,33 @@ def eurobert_config(hidden=64, heads=2, layers=2, intermediate=100, max_len=24, 
     return transformers.EuroBertConfig(**fields)
 
 
+def sharpen_qk_(model, gain: float):
+    """q_proj and k_proj of every layer scaled by `gain`, in place: with small random weights every score is near 0,
+    and a wrong rotary angle or key/value head would hide under the bar."""
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.mul_(gain)
+            layer.self_attn.k_proj.weight.mul_(gain)
+    return model
+
+
+def ragged_rows(lengths, low=2, seed=1, left=False):
+    """ids in [low, ARCH_VOCAB) and a 0/1 mask: one row per length, right (or left) padded to the longest."""
+    S = max(lengths)
+    ids = torch.randint(low, ARCH_VOCAB, (len(lengths), S), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if left:
+            mask[b, S - n:] = 1
+        else:
+            mask[b, :n] = 1
+    return ids, mask
+
+
+def error_on_real_tokens(got, want, mask) -> float:
+    return (got - want)[mask.bool()].abs().max().item()
+
+
 def has_rotary_post_norm() -> bool:
     import transformers
     return hasattr(transformers, "NomicBertModel")

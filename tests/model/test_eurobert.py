@@ -6,13 +6,12 @@ the bar. Bar: 1e-5 on real tokens."""
 import pytest
 import torch
 import transformers
-from helpers import eurobert_config, has_rotary_post_norm, perturb_
+from helpers import error_on_real_tokens, eurobert_config, has_rotary_post_norm, perturb_, ragged_rows, sharpen_qk_
 
 import fastbert
 
 pytestmark = pytest.mark.skipif(not has_rotary_post_norm(), reason="this transformers has no EuroBERT (5.24+)")
 
-VOCAB = 99
 LENGTHS = [1, 63, 64, 65, 129, 1030]
 
 
@@ -21,27 +20,14 @@ def hf_model(impl="sdpa", seed=0, qk_gain=4.0, hidden=64, heads=4, kv_heads=2, l
                              num_key_value_heads=kv_heads, attn_implementation=impl, **extra)
     torch.manual_seed(seed)
     model = perturb_(transformers.EuroBertModel(config), weight_std=0.05).eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.q_proj.weight.mul_(qk_gain)
-            layer.self_attn.k_proj.weight.mul_(qk_gain)
-    return model
+    return sharpen_qk_(model, qk_gain)
 
 
 def ragged(lengths, seed=1, left=False):
-    S = max(lengths)
-    ids = torch.randint(4, VOCAB, (len(lengths), S), generator=torch.Generator().manual_seed(seed))
-    mask = torch.zeros(len(lengths), S, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        if left:
-            mask[b, S - n:] = 1
-        else:
-            mask[b, :n] = 1
-    return ids, mask
+    return ragged_rows(lengths, low=4, seed=seed, left=left)
 
 
-def error(got, want, mask):
-    return (got - want)[mask.bool()].abs().max().item()
+error = error_on_real_tokens
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa4"])

@@ -6,7 +6,15 @@ so that attention is sharp and a wrong angle cannot hide under the bar. Bar: 1e-
 import pytest
 import torch
 import transformers
-from helpers import ROPE_SCALINGS, has_rotary_post_norm, perturb_, rotary_post_norm_config
+from helpers import (
+    ROPE_SCALINGS,
+    error_on_real_tokens,
+    has_rotary_post_norm,
+    perturb_,
+    ragged_rows,
+    rotary_post_norm_config,
+    sharpen_qk_,
+)
 
 import fastbert
 
@@ -14,10 +22,9 @@ pytestmark = pytest.mark.skipif(not has_rotary_post_norm(), reason="this transfo
 
 FAMILIES = ("jina_embeddings_v3", "nomic_bert", "gte")
 CLASSES = {"jina_embeddings_v3": "JinaEmbeddingsV3Model", "nomic_bert": "NomicBertModel", "gte": "GteModel"}
-VOCAB = 99
 LENGTHS = [1, 63, 64, 65, 129, 1030]
 
-# The published checkpoints' shapes (vocabularies cut to VOCAB: the table's size changes nothing in the layers)
+# The published checkpoints' shapes (vocabularies cut to 99 ids: the table's size changes nothing in the layers)
 REAL_SHAPES = {
     "nomic-embed-text-v1.5": ("nomic_bert", dict(hidden=768, heads=12, layers=12, intermediate=3072,
                                                  rope={"rope_type": "default", "rope_theta": 1000.0})),
@@ -36,27 +43,14 @@ def hf_model(family, impl="sdpa", seed=0, qk_gain=4.0, rope=None, hidden=64, hea
         config.rope_parameters = rope
     torch.manual_seed(seed)
     model = perturb_(getattr(transformers, CLASSES[family])(config), weight_std=0.05).eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.q_proj.weight.mul_(qk_gain)
-            layer.self_attn.k_proj.weight.mul_(qk_gain)
-    return model
+    return sharpen_qk_(model, qk_gain)
 
 
 def ragged(lengths, seed=1, left=False):
-    S = max(lengths)
-    ids = torch.randint(2, VOCAB, (len(lengths), S), generator=torch.Generator().manual_seed(seed))
-    mask = torch.zeros(len(lengths), S, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        if left:
-            mask[b, S - n:] = 1
-        else:
-            mask[b, :n] = 1
-    return ids, mask
+    return ragged_rows(lengths, low=2, seed=seed, left=left)
 
 
-def error(got, want, mask):
-    return (got - want)[mask.bool()].abs().max().item()
+error = error_on_real_tokens
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
