@@ -189,6 +189,31 @@ def hf_config(model: str):
     raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
 
 
+def nomic_st_folder(root) -> str:
+    """A sentence-transformers folder shaped like nomic-embed-text-v1.5's (NomicBERT of its shape, random weights,
+    seed 0; mean pooling, Normalize, its search_query / search_document prompts) over the bundled MiniLM's uncased
+    WordPiece vocabulary (nomic's is the same vocabulary, 30,522 of its 30,528 rows), built under `root` once."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    folder = os.path.join(root, "nomic-st")
+    if os.path.isdir(folder):
+        return folder
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+    config = hf_config("nomic-embed-base")
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    model = transformers.NomicBertModel(config)
+    hf_folder = os.path.join(root, "nomic-hf")
+    model.save_pretrained(hf_folder)
+    tokenizer.save_pretrained(hf_folder)
+    word = Transformer(hf_folder, max_seq_length=512)
+    SentenceTransformer(modules=[word, Pooling(config.hidden_size, "mean"), Normalize()], device="cpu",
+                        prompts={"query": "search_query: ", "document": "search_document: "}).save(folder)
+    return folder
+
+
 # pad id 0 (the random ids start at 1000), the specials inside any vocabulary: ModernBERT's positions do not depend
 # on the pad id, so this changes nothing it computes
 _MODERNBERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)

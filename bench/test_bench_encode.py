@@ -28,7 +28,10 @@ import torch
 from bench import harness
 from bench.conftest import skip_reason_for_device
 
-CASES = [("cpu", "fp32", 512), ("cuda", "fp16", 8192), ("cuda", "bf16", 8192)]  # device, dtype, texts
+# device, dtype, texts, model: the bundled MiniLM folder, or a nomic-embed-text-v1.5-shaped one encoding with its
+# "search_document: " prompt
+CASES = [("cpu", "fp32", 512, "minilm"), ("cuda", "fp16", 8192, "minilm"), ("cuda", "bf16", 8192, "minilm"),
+         ("cpu", "fp32", 256, "nomic-embed-base")]
 CI_TEXTS = 48
 ROUNDS = {"cpu": 5, "cuda": 10}
 COSINE = 0.99999
@@ -68,8 +71,9 @@ def one_minus_cosine(a, b):
     return 1 - (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-@pytest.mark.parametrize("device, dtype, size", CASES, ids=[f"{d}-{t}" for d, t, _ in CASES])
-def test_encode_corpus(device, dtype, size, benchmark, request):
+@pytest.mark.parametrize("device, dtype, size, model", CASES,
+                         ids=[f"{d}-{t}" + ("" if m == "minilm" else f"-{m}") for d, t, _, m in CASES])
+def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_factory):
     reason = skip_reason_for_device(request.config, device)
     if reason:
         pytest.skip(reason)
@@ -79,17 +83,19 @@ def test_encode_corpus(device, dtype, size, benchmark, request):
 
     torch_dtype = harness.DTYPES[dtype]
     try:
-        path = str(harness.minilm_path())
+        path = str(harness.minilm_path()) if model == "minilm" else \
+            harness.nomic_st_folder(tmp_path_factory.getbasetemp())
         texts = corpus(CI_TEXTS if benchmark.disabled else size)
     except harness.Unavailable as e:
         pytest.skip(str(e))
+    prompt = {} if model == "minilm" else {"prompt_name": "document"}
     # on CPU the PyTorch path: "auto" would take Triton's interpreter where TRITON_INTERPRET=1 is set
     encoder = fastbert.SentenceEncoder.from_pretrained(path, device=device, dtype=torch_dtype,
                                                        kernels="torch" if device == "cpu" else "auto")
     st = sentence_transformers.SentenceTransformer(path, device=device, model_kwargs={"dtype": torch_dtype})
-    variants = {"fastbert": lambda: encoder.encode(texts, progress=False),
+    variants = {"fastbert": lambda: encoder.encode(texts, progress=False, **prompt),
                 "sentence-transformers": lambda: st.encode(texts, batch_size=ST_BATCH_SIZE,
-                                                                 show_progress_bar=False)}
+                                                                 show_progress_bar=False, **prompt)}
 
     # Check before timing (the first calls also pay one-time costs: Triton autotuning, allocator growth)
     started = time.perf_counter()
@@ -100,7 +106,7 @@ def test_encode_corpus(device, dtype, size, benchmark, request):
         error = float(one_minus_cosine(ours, theirs).max())
         bound = 1 - COSINE
     else:
-        reference = sentence_transformers.SentenceTransformer(path, device=device).encode(texts)
+        reference = sentence_transformers.SentenceTransformer(path, device=device).encode(texts, **prompt)
         error = float(one_minus_cosine(ours, reference).max())
         bound = 2 * float(one_minus_cosine(theirs, reference).max()) + 1e-6
     assert error <= bound, f"fastbert vs sentence-transformers: 1 - cosine = {error:.3g} > {bound:.3g}; not timed"
@@ -118,7 +124,7 @@ def test_encode_corpus(device, dtype, size, benchmark, request):
             times[name].append(time.perf_counter() - t0)
             cpu_times[name].append(time.process_time() - c0)
 
-    benchmark.group = f"encode a corpus: minilm {dtype} {device}"
+    benchmark.group = f"encode a corpus: {model} {dtype} {device}"
     benchmark.pedantic(one_round, rounds=1 if benchmark.disabled else ROUNDS[device],
                        warmup_rounds=0 if benchmark.disabled else 1)
     kept = 1 if benchmark.disabled else ROUNDS[device]  # the warm-up round is dropped
@@ -126,11 +132,12 @@ def test_encode_corpus(device, dtype, size, benchmark, request):
     medians = {name: statistics.median(t) for name, t in timed.items()}
     cpu_medians = {name: statistics.median(t[-kept:]) for name, t in cpu_times.items()}
 
-    lengths = [len(x) for x in encoder.tokenizer(texts, truncation=True, max_length=encoder.pipeline.max_seq_length)
-               ["input_ids"]]
+    prefix = encoder.resolve_prompt(None, prompt.get("prompt_name"))
+    lengths = [len(x) for x in encoder.tokenizer([prefix + t for t in texts], truncation=True,
+                                                 max_length=encoder.pipeline.max_seq_length)["input_ids"]]
     by_chars = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # sentence-transformers sorts by characters
     benchmark.extra_info.update(
-        kind="encode", model="minilm", dtype=dtype, device=device, device_name=harness.device_name(device),
+        kind="encode", model=model, dtype=dtype, device=device, device_name=harness.device_name(device),
         texts=len(texts), real_tokens=sum(lengths), max_seq_length=encoder.pipeline.max_seq_length,
         rounds=len(timed["fastbert"]), round_s=timed, first_call_s=first_call_s, max_one_minus_cosine=error,
         bound=bound, sentence_transformers_batch_size=ST_BATCH_SIZE,
