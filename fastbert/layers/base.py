@@ -136,6 +136,12 @@ class EncoderLayer(GradientCheckpointingLayer):
         slot = self._slots.get("query")
         return None if slot is None else slot[0]
 
+    def gate_up(self, run) -> tuple:
+        """(W [2I, H], b or None) of a gated MLP whose gate and up projections the checkpoint keeps apart: the
+        FusedQKV over the pair, as this forward (`run`, dispatch.Ops) needs it (FusedQKV.fused)."""
+        pair = self._slots["ffn_gate"][0]
+        return pair.fused(pair.parts(), run.traced, run.grad)
+
     def fused_holders(self) -> tuple:
         """The layer's FusedQKV containers (q/k/v; a gated MLP's gate and up), whose weights loading packs and
         restore unties."""

@@ -34,7 +34,7 @@ class RMSPreNormLayer(EncoderLayer):
         super().__init__(config, family, index)
         self.layer_type = rotary.FULL  # one rope for every layer (rotary.layer_types)
         self.window = None
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.kv_heads = _kv_heads(config)
         self.head_dim = config.hidden_size // config.num_attention_heads
 
     def leaves(self, config, family, index):
@@ -46,8 +46,7 @@ class RMSPreNormLayer(EncoderLayer):
     def fused_linears(self, config, roles, names):
         H = config.hidden_size
         if roles[0] == "query":
-            kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) \
-                * (H // config.num_attention_heads)
+            kv = _kv_heads(config) * (H // config.num_attention_heads)
             return FusedQKV(H, names, (H, kv, kv), bias=config.attention_bias)
         return FusedQKV(H, names, self.family.get(config, "intermediate_size"), bias=config.mlp_bias)
 
@@ -83,11 +82,15 @@ class RMSPreNormLayer(EncoderLayer):
         h = ln2(x)
         gate, up = self.module("ffn_gate"), self.module("ffn_up")
         if plain(gate) and plain(up):
-            mlp = self._slots["ffn_gate"][0]
-            weight, bias = mlp.fused(mlp.parts(), run.traced, run.grad)
+            weight, bias = self.gate_up(run)
             g = run.bias_gelu(h, weight, bias, self.activation, gated=True)                      # [T, I]
         else:
             g = twins.activate(gate(h), self.activation) * up(h)
         if plain(wo) and wo.bias is None:
             return torch.addmm(x, g, wo.weight.t()), probs  # x + g @ W_down^T
         return x + wo(g), probs
+
+
+def _kv_heads(config) -> int:
+    """num_key_value_heads (None: as many as the query heads)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads

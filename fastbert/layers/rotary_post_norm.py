@@ -107,8 +107,7 @@ class RotaryPostNormLayer(PostNormLayer):
         sa = self.self_attention
         qkv, qkv_bias = sa.fused(sa.parts(), run.traced, run.grad)
         if self.gated:
-            mlp = self._slots["ffn_gate"][0]
-            ffn_in, ffn_in_bias = mlp.fused(mlp.parts(), run.traced, run.grad)
+            ffn_in, ffn_in_bias = self.gate_up(run)
         else:
             ffn_in, ffn_in_bias = linears[5].weight, linears[5].bias
         o, f = linears[3], linears[4]
