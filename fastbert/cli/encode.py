@@ -157,7 +157,8 @@ def encode(args) -> int:
         encoder = SentenceEncoder.from_pretrained(
             args.model or default_model(), pooling=args.pooling, normalize=args.normalize,
             max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
-            dtype=args.dtype, device=device, kernels=args.kernels or "auto", cuda_graphs=not args.no_cuda_graphs)
+            dtype=args.dtype, device=device, kernels=args.kernels or "auto", cuda_graphs=not args.no_cuda_graphs,
+            truncate_dim=args.truncate_dim)
         result = encoder.encode(texts, prompt=args.prompt, prompt_name=args.prompt_name,
                                 max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
                                 progress=False if args.no_progress else None)
@@ -193,7 +194,8 @@ def encode_on_ray(args) -> int:
         prompt_name=args.prompt_name, max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
         progress=not args.no_progress, pooling=args.pooling, normalize=args.normalize,
         max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
-        dtype=args.dtype, kernels=args.kernels, cuda_graphs=False if args.no_cuda_graphs else None)
+        dtype=args.dtype, kernels=args.kernels, cuda_graphs=False if args.no_cuda_graphs else None,
+        truncate_dim=args.truncate_dim)
     done = (f"{result.written} written by {len(result.workers)} worker(s) in {result.seconds:.1f} s"
             + (f", {result.skipped} already there (resumed)" if result.skipped else "")) if result.written else \
         "all already there (nothing left to do)"
@@ -271,6 +273,9 @@ def encode_parser() -> Parser:
                       help="lowercase the texts before tokenizing (sentence-transformers' do_lower_case), or not")
     pipe.add_argument("--include-prompt", action=argparse.BooleanOptionalAction, default=None,
                       help="pool the prompt's tokens too, or leave them out (the Pooling config's include_prompt)")
+    pipe.add_argument("--truncate-dim", type=count(1), metavar="N",
+                      help="keep the first N dimensions of each vector (Matryoshka models), cut after the pipeline "
+                           "as sentence-transformers' truncate_dim; past the vector's width: the whole vector")
     pipe.add_argument("--prompt", metavar="TEXT", help="a text put before every input text (\"\" turns off the "
                       "model's default prompt)")
     pipe.add_argument("--prompt-name", metavar="NAME", help="one of the model's prompts (config_sentence_"

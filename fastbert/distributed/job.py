@@ -18,7 +18,8 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..encode import Pipeline, SentenceEncoder, check_counts, check_pooling, locate, resolve_prompt
+from ..encode import (Pipeline, SentenceEncoder, check_counts, check_pooling, check_truncate_dim, locate,
+                      resolve_prompt)
 from . import corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
@@ -31,7 +32,9 @@ INSTALL_HINT = "pip install 'ray[data]>=2.60' (or, in a fastbert checkout, pip i
 # The loading options that change the vectors: a rerun with different ones is a different job. (device, kernels,
 # cuda_graphs, max_tokens_per_batch and batch_size change only the rounding.)
 _VECTOR_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "include_prompt", "dtype")
-_OPTIONS = _VECTOR_OPTIONS + ("kernels", "cuda_graphs")
+# truncate_dim changes the vectors too, but enters a job's key only when given, so that a job planned without it
+# resumes as the same job.
+_OPTIONS = _VECTOR_OPTIONS + ("truncate_dim", "kernels", "cuda_graphs")
 
 
 def require_ray():
@@ -129,7 +132,7 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
         "ray://host:10001"); None follows ray.init: $RAY_ADDRESS, else a cluster started on this machine with
         `ray start`, else a new local one, which is shut down again at the end.
     prompt, prompt_name, max_tokens_per_batch, batch_size, and options (pooling, normalize, max_seq_length,
-        do_lower_case, include_prompt, dtype, kernels, cuda_graphs): as fastbert.encode.
+        do_lower_case, include_prompt, truncate_dim, dtype, kernels, cuda_graphs): as fastbert.encode.
     """
     started = time.time()
     vector_options = _validate(options, rows_per_shard=rows_per_shard, workers=workers,
@@ -192,6 +195,8 @@ def _validate(options: dict, *, rows_per_shard, workers, cpus_per_worker, gpus_p
     vector_options = {k: options.get(k) for k in _VECTOR_OPTIONS}
     if vector_options["pooling"] is not None:  # "cls", ("cls",) and ["cls"] are one job
         vector_options["pooling"] = list(check_pooling(vector_options["pooling"]))
+    if options.get("truncate_dim") is not None:
+        vector_options["truncate_dim"] = check_truncate_dim(options["truncate_dim"])
     return vector_options
 
 

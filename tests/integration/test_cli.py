@@ -82,6 +82,23 @@ def test_encode_matches_sentence_transformers(tmp_path, minilm_path):
     assert np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
 
 
+def test_encode_truncate_dim_matches_sentence_transformers(tmp_path, minilm_path):
+    """--truncate-dim keeps the first N dimensions, cut after the folder's Normalize as sentence-transformers'
+    truncate_dim cuts (the vectors are then shorter than unit length)."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    texts = ["A man is eating food.", "Two dogs play in the snow while the children build a snowman.", "Hi"]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = run_cli("encode", "--model", minilm_path, "--input", str(tmp_path / "in.txt"),
+                  "--output", str(tmp_path / "out.npy"), "--truncate-dim", "64")
+    assert out.returncode == 0, out.stderr
+    assert "embeddings of size 64" in out.stdout
+    emb = np.load(tmp_path / "out.npy")
+    ref = sentence_transformers.SentenceTransformer(str(minilm_path), device="cpu", truncate_dim=64).encode(texts)
+    assert emb.shape == ref.shape == (3, 64)
+    assert np.abs(emb - ref).max() <= 1e-5
+    assert np.linalg.norm(emb, axis=1).max() < 0.999  # cut after Normalize, not normalised again
+
+
 def test_encode_needs_its_files():
     out = run_cli("encode")
     assert out.returncode == 2 and "encode needs --input FILE.txt and --output FILE.npy" in out.stderr

@@ -432,6 +432,25 @@ def test_an_output_folder_of_another_job_is_refused(cluster, tmp_path, minilm_pa
     assert ids == ["a.txt:1", "a.txt:2", "a.txt:3"] and np.abs(emb - ref).max() < 1e-5
 
 
+def test_truncate_dim_on_the_cluster_is_part_of_the_job(cluster, tmp_path, minilm_path):
+    """truncate_dim reaches every actor (each shard's vectors are the first N dimensions of single-process encode's)
+    and is recorded in the job: a rerun without it into the same folder is another job."""
+    (tmp_path / "in").mkdir()
+    texts = ["The first line.", "The second line.", "A third."]
+    (tmp_path / "in" / "a.txt").write_text("\n".join(texts) + "\n")
+    out = tmp_path / "out"
+    result = fastbert.encode_dataset(minilm_path, tmp_path / "in", out, truncate_dim=32, rows_per_shard=2,
+                                     progress=False, **CPU)
+    assert (result.dimension, result.rows) == (32, 3)
+    ids, emb = fastbert.load_embeddings(out)
+    ref = fastbert.encode(minilm_path, texts, device="cpu", **CPU)
+    assert ids == ["a.txt:1", "a.txt:2", "a.txt:3"] and np.abs(emb - ref[:, :32]).max() < 1e-5
+    with pytest.raises(ValueError, match=r"holds another job: .*truncate_dim"):
+        fastbert.encode_dataset(minilm_path, tmp_path / "in", out, rows_per_shard=2, progress=False, **CPU)
+    with pytest.raises(ValueError, match="truncate_dim must be None or an integer >= 1"):
+        fastbert.encode_dataset(minilm_path, tmp_path / "in", out, truncate_dim=0, progress=False, **CPU)
+
+
 @pytest.mark.parametrize("resources, options, expected", [
     ({"CPU": 64, "GPU": 8}, {}, {"device": "cuda", "workers": 8, "gpus": 1, "cpus": 1, "threads": None}),
     ({"CPU": 64, "GPU": 8}, {"gpus_per_worker": 0.5}, {"device": "cuda", "workers": 16, "gpus": 0.5}),
