@@ -18,8 +18,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..encode import (Pipeline, SentenceEncoder, check_counts, check_pooling, check_truncate_dim, locate,
-                      resolve_prompt)
+from ..encode import Pipeline, SentenceEncoder, check_counts, check_pooling, check_truncate_dim, locate, resolve_prompt
 from . import corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
