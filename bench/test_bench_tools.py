@@ -144,7 +144,7 @@ def test_base_family_configs_have_the_published_shapes():
 
 
 @pytest.mark.parametrize("model, hf_class", [("tiny-distilbert", "DistilBertModel"), ("tiny-mpnet", "MPNetModel"),
-                                             ("tiny-modernbert", "ModernBertModel")])
+                                             ("tiny-modernbert", "ModernBertModel"), ("tiny-nomic", "NomicBertModel")])
 def test_bank_builds_families_with_transformers_classes(bank, model, hf_class):
     """HF's own class for the master and every HF variant; MPNet's missing sdpa is a skip reason naming the class,
     never a silent eager; fastbert built from HF's best variant matches HF eager fp32 on the tiny ragged cell."""
@@ -163,6 +163,20 @@ def test_bank_builds_families_with_transformers_classes(bank, model, hf_class):
     assert harness.max_error(harness.Outputs.of(out, batch), bank.reference(model, cell, "cpu")) <= 1e-5
 
 
+@pytest.mark.parametrize("model", ["tiny-nomic", "nomic-embed-base", "gte-base", "eurobert-210m"])
+def test_a_family_newer_than_transformers_is_a_skip_that_says_so(monkeypatch, model):
+    """Where transformers predates a family (the GPU image's 5.17 and NomicBERT), its cells skip naming the missing
+    class: the rest of the run goes on."""
+    import transformers
+
+    name = {"tiny-nomic": "NomicBertConfig", "nomic-embed-base": "NomicBertConfig", "gte-base": "GteConfig",
+            "eurobert-210m": "EuroBertConfig"}[model]
+    assert type(harness.hf_config(model)).__name__ == name
+    monkeypatch.setattr(transformers, name, None)  # what getattr(transformers, name, None) gives where it is absent
+    with pytest.raises(harness.Unavailable, match=f"transformers .* has no {name}"):
+        harness.hf_config(model)
+
+
 PLAN_ORDER = ["env", "smoke-bf16",
               "headline/32x128/hf-sdpa", "headline/32x128/fastbert-triton", "headline/32x128/fastbert-graphs",
               "headline/32xvar16-512/hf-sdpa", "headline/32xvar16-512/fastbert-triton",
@@ -177,6 +191,9 @@ PLAN_ORDER = ["env", "smoke-bf16",
               "headline/modernbert-base/32xvar16-512/hf-sdpa",
               "headline/modernbert-base/32xvar16-512/fastbert-triton",
               "headline/modernbert-base/32xvar16-512/fastbert-graphs",
+              "headline/nomic-embed-base/32xvar16-512/hf-sdpa",
+              "headline/nomic-embed-base/32xvar16-512/fastbert-triton",
+              "headline/nomic-embed-base/32xvar16-512/fastbert-graphs",
               "headline/modernbert-base/8x8192/hf-sdpa", "headline/modernbert-base/8x8192/fastbert-triton",
               "smoke-forward", *(f"configs-{f}" for f in gpu_check.CONFIG_FAMILIES), "headline/32x128/hf-compile",
               "ops", "choices", "memcheck", "tests-bf16", "tests-kernels", "tests-model"]
@@ -269,10 +286,11 @@ def test_compile_estimate_is_current(tmp_path):
 
 def test_smoke_covers_every_kernel_variant():
     """One check per kernel variant and dtype, named for it: the TMA and pointer GEMMs with each epilogue (none,
-    GELU, tanh GELU, ReLU, gated), attention plain, with MPNet's bias table, ModernBERT's window + rotary and
+    GELU, tanh GELU, ReLU, GeGLU, SwiGLU), attention plain, with MPNet's bias table, ModernBERT's window + rotary and
     DeBERTa's disentangled terms, and the row kernels (post-norm, without the dense bias, pre-norm)."""
     variants = ["residual_layernorm-postnorm", "residual_layernorm-nobias", "residual_layernorm-prenorm",
-                *(f"gemm-{k}-{e}" for k in ("tma", "ptr") for e in ("bias", "gelu", "gelu_tanh", "relu", "gelu-gated")),
+                *(f"gemm-{k}-{e}" for k in ("tma", "ptr") for e in ("bias", "gelu", "gelu_tanh", "relu", "gelu-gated",
+                                                                   "silu-gated")),
                 "attention-varlen", "attention-bias", "attention-window-rotary", "attention-disentangled"]
     checks = gpu_check.KernelChecks("cpu", dry_run=True)
     for short in ("bf16", "fp16"):
@@ -330,7 +348,7 @@ def test_gpu_check_child_keeps_the_checks_before_a_crash(tmp_path, monkeypatch):
     checks = [r for r in records if "check" in r]
     names = [r["check"] for r in checks]
     assert names[0] == "residual_layernorm-postnorm-fp16" and names[-1] == "attention-varlen-fp16"
-    assert "attention-bias-fp16" not in names and len(names) == 14  # 3 row kernels, 10 GEMMs, plain attention
+    assert "attention-bias-fp16" not in names and len(names) == 16  # 3 row kernels, 12 GEMMs, plain attention
     assert all(r["status"] == "ok" for r in checks), [r for r in checks if r["status"] != "ok"]
     assert records[-1]["step"] == "smoke-fp16" and records[-1]["status"] == "crashed"
 
