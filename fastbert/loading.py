@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import types
 
 import torch
 
@@ -398,11 +399,32 @@ def remove_sharded_checkpoint(folder) -> None:
             os.remove(path)
 
 
+def original_layout(state: dict, config) -> dict:
+    """The state dict in the layout its model_type ships on the Hub, as transformers 5's save_pretrained writes it by
+    default (save_original_format=True): its conversion list for the model_type reversed (NomicBERT's q/k/v_proj
+    concatenated back into attn.Wqkv, up_proj into fc11, ...), by transformers' own revert_weight_conversion. The
+    inverse of `hub_layout`. The prefix changes in such a list are not reversed, as transformers leaves them for a
+    model it did not load from a checkpoint. Model types without a list (and transformers 4) keep their names."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+    except ImportError:
+        return state
+    rules = [r for r in get_checkpoint_conversion_mapping(config.model_type) or [] if not isinstance(r, PrefixChange)]
+    if not rules:
+        return state
+    # what revert_weight_conversion reads off a model: the conversions it was loaded with, and its config
+    return revert_weight_conversion(types.SimpleNamespace(_weight_conversions=rules, config=config), state)
+
+
 def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dict: dict | None = None,
-                    is_main_process: bool = True, max_shard_size=None, **kwargs) -> None:
+                    is_main_process: bool = True, max_shard_size=None, save_original_format: bool = True,
+                    **kwargs) -> None:
     """Writes config.json (transformers' own writer, so exactly what HF writes for that config) + model.safetensors
     (or pytorch_model.bin with safe_serialization=False), one file, that transformers' from_pretrained loads. The
-    shards and index of a sharded checkpoint already in the folder are removed.
+    shards and index of a sharded checkpoint already in the folder are removed. save_original_format: as
+    transformers 5, the Hub's layout for the model types it converts on loading (`original_layout`); False keeps
+    transformers' module names.
     transformers' other keywords that only shape how files are written (variant, token, ...) are refused by name
     rather than silently ignored, except max_shard_size (the weights go into one file)."""
     if kwargs.get("push_to_hub"):
@@ -427,6 +449,8 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
     config.save_pretrained(folder)
     # contiguous copies: a caller's state_dict may hold views, which safetensors refuses
     state = {k: v.detach().contiguous().clone() for k, v in (state_dict or model.state_dict()).items()}
+    if save_original_format:
+        state = original_layout(state, config)
     if safe_serialization:
         from safetensors.torch import save_file
         save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})

@@ -24,6 +24,7 @@ from helpers import (
 )
 from helpers import arch_inputs as inputs
 from helpers import random_arch_model as random_hf
+from safetensors.torch import load_file
 
 import fastbert
 
@@ -182,6 +183,12 @@ def test_from_pretrained_picks_by_model_type(hf, tmp_path):
     with torch.no_grad():
         again = back(ids, attention_mask=mask, **type_kwargs(tt))
     assert (again.last_hidden_state - ref.last_hidden_state).abs().max() <= 1e-6
+    # the very file transformers writes: its keys (the Hub's layout where transformers converts on loading, e.g.
+    # NomicBERT's attn.Wqkv) and tensors; save_original_format=False keeps transformers' module names, as there
+    stock, ours = (load_file(tmp_path / f / "model.safetensors") for f in ("base", "again"))
+    assert sorted(ours) == sorted(stock) and all(torch.equal(ours[k], stock[k]) for k in stock)
+    fb.save_pretrained(tmp_path / "names", save_original_format=False)
+    assert sorted(load_file(tmp_path / "names" / "model.safetensors")) == sorted(hf.state_dict())
 
 
 def test_electra_projection_and_no_pooler():
