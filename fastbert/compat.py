@@ -26,6 +26,13 @@ class TransformersModelMixin:
     _keep_in_fp32_modules = frozenset()
     _keep_in_fp32_modules_strict = frozenset()
 
+    @property
+    def tp_plan(self) -> dict:
+        """transformers' tensor-parallel plan: empty. fastbert reads q/k/v (and a gated MLP's gate/up) as one fused
+        tensor, which a plan that shards each part's parameter on its own would break, so it declares none even
+        where the config names one (EuroBERT's)."""
+        return {}
+
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,

@@ -762,3 +762,11 @@ def test_loading_hints_read_as_transformers_declares_them(family):
     for name in ("_keys_to_ignore_on_load_missing", "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
         assert getattr(fb, name) == set(getattr(hf, name, None) or ()), name
         assert len(getattr(fb, name)) == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_tensor_parallel_plan_is_declared(family):
+    """fastbert reads q/k/v as one fused tensor, which sharding each part's parameter would break: its encoder
+    declares an empty tp_plan, even where transformers' config names one (EuroBERT), rather than one it cannot keep."""
+    hf, fb = bare_pair(family)
+    assert fb.tp_plan == {}
