@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import arch_inputs, cuda_test, has_modernbert, main_in_process, random_arch_model, random_hf_bert
+from helpers import (
+    arch_inputs,
+    cuda_test,
+    has_modernbert,
+    has_rotary_post_norm,
+    main_in_process,
+    random_arch_model,
+    random_hf_bert,
+)
 
 import fastbert
 from fastbert import dispatch, graphs
@@ -85,6 +93,20 @@ def test_families_without_token_types_replay(arch):
     for _ in range(2):  # the capture, then a replay
         assert_same(runner(ids, attention_mask=mask).last_hidden_state, eager(fb, ids, mask).last_hidden_state)
     assert runner.stats.captures == 1 and runner.stats.replays == 2
+
+
+@pytest.mark.skipif(not has_rotary_post_norm(), reason="this transformers has no NomicBERT, GTE, Jina-v3, EuroBERT")
+@pytest.mark.parametrize("arch", ["jina_embeddings_v3", "nomic_bert", "gte-notypes", "eurobert-gqa"])
+def test_rotary_families_replay(arch):
+    """Jina-v3, NomicBERT, GTE (without token types) and EuroBERT (grouped key/value heads, RMSNorm, its embedding
+    table on the model): each token's rotary angle follows its position in its own sequence, built inside the
+    captured forward, so a replay on other lengths matches the eager model."""
+    fb = fastbert.BertModel.from_hf(random_arch_model(arch, hidden=64, heads=4), kernels=KERNELS).eval()
+    runner = GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
+    for seed, lengths in enumerate(([9, 5], [3, 12, 10], [7, 7, 2])):  # the 16-token bucket, 32, then 16 again
+        ids, mask = batch(lengths, seed)
+        assert_same(runner(ids, attention_mask=mask).last_hidden_state, eager(fb, ids, mask).last_hidden_state)
+    assert runner.stats.captures == 2 and runner.stats.replays == 3
 
 
 def test_deberta_replays_its_disentangled_terms():
