@@ -45,6 +45,18 @@ output). s is rounded to the input dtype when it is stored, and LN is computed f
 fp32 sum: the twin does the same (its `h += residual` rounds), and the stream the later layers add to is the rounded
 s, so the LN a layer reads and the residual it adds back describe the same tensor (in fp32 the two are one).
 LayerNorm without bias (ModernBERT's norm_bias=False): ln_bias None, in either form (HAS_LN_BIAS).
+
+RMSNorm (EuroBERT, whose pre-norm layer runs it after attention: transformers' EuroBertRMSNorm, Llama's): `rms=True`
+(RMS), in either form, weight only (ln_bias None). No mean is taken: rstd = 1 / sqrt(mean(s^2) + eps) in fp32, and
+the row sum LayerNorm needs is dead code there (the LayerNorm specialisations compile to the same PTX as before RMS
+existed). transformers rounds twice: the normalised row s * rstd to the input dtype, then weight times it in that
+dtype. The kernel makes the same two roundings: it rounds the normalised row, multiplies in fp32 and rounds once,
+and the product of two fp16 or bf16 values is exact in fp32, so that last rounding is the 16-bit multiply's. Against
+EuroBertRMSNorm the kernel differs only where its fp32 sum of squares (another order than torch's mean) or its
+1 / sqrt moves the normalised row across a rounding boundary: a rare last-bit difference (fp16 in the interpreter:
+none in 12,288 values, tests/kernels/test_residual_layernorm.py; not yet counted on a GPU, whose sqrt is
+approximate). The rounding it skips is LayerNorm's: with a dense bias, h + bias is not rounded before the residual
+joins it; without one (EuroBERT's default, attention_bias=False) s is transformers' sum exactly.
 """
 from __future__ import annotations
 
@@ -83,9 +95,13 @@ def _stream_chunk(x, s_ptr, s_rows, cols, mask, PRE_NORM: tl.constexpr):
 
 @triton.jit
 def _store_chunk(out_ptr, o_rows, centred, rstd, ln_w_ptr, ln_b_ptr, cols, param_cols, mask,
-                 HAS_LN_BIAS: tl.constexpr):
+                 HAS_LN_BIAS: tl.constexpr, RMS: tl.constexpr):
     gamma = tl.load(ln_w_ptr + param_cols).to(tl.float32)
-    y = centred * rstd[:, None] * gamma[None, :]
+    if RMS:  # HF rounds the normalised row to the input dtype before the weight multiplies it: so here
+        normed = (centred * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = normed * gamma[None, :]
+    else:
+        y = centred * rstd[:, None] * gamma[None, :]
     if HAS_LN_BIAS:
         y += tl.load(ln_b_ptr + param_cols).to(tl.float32)[None, :]
     tl.store(out_ptr + o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -108,6 +124,7 @@ def bias_residual_layernorm_kernel(
     HAS_BIAS: tl.constexpr,  # add bias[H] before the residual
     HAS_LN_BIAS: tl.constexpr,  # add beta[H] after the scale (False: a LayerNorm without bias)
     PRE_NORM: tl.constexpr,  # also store s = h + bias + residual (rounded; the norm is taken of the rounded s)
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm: no mean, rstd of the mean square (HAS_LN_BIAS is False)
     ROWS: tl.constexpr,  # rows per program
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,  # a row is NUM_CHUNKS (1 or 3) chunks of CHUNK lanes
     EVEN: tl.constexpr,  # CHUNK * NUM_CHUNKS == N: no column mask (keeps the accesses 16-byte vectors)
@@ -142,23 +159,27 @@ def bias_residual_layernorm_kernel(
         x2 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c2, c2, m0, HAS_BIAS)
         x2 = _stream_chunk(x2, s_ptr, s_rows, c2, m0, PRE_NORM)
         total += tl.sum(x1, axis=1) + tl.sum(x2, axis=1)
-    mean = total / N
 
-    # Two-pass statistics in fp32 (masked lanes are excluded from the centred sum).
-    x0 = x0 - mean[:, None]
-    if not EVEN:
-        x0 = tl.where(m0, x0, 0.0)
+    # Statistics in fp32. LayerNorm: two passes, the mean, then the biased variance of the centred values (masked
+    # lanes are excluded from the centred sum). RMSNorm: the mean square of the row itself (`total` goes unused and
+    # is compiled away).
+    if not RMS:
+        mean = total / N
+        x0 = x0 - mean[:, None]
+        if not EVEN:
+            x0 = tl.where(m0, x0, 0.0)
     sq = tl.sum(x0 * x0, axis=1)
     if NUM_CHUNKS == 3:
-        x1 = x1 - mean[:, None]
-        x2 = x2 - mean[:, None]
+        if not RMS:
+            x1 = x1 - mean[:, None]
+            x2 = x2 - mean[:, None]
         sq += tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-    rstd = 1.0 / tl.sqrt(sq / N + eps)  # biased variance, as LayerNorm
+    rstd = 1.0 / tl.sqrt(sq / N + eps)  # LayerNorm: 1 / std (biased variance); RMSNorm: 1 / rms
 
-    _store_chunk(out_ptr, o_rows, x0, rstd, ln_w_ptr, ln_b_ptr, c0, p0, m0, HAS_LN_BIAS)
+    _store_chunk(out_ptr, o_rows, x0, rstd, ln_w_ptr, ln_b_ptr, c0, p0, m0, HAS_LN_BIAS, RMS)
     if NUM_CHUNKS == 3:
-        _store_chunk(out_ptr, o_rows, x1, rstd, ln_w_ptr, ln_b_ptr, c1, c1, m0, HAS_LN_BIAS)
-        _store_chunk(out_ptr, o_rows, x2, rstd, ln_w_ptr, ln_b_ptr, c2, c2, m0, HAS_LN_BIAS)
+        _store_chunk(out_ptr, o_rows, x1, rstd, ln_w_ptr, ln_b_ptr, c1, c1, m0, HAS_LN_BIAS, RMS)
+        _store_chunk(out_ptr, o_rows, x2, rstd, ln_w_ptr, ln_b_ptr, c2, c2, m0, HAS_LN_BIAS, RMS)
 
 
 def row_config(hidden: int) -> tuple:
@@ -179,9 +200,10 @@ def row_config(hidden: int) -> tuple:
 
 def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                        ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
-                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False):
     """LN(y [T, K] @ weight[H, K]^T + bias[H] + residual[T, H]) with gamma=ln_weight, beta=ln_bias (None: no beta)
-    -> [T, H]. pre_norm: (s, LN(s)) for s = y @ weight^T + bias + residual, each [T, H] (see the header).
+    -> [T, H]. pre_norm: (s, LN(s)) for s = y @ weight^T + bias + residual, each [T, H] (see the header). rms:
+    RMSNorm (weight ln_weight, no beta: ln_bias must be None) in place of LayerNorm, in either form.
 
     y may have any strides (cuBLAS reads it); residual, out and residual_out need a unit-stride last dimension. out
     (the LayerNorm) may be `residual` itself in the post-norm form (in-place update of the residual stream);
@@ -189,6 +211,11 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """
     if not isinstance(pre_norm, bool):
         raise TypeError(f"{OP}: pre_norm must be a bool; got pre_norm={pre_norm!r}")
+    if not isinstance(rms, bool):
+        raise TypeError(f"{OP}: rms must be a bool; got rms={rms!r}")
+    if rms and ln_bias is not None:
+        raise ValueError(f"{OP}: RMSNorm has no bias (rms=True takes ln_bias=None); got ln_bias of shape "
+                         f"{tuple(ln_bias.shape)}")
     if residual_out is not None and not pre_norm:
         raise ValueError(f"{OP}: residual_out is the pre-norm form's second output; the post-norm form "
                          f"(pre_norm=False) returns the LayerNorm only (pass out=)")
@@ -221,7 +248,7 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             raise ValueError(f"{OP}: out and residual_out are the two outputs of the pre-norm form and must not "
                              f"overlap; got out.data_ptr()={out.data_ptr()}, "
                              f"residual_out.data_ptr()={residual_out.data_ptr()}")
-    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, out, residual_out)
+    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, out, residual_out, rms)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -235,28 +262,29 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def launch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
-           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False):
     """`residual_layernorm` for arguments the caller has validated (the model does it once per forward). Without
     outputs given, the post-norm form writes the LayerNorm into the GEMM's buffer; the pre-norm form writes s there
     (the twin's `h += residual`) and the LayerNorm into a fresh tensor."""
     h = torch.matmul(y, weight.t())  # [T, H], cuBLAS (no bias: it is added in fp32 in the row kernel)
     if not pre_norm:
-        return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h)
+        return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h,
+                                       rms=rms)
     return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out, pre_norm=True,
-                                   residual_out=residual_out if residual_out is not None else h)
+                                   residual_out=residual_out if residual_out is not None else h, rms=rms)
 
 
 def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                             ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
                             out: torch.Tensor | None = None, pre_norm: bool = False,
-                            residual_out: torch.Tensor | None = None):
+                            residual_out: torch.Tensor | None = None, rms: bool = False):
     """The row pass alone: LN(h + bias + residual) for a GEMM output h [T, H], unit-stride rows, arguments
     validated by the caller (cheap asserts only); pre_norm: (s, LN(s)) with s written to residual_out (a fresh
-    tensor when None). The benchmarks call it to measure the row kernel's GB/s. out may be h or residual itself;
-    residual_out too, but not out."""
+    tensor when None); rms: RMSNorm for LN (ln_bias None). The benchmarks call it to measure the row kernel's GB/s.
+    out may be h or residual itself; residual_out too, but not out."""
     T, H = h.shape
     assert residual.shape == h.shape and ln_weight.shape == (H,), (h.shape, residual.shape, ln_weight.shape)
-    assert ln_bias is None or ln_bias.shape == (H,), ln_bias.shape
+    assert ln_bias is None or ln_bias.shape == (H,) and not rms, (ln_bias.shape, rms)
     assert H <= 1 or h.stride(1) == residual.stride(1) == 1, (h.stride(), residual.stride())
     if out is None:
         out = torch.empty_like(h)
@@ -270,8 +298,8 @@ def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual
     rows, chunk, num_chunks, num_warps = row_config(H)
     args = (h, bias if bias is not None else h, residual, ln_weight, ln_bias if ln_bias is not None else ln_weight,
             out, stream, T, H, float(eps), h.stride(0), residual.stride(0), out.stride(0), stream.stride(0))
-    kwargs = dict(HAS_BIAS=bias is not None, HAS_LN_BIAS=ln_bias is not None, PRE_NORM=bool(pre_norm), ROWS=rows,
-                  CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H, num_warps=num_warps)
+    kwargs = dict(HAS_BIAS=bias is not None, HAS_LN_BIAS=ln_bias is not None, PRE_NORM=bool(pre_norm), RMS=bool(rms),
+                  ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H, num_warps=num_warps)
     with utils.device_guard(h):  # Triton launches on the current device: make it h's
         if utils.capturing(h):  # a binary not loaded yet cannot be loaded inside a capture
             utils.require_loaded(bias_residual_layernorm_kernel, args, kwargs, OP)
@@ -292,28 +320,31 @@ def row_configs() -> dict:
     return configs
 
 
-# The pre-norm and LayerNorm-without-bias variants compiled ahead of time: ModernBERT's (pre-norm, no LN bias), the
-# pre-norm form with an LN bias, and the post-norm form without one, at BERT's and ModernBERT's widths (base 768,
-# large 1024; 384 for MiniLM-sized models). Other widths run the same code with the row_configs of `aot_specs`.
-NORM_VARIANTS = ((True, False), (True, True), (False, False))  # (pre_norm, has_ln_bias)
+# The pre-norm, LayerNorm-without-bias and RMSNorm variants compiled ahead of time: ModernBERT's (pre-norm, no LN
+# bias), the pre-norm form with an LN bias, the post-norm form without one, and EuroBERT's (pre-norm RMSNorm), at
+# BERT's, ModernBERT's and EuroBERT-210m's widths (base 768, large 1024; 384 for MiniLM-sized models). Other widths
+# run the same code with the row_configs of `aot_specs`.
+NORM_VARIANTS = ((True, False, False), (True, True, False), (False, False, False), (True, False, True))
+# (pre_norm, has_ln_bias, rms)
 
 
 def _spec(short: str, has_bias: bool, config: tuple, hidden: int, pre_norm: bool = False,
-          has_ln_bias: bool = True) -> dict:
+          has_ln_bias: bool = True, rms: bool = False) -> dict:
     rows, chunk, num_chunks, num_warps, even = config
     ptr = "*" + short
     hints = {"T": None}
     if hidden % 16:
         hints.update(N=None, stride_hm=None, stride_rm=None, stride_om=None, stride_sm=None)
-    variant = ("" if has_bias else "-nobias") + ("-prenorm" if pre_norm else "") + ("" if has_ln_bias else "-nolnbias")
+    variant = ("" if has_bias else "-nobias") + ("-prenorm" if pre_norm else "") + (
+        "-rms" if rms else "" if has_ln_bias else "-nolnbias")
     return {
         "name": f"{OP}-{short}{variant}-H{hidden}-{rows}x{num_chunks}x{chunk}-w{num_warps}{'' if even else '-masked'}",
         "fn": bias_residual_layernorm_kernel,
         "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
                       "out_ptr": ptr, "s_ptr": ptr, "T": "i32", "N": "i32", "eps": "fp32",
                       "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_sm": "i32"},
-        "constexprs": {"HAS_BIAS": has_bias, "HAS_LN_BIAS": has_ln_bias, "PRE_NORM": pre_norm, "ROWS": rows,
-                       "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even},
+        "constexprs": {"HAS_BIAS": has_bias, "HAS_LN_BIAS": has_ln_bias, "PRE_NORM": pre_norm, "RMS": rms,
+                       "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even},
         "num_warps": num_warps, "num_stages": 1, "hints": hints,
     }
 
@@ -321,10 +352,10 @@ def _spec(short: str, has_bias: bool, config: tuple, hidden: int, pre_norm: bool
 def aot_specs() -> list:
     """The post-norm row kernel (with an LN bias) for every dtype x {bias, no bias} x config of `row_configs()` (the
     masked EVEN=False ones included), each named by the smallest width that gets it; then NORM_VARIANTS for every
-    dtype x {bias, no bias} at BERT_HIDDEN ("-prenorm", "-nolnbias" in the name). Pointers are compiled as multiples
-    of 16 (tests/tooling/aot_compile.py's default), as the JIT sees torch allocations; the width N and the row
-    strides too when that width is a multiple of 16; "hints" takes it back for T (any token count) and for the other
-    widths."""
+    dtype x {bias, no bias} at BERT_HIDDEN ("-prenorm", "-nolnbias", "-rms" in the name). Pointers are compiled as
+    multiples of 16 (tests/tooling/aot_compile.py's default), as the JIT sees torch allocations; the width N and the
+    row strides too when that width is a multiple of 16; "hints" takes it back for T (any token count) and for the
+    other widths."""
     specs = []
     for short in DTYPES.values():
         for has_bias in (True, False):
@@ -332,8 +363,8 @@ def aot_specs() -> list:
                 specs.append(_spec(short, has_bias, config, hidden))
     for short in DTYPES.values():
         for has_bias in (True, False):
-            for pre_norm, has_ln_bias in NORM_VARIANTS:
+            for pre_norm, has_ln_bias, rms in NORM_VARIANTS:
                 for hidden in BERT_HIDDEN:
                     config = row_config(hidden) + (True,)
-                    specs.append(_spec(short, has_bias, config, hidden, pre_norm, has_ln_bias))
+                    specs.append(_spec(short, has_bias, config, hidden, pre_norm, has_ln_bias, rms))
     return specs

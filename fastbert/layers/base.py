@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from .. import families, twins
+from ..units.residual_layernorm import rms_norm  # noqa: F401  (HF's RMSNorm forward; the op's twin uses it too)
 from .fused_qkv import FusedQKV
 from .host import GradientCheckpointingLayer
 
@@ -34,12 +35,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.variance_epsilon)
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm.forward, operation for operation (the same rounding in every dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    @staticmethod
+    def is_plain(module: nn.Module) -> bool:
+        """`module` computes this class's forward, so an op may run it from its `weight` and `variance_epsilon`:
+        fastbert's RMSNorm, or transformers' own of the same definition (`is_rms_norm`; from_hf puts HF's in the
+        norm's place). Anything else in that place (another kind of norm, a subclass) is called as the module it is."""
+        cls = type(module)
+        return cls is RMSNorm or cls.__module__.startswith("transformers.") and is_rms_norm(module)
 
 
 def is_rms_norm(module: nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """residual_layernorm: LayerNorm(y @ W^T + b + residual), a layer's output GEMM with bias, residual and LayerNorm
 in one pass per row (kernels/residual_layernorm.py). Post-norm (BERT) returns the norm, which is the new stream;
-pre-norm (ModernBERT) returns the new stream s and LN(s), the next sublayer's input."""
+pre-norm (ModernBERT) returns the new stream s and LN(s), the next sublayer's input. rms: RMSNorm in LayerNorm's
+place (EuroBERT), as transformers computes it."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -16,17 +17,32 @@ OP = "residual_layernorm"
 
 def twin(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
          ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
-         pre_norm: bool = False, workspace: Workspace | None = None):
+         pre_norm: bool = False, rms: bool = False, workspace: Workspace | None = None):
     """LayerNorm(dropout(y [T, K] @ W[H, K]^T + b) + residual [T, H]) -> [T, H] (post-norm: the new residual stream
     is the LayerNorm). pre_norm: (s, LayerNorm(s)) for s = dropout(y @ W^T + b) + residual, the new residual stream
-    and the next sublayer's input. ln_bias None: a LayerNorm without bias. `workspace`: see twins.Workspace (s is
-    then its buffer: the layer must not return it)."""
+    and the next sublayer's input. ln_bias None: a LayerNorm without bias. rms: `rms_norm` (weight ln_weight,
+    ln_bias None) in LayerNorm's place, in either form. `workspace`: see twins.Workspace (s is then its buffer: the
+    layer must not return it)."""
     h = F.linear(y, weight, bias) if workspace is None else linear_into(y, weight, bias, workspace, "stream")
     if dropout_p > 0:
         h = dropout(h, dropout_p)
     h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation
-    normed = torch.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)  # skips F.layer_norm's Python wrapper
+    if rms:
+        if ln_bias is not None:
+            raise ValueError(f"{OP}: RMSNorm has no bias (rms=True takes ln_bias=None)")
+        normed = rms_norm(h, ln_weight, eps)
+    else:
+        normed = torch.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)  # skips F.layer_norm's Python wrapper
     return (h, normed) if pre_norm else normed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' Llama-shaped encoders compute it (EuroBertRMSNorm, LlamaRMSNorm), operation for
+    operation, so with the same rounding in every dtype: x / sqrt(mean(x^2) + eps) in float32, rounded back to x's
+    dtype, then times weight (in that dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 _KERNEL = []  # [fastbert.kernels.residual_layernorm] once imported (Triton is imported only where a kernel runs)
@@ -39,22 +55,24 @@ def kernels():
     return _KERNEL[0]
 
 
-def kernel(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False, workspace=None,
-           checked=False):
+def kernel(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False, rms=False,
+           workspace=None, checked=False):
     k = kernels()
     return (k.residual_layernorm if checked else k.launch)(y, weight, bias, residual, ln_weight, ln_bias, eps,
-                                                           pre_norm)
+                                                           pre_norm, rms=rms)
 
 
 @torch.library.custom_op("fastbert::residual_layernorm", mutates_args=())
 def custom_op(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-              ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, backend: str) -> torch.Tensor:
-    return run_backend(OP, backend, y, lambda: kernels().launch(y, weight, bias, residual, ln_weight, ln_bias, eps),
-                       lambda: twin(y, weight, bias, residual, ln_weight, ln_bias, eps))
+              ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, backend: str,
+              rms: bool = False) -> torch.Tensor:
+    return run_backend(OP, backend, y,
+                       lambda: kernels().launch(y, weight, bias, residual, ln_weight, ln_bias, eps, rms=rms),
+                       lambda: twin(y, weight, bias, residual, ln_weight, ln_bias, eps, rms=rms))
 
 
 @custom_op.register_fake
-def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend):
+def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend, rms=False):
     return residual.new_empty(residual.shape)
 
 
@@ -62,22 +80,24 @@ def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend):
 @torch.library.custom_op("fastbert::residual_layernorm_pre", mutates_args=())
 def custom_op_pre(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                   ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return run_backend(OP, backend, y,
-                       lambda: kernels().launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=True),
-                       lambda: twin(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=True))
+                       lambda: kernels().launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=True,
+                                                rms=rms),
+                       lambda: twin(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=True, rms=rms))
 
 
 @custom_op_pre.register_fake
-def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend):
+def _(y, weight, bias, residual, ln_weight, ln_bias, eps, backend, rms=False):
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
 def traced(backend: str):
-    def run(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False, workspace=None):
+    def run(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pre_norm=False, rms=False,
+            workspace=None):
         # dropout_p is 0 here: a traced forward records the custom ops for inference only (dispatch.plan)
         op = torch.ops.fastbert.residual_layernorm_pre if pre_norm else torch.ops.fastbert.residual_layernorm
-        return op(y, weight, bias, residual, ln_weight, ln_bias, eps, backend)
+        return op(y, weight, bias, residual, ln_weight, ln_bias, eps, backend, rms)
     return run
 
 
@@ -88,23 +108,25 @@ def reason(situation, facts) -> str | None:
 class Variant(NamedTuple):
     """What residual_layernorm's speed depends on beyond the shared shapes (measure.Shapes.residual_layernorm)."""
     pre_norm: bool = False  # the pre-norm form: returns the stream s and LN(s)
+    rms: bool = False  # RMSNorm: the twin runs HF's elementwise passes where torch's layer_norm is one kernel
 
 
 def key(dtype: torch.dtype, shapes) -> str:
     # pre-norm: the kernel writes a second [T, H] output
+    variant = shapes.residual_layernorm
     key = f"{OP}|{str(dtype).replace('torch.', '')}|T{shapes.tokens}|H{shapes.hidden}|I{shapes.intermediate}"
-    return key + ("|prenorm" if shapes.residual_layernorm.pre_norm else "")
+    return key + ("|prenorm" if variant.pre_norm else "") + ("|rms" if variant.rms else "")
 
 
 def contenders(dtype, shapes, device, kernel, twin):
-    """A layer calls it twice: after attention (K = H) and after the FFN (K = I); pre-norm is timed as ModernBERT
-    runs it, a LayerNorm without bias."""
+    """A post-norm layer calls it twice: after attention (K = H) and after the FFN (K = I); pre-norm is timed as
+    ModernBERT runs it, a LayerNorm without bias, and RMSNorm (never a bias) as EuroBERT runs it."""
     rand, _ = random_inputs(device, dtype)
     T, H, I = shapes.tokens, shapes.hidden, shapes.intermediate
     x = rand(T, H)
     ones = torch.ones(H, device=device, dtype=dtype)
-    pre_norm = shapes.residual_layernorm.pre_norm
-    beta = None if pre_norm else torch.zeros(H, device=device, dtype=dtype)
-    first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, pre_norm)
-    second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, pre_norm)
+    pre_norm, rms = shapes.residual_layernorm.pre_norm, shapes.residual_layernorm.rms
+    beta = None if pre_norm or rms else torch.zeros(H, device=device, dtype=dtype)
+    first = (rand(T, H), rand(H, H, scale=H ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, pre_norm, rms)
+    second = (rand(T, I), rand(H, I, scale=I ** -0.5), rand(H), x, ones, beta, 1e-12, 0.0, pre_norm, rms)
     return (lambda: (kernel(*first), kernel(*second))), (lambda: (twin(*first), twin(*second)))

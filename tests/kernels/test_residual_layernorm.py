@@ -3,8 +3,11 @@
 Checked against the torch twin (fastbert/ops.py), an fp64 reference from the same rounded inputs, and transformers'
 BertSelfOutput / BertOutput with the weights shared. fp32 <= 1e-5 absolute (LayerNorm outputs are O(1); the GEMM
 part is the same torch matmul as the twin's, the row statistics are fp32 either way); fp16/bf16 <= 2x the twin's
-own max error against fp64 (+1e-6). The row kernel has no tl.dot, so bf16 runs in the interpreter too.
+own max error against fp64 (+1e-6). The row kernel has no tl.dot, so bf16 runs in the interpreter too. RMSNorm
+(rms=True, EuroBERT) likewise, and against transformers' EuroBertRMSNorm, whose roundings it reproduces.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,7 @@ from fastbert import ops
 from fastbert.kernels import residual_layernorm as rln_mod
 from fastbert.kernels import utils as kernel_utils
 from fastbert.kernels.residual_layernorm import residual_layernorm
+from fastbert.numerics import error_bound
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -296,6 +300,192 @@ def test_traced_callables_take_the_twins_arguments():
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# RMSNorm in LayerNorm's place (EuroBERT): rms=True, no LN bias, in either form
+# --------------------------------------------------------------------------------------------------------------------
+def rms_reference64(y, w, b, res, gamma, eps, pre_norm=False):
+    """fp64 from the same rounded inputs: s = y @ W^T + b + residual, gamma * s / sqrt(mean(s^2) + eps)."""
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    s = F.linear(d(y), d(w), d(b)) + d(res)
+    normed = d(gamma) * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    return (s, normed) if pre_norm else normed
+
+
+def assert_rms_matches(out, twin, ref64, dtype):
+    """assert_kernel_matches, except for bf16 in the interpreter: it rounds float32 -> bfloat16 toward zero (Triton's
+    interpreter.py, cast_impl; measured under 3.6 and 3.9), compiled code to nearest even, so each of RMSNorm's three
+    roundings (s, the normalised row, the output) may be off by a whole ulp where the twin's are off by half of one:
+    the twin's error is doubled before the 2x rule."""
+    if dtype == torch.bfloat16 and kernel_utils.INTERPRET:
+        assert torch.isfinite(out).all() and out.dtype == dtype
+        twin_err = max_error(twin, ref64)
+        assert max_error(out, ref64) <= error_bound(dtype, 2 * twin_err), (max_error(out, ref64), twin_err)
+    else:
+        assert_kernel_matches(out, twin, ref64, dtype)
+
+
+RMS_CASES = [  # (T, K, H): T = 1; partial programs (8 rows a program at 384, 4 at 768 and 1024, 16 at 200); K = H
+    (1, 384, 384),  # and K = I (1536, and 100: no multiple of 64); H = 200 one masked chunk of 256
+    (7, 1536, 384),
+    (37, 100, 768),
+    (13, 768, 768),
+    (5, 64, 1024),
+    (7, 64, 200),
+    (131, 64, 200),
+]
+
+
+@pytest.mark.parametrize("pre_norm", [True, False], ids=["prenorm", "postnorm"])
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,K,H", RMS_CASES, ids=[f"T{t}-K{k}-H{h}" for t, k, h in RMS_CASES])
+def test_rms(T, K, H, dtype, has_bias, pre_norm):
+    """The RMSNorm kernel against the twin (transformers' RMSNorm math) and fp64: s and RMS(s) (pre-norm), RMS(s)
+    (post-norm)."""
+    y, w, b, res, gamma, _ = inputs(T, K, H, dtype, bias=has_bias)
+    eps = 1e-6
+    ln_out, s_out = poisoned((T, H), dtype), poisoned((T, H), dtype) if pre_norm else None
+    got = residual_layernorm(y, w, b, res, gamma, None, eps, pre_norm=pre_norm, out=ln_out, residual_out=s_out,
+                             rms=True)
+    twin = ops.residual_layernorm_torch(y, w, b, res, gamma, None, eps, pre_norm=pre_norm, rms=True)
+    ref = rms_reference64(y, w, b, res, gamma, eps, pre_norm)
+    if pre_norm:
+        assert got[0].data_ptr() == s_out.data_ptr() and got[1].data_ptr() == ln_out.data_ptr()
+        assert_rms_matches(got[0], twin[0], ref[0], dtype)
+        assert_rms_matches(got[1], twin[1], ref[1], dtype)
+    else:
+        assert got.data_ptr() == ln_out.data_ptr()
+        assert_rms_matches(got, twin, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_rms_strided_inputs_and_eps(dtype, eps):
+    """y and residual as strided views; an eps (0.5) large against mean(s^2) (~2), so that using it wrongly (or a
+    LayerNorm's centring) shows."""
+    T, K, H = 13, 384, 768
+    y = make((T, K + 40), dtype)[:, :K]
+    res = make((2 * T, H), dtype, seed=3)[::2]
+    _, w, b, _, gamma, _ = inputs(T, K, H, dtype)
+    s, normed = residual_layernorm(y, w, b, res, gamma, None, eps, pre_norm=True, rms=True)
+    twin_s, twin_normed = ops.residual_layernorm_torch(y, w, b, res, gamma, None, eps, pre_norm=True, rms=True)
+    ref_s, ref_normed = rms_reference64(y, w, b, res, gamma, eps, pre_norm=True)
+    assert_rms_matches(s, twin_s, ref_s, dtype)
+    assert_rms_matches(normed, twin_normed, ref_normed, dtype)
+
+
+def _eurobert_modules(H, dtype, eps=1e-5):
+    """transformers' EuroBERT attention output projection (no bias, as EuroBERT-210m) and RMSNorm, non-trivial
+    weights."""
+    modeling = pytest.importorskip("transformers.models.eurobert.modeling_eurobert",
+                                   reason="this transformers has no EuroBERT (5.24+)")
+    torch.manual_seed(0)
+    o_proj = torch.nn.Linear(H, H, bias=False)
+    norm = modeling.EuroBertRMSNorm(H, eps=eps)
+    with torch.no_grad():
+        o_proj.weight.normal_(0.0, H ** -0.5)
+        norm.weight.normal_(1.0, 0.3)
+    return o_proj.to(DEVICE, dtype).requires_grad_(False), norm.to(DEVICE, dtype).requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_matches_transformers(dtype):
+    """EuroBertDecoderLayer's `residual + o_proj(attn)`, then its post_attention_layernorm: the twin is transformers'
+    computation op for op (equal bit for bit in every dtype); the kernel is within 1e-5 in fp32, and in fp16/bf16
+    as close to fp64 as 2x transformers' own error."""
+    T, H = 13, 384
+    o_proj, norm = _eurobert_modules(H, dtype)
+    ctx, res = make((T, H), dtype), make((T, H), dtype, seed=3)
+    with torch.no_grad():
+        want_s = res + o_proj(ctx)
+        want = norm(want_s)
+        twin_s, twin = ops.residual_layernorm_torch(ctx, o_proj.weight, None, res, norm.weight, None,
+                                                    norm.variance_epsilon, pre_norm=True, rms=True)
+        s, got = residual_layernorm(ctx, o_proj.weight, None, res, norm.weight, None, norm.variance_epsilon,
+                                    pre_norm=True, out=poisoned((T, H), dtype), rms=True)
+    assert torch.equal(twin_s, want_s) and torch.equal(twin, want)
+    ref_s, ref = rms_reference64(ctx, o_proj.weight, None, res, norm.weight, norm.variance_epsilon, pre_norm=True)
+    assert_rms_matches(s, want_s, ref_s, dtype)
+    assert_rms_matches(got, want, ref, dtype)
+
+
+# The interpreter rounds float32 -> bfloat16 toward zero (measured under Triton 3.6 and 3.9), compiled code to nearest
+# even (cvt.rn): bf16's roundings can be checked bit for bit only on a GPU.
+ROUNDING_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES, ids=str)
+def test_rms_rounds_as_transformers(dtype):
+    """transformers rounds the normalised row to the input dtype and then multiplies by the weight in that dtype:
+    two roundings. With s exact (y @ W^T = 0, s = residual) the kernel agrees with EuroBertRMSNorm bit for bit on
+    nearly every element (an fp32 rsqrt may differ in its last bit), where one rounding of weight * normalised
+    would agree on about three quarters only."""
+    T, H = 16, 768
+    _, norm = _eurobert_modules(H, dtype)
+    res = make((T, H), dtype, seed=3)
+    zero_y, zero_w = torch.zeros((T, 16), dtype=dtype, device=DEVICE), torch.zeros((H, 16), dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        want = norm(res)
+        s, got = residual_layernorm(zero_y, zero_w, None, res, norm.weight, None, norm.variance_epsilon,
+                                    pre_norm=True, rms=True)
+    assert torch.equal(s, res)
+    one_rounding = (norm.weight.double() * rms_reference64(zero_y, zero_w, None, res, torch.ones_like(norm.weight),
+                                                           norm.variance_epsilon)).to(dtype)
+    assert (one_rounding == want).float().mean().item() < 0.9  # the test can tell the two apart
+    assert (got == want).float().mean().item() >= 0.99
+    ulp = 2 ** -10 if dtype == torch.float16 else 2 ** -7
+    assert max_error(got, want) <= ulp * want.abs().max().item()
+
+
+def test_rms_nan_row_stays_in_its_row():
+    T, K, H = 13, 64, 768
+    y, w, b, res, gamma, _ = inputs(T, K, H, torch.float32)
+    bad = rln_mod.row_config(H)[0] + 1
+    res[bad, 5] = float("nan")
+    s, normed = residual_layernorm(y, w, b, res, gamma, None, 1e-6, pre_norm=True, rms=True)
+    assert torch.isnan(normed[bad]).all() and torch.isnan(s[bad, 5]) and torch.isfinite(s[bad, :5]).all()
+    keep = torch.arange(T) != bad
+    assert torch.isfinite(s[keep]).all() and torch.isfinite(normed[keep]).all()
+
+
+def test_rms_twin_refuses_an_ln_bias():
+    y, w, b, res, gamma, beta = inputs(7, 64, 384, torch.float32)
+    with pytest.raises(ValueError, match="RMSNorm has no bias"):
+        ops.residual_layernorm_torch(y, w, b, res, gamma, beta, 1e-6, pre_norm=True, rms=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rms_custom_op(backend):
+    """A traced forward records RMSNorm as the same two custom ops with rms=True; torch.library checks the schemas
+    (rms defaults to False) and fakes."""
+    from fastbert import dispatch
+    y, w, b, res, gamma, _ = inputs(7, 384, 384, torch.float32)
+    run = dispatch.traced_ops(dict.fromkeys(ops.OPS, backend))["residual_layernorm"]
+    s, normed = run(y, w, b, res, gamma, None, 1e-6, pre_norm=True, rms=True)
+    want_s, want_normed = rms_reference64(y, w, b, res, gamma, 1e-6, pre_norm=True)
+    assert max_error(s, want_s) <= FP32_TOL and max_error(normed, want_normed) <= FP32_TOL
+    post = run(y, w, b, res, gamma, None, 1e-6, rms=True)
+    assert max_error(post, rms_reference64(y, w, b, res, gamma, 1e-6)) <= FP32_TOL
+    for op in (torch.ops.fastbert.residual_layernorm_pre.default, torch.ops.fastbert.residual_layernorm.default):
+        torch.library.opcheck(op, (y, w, b, res, gamma, None, 1e-6, backend, True),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_rms_variant_key_and_contenders():
+    """"auto" keys RMSNorm apart from LayerNorm, and times the RMS form: its two contenders compute the same."""
+    from fastbert import measure, units
+    unit = units.residual_layernorm
+    rms = unit.Variant(pre_norm=True, rms=True)
+    shapes = measure.Shapes(128, 768, 3072, 12, 64, 128, "silu", residual_layernorm=rms)
+    assert measure.op_key(unit.OP, torch.bfloat16, shapes) == "residual_layernorm|bfloat16|T128|H768|I3072|prenorm|rms"
+    layer_norm = dataclasses.replace(shapes, residual_layernorm=unit.Variant(pre_norm=True))
+    assert measure.op_key(unit.OP, torch.bfloat16, layer_norm).endswith("|prenorm")
+    small = measure.Shapes(7, 384, 96, 6, 64, 8, "silu", residual_layernorm=rms)
+    kernel_fn, twin_fn = measure.contenders(unit.OP, torch.float32, small, DEVICE, unit.kernel, unit.twin)
+    for got, want in zip(kernel_fn(), twin_fn()):  # after attention, after the FFN: (s, RMS(s)) each
+        assert all(max_error(g, t) <= FP32_TOL for g, t in zip(got, want))
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Bad inputs
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case,exc,match", [
@@ -318,10 +508,12 @@ def test_traced_callables_take_the_twins_arguments():
     ("residual_out_is_out", ValueError, r"out and residual_out .* must not overlap"),
     ("residual_out_shape", ValueError, r"out.shape=\(7, 383\) must be \(7, 384\)"),
     ("ln_bias_shape_pre_norm", ValueError, r"ln_bias.shape=\(383,\) must be \(384,\)"),
+    ("rms_not_bool", TypeError, r"rms must be a bool; got rms=1"),
+    ("rms_with_ln_bias", ValueError, r"RMSNorm has no bias .* got ln_bias of shape \(384,\)"),
 ])
 def test_bad_inputs(case, exc, match):
     y, w, b, res, gamma, beta = inputs(7, 384, 384, torch.float32)
-    eps, out, pre_norm, residual_out = 1e-12, None, False, None
+    eps, out, pre_norm, residual_out, rms = 1e-12, None, False, None, False
     if case == "y_1d":
         y = y[0]
     elif case == "k_mismatch":
@@ -361,8 +553,13 @@ def test_bad_inputs(case, exc, match):
         pre_norm, residual_out = True, torch.empty((7, 383), device=DEVICE)
     elif case == "ln_bias_shape_pre_norm":
         pre_norm, beta = True, beta[:-1]
+    elif case == "rms_not_bool":
+        rms, beta = 1, None
+    elif case == "rms_with_ln_bias":
+        pre_norm, rms = True, True
     with pytest.raises(exc, match=match):
-        residual_layernorm(y, w, b, res, gamma, beta, eps, pre_norm=pre_norm, out=out, residual_out=residual_out)
+        residual_layernorm(y, w, b, res, gamma, beta, eps, pre_norm=pre_norm, out=out, residual_out=residual_out,
+                           rms=rms)
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
@@ -397,7 +594,7 @@ def test_kernel_refuses_other_chunk_counts():
         with pytest.raises(Exception, match="NUM_CHUNKS must be 1 or 3"):
             rln_mod.bias_residual_layernorm_kernel[(1,)](
                 h, h, res, gamma, beta, out, out, T, H, 1e-5, H, H, H, H,
-                HAS_BIAS=False, HAS_LN_BIAS=True, PRE_NORM=False, ROWS=4, CHUNK=H // num_chunks,
+                HAS_BIAS=False, HAS_LN_BIAS=True, PRE_NORM=False, RMS=False, ROWS=4, CHUNK=H // num_chunks,
                 NUM_CHUNKS=num_chunks, EVEN=True)
 
 
@@ -412,19 +609,21 @@ def test_row_config_fallback_and_limits():
 
 def test_aot_specs():
     """The post-norm kernel for every dtype x {bias, no bias} x kernel config row_config gives over 1..MAX_HIDDEN (40
-    of them, the masked ones included), each with the config of the width it is named after; then the pre-norm and
-    no-LN-bias variants (ModernBERT's pre-norm without LN bias, pre-norm with one, post-norm without one) at 384,
-    768 and 1024, for every dtype x {bias, no bias}."""
+    of them, the masked ones included), each with the config of the width it is named after; then the pre-norm,
+    no-LN-bias and RMSNorm variants (ModernBERT's pre-norm without LN bias, pre-norm with one, post-norm without one,
+    EuroBERT's pre-norm RMSNorm) at 384, 768 and 1024, for every dtype x {bias, no bias}."""
     specs = rln_mod.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(set(names)) == len(names) == 3 * 2 * 40 + 3 * 2 * 3 * 3
+    assert len(set(names)) == len(names) == 3 * 2 * 40 + 3 * 2 * 4 * 3
     for must in ("residual_layernorm-fp16-H384-8x3x128-w4", "residual_layernorm-bf16-nobias-H768-4x3x256-w4",
                  "residual_layernorm-fp32-H1024-4x1x1024-w4", "residual_layernorm-fp16-H5-512x1x8-w4-masked",
                  "residual_layernorm-fp16-nobias-H8193-1x1x16384-w16-masked",
                  "residual_layernorm-bf16-nobias-prenorm-nolnbias-H768-4x3x256-w4",
                  "residual_layernorm-fp16-nobias-prenorm-nolnbias-H1024-4x1x1024-w4",
                  "residual_layernorm-fp16-prenorm-H384-8x3x128-w4",
-                 "residual_layernorm-fp32-nolnbias-H1024-4x1x1024-w4"):
+                 "residual_layernorm-fp32-nolnbias-H1024-4x1x1024-w4",
+                 "residual_layernorm-bf16-nobias-prenorm-rms-H768-4x3x256-w4",
+                 "residual_layernorm-fp32-prenorm-rms-H384-8x3x128-w4"):
         assert must in names, must
     params = set(rln_mod.bias_residual_layernorm_kernel.arg_names)
     for s in specs:
@@ -435,7 +634,9 @@ def test_aot_specs():
         assert (c["ROWS"], c["CHUNK"], c["NUM_CHUNKS"], s["num_warps"]) == rln_mod.row_config(hidden)
         assert c["EVEN"] == (c["CHUNK"] * c["NUM_CHUNKS"] == hidden) == ("-masked" not in s["name"])
         assert c["HAS_BIAS"] == ("-nobias" not in s["name"])
-        assert c["PRE_NORM"] == ("-prenorm" in s["name"]) and c["HAS_LN_BIAS"] == ("-nolnbias" not in s["name"])
+        assert c["PRE_NORM"] == ("-prenorm" in s["name"]) and c["RMS"] == ("-rms" in s["name"])
+        assert c["HAS_LN_BIAS"] == ("-nolnbias" not in s["name"] and not c["RMS"])
+        assert not c["RMS"] or c["PRE_NORM"]
         assert hidden in rln_mod.BERT_HIDDEN or (c["HAS_LN_BIAS"] and not c["PRE_NORM"])
         unhinted = {"T"} if hidden % 16 == 0 else {"T", "N", "stride_hm", "stride_rm", "stride_om", "stride_sm"}
         assert s["hints"] == dict.fromkeys(unhinted)

@@ -480,12 +480,12 @@ def test_sm80_pointer_kernel_pipelines_through_cp_async(op):
 
 def test_row_kernel_moves_whole_16_byte_vectors():
     """residual_layernorm's row kernel at BERT's widths (with and without bias; post-norm, pre-norm, without LN
-    bias): every row load and store is a 16-byte vector (h and the residual: 2 per chunk at least; the pre-norm form
-    stores s and LN(s): 2 per chunk at least), i.e. no idle or half-used lanes."""
+    bias, RMSNorm): every row load and store is a 16-byte vector (h and the residual: 2 per chunk at least; the
+    pre-norm form stores s and LN(s): 2 per chunk at least), i.e. no idle or half-used lanes."""
     for arch in aot_compile.ARCHS:
         records = {name: r for name, r in _records("residual_layernorm", arch).items()
                    if any(f"-H{hidden}-" in name for hidden in (384, 768, 1024))}
-        assert len(records) == 3 * 3 * 2 * 4, sorted(records)  # dtypes x widths x {bias, no bias} x norm forms
+        assert len(records) == 3 * 3 * 2 * 5, sorted(records)  # dtypes x widths x {bias, no bias} x norm forms
         for name, r in records.items():
             num_chunks = int(name.split("-H")[1].split("-")[1].split("x")[1])
             assert r["st_global"] == r["st_global_v4"] > 0, (name, r)
