@@ -71,6 +71,18 @@ mask_i * mask_j, so such a query's scores are all finfo.min and its softmax is u
 Layout. qkv is [T, 3, nh, hd]: the natural view of the QKV GEMM's [T, 3H] output, read through its strides (only hd
 must be unit-stride), so no transpose or .contiguous() copy is made. The output is [T, nh*hd], exactly what the
 attention output dense reads.
+
+Grouped-query attention (optional, EuroBERT: kv key/value heads, each shared by G = nh / kv query heads). qkv is then
+[T, nh + 2 kv, hd]: the QKV GEMM's output over [W_q; W_k; W_v] viewed per head, q heads, then k heads, then v heads
+(the fused weight's row order), and query head h reads key/value head h // G (transformers' repeat_kv order). Each
+K/V head is read where the GEMM wrote it, by the G programs of its group (neighbours on grid y), so the repeat costs
+re-reads, never a copy: repeat_kv writes k and v out per query head, 2 x T x nh x hd elements, then attention reads
+them back, (G - 1) / G of that being repeats of what the GEMM wrote. One layout rule serves both forms: the heads run
+in blocks of kv (of nh at G = 1), q fills G blocks, k is block G and v block G + 1, so `stride_qkv_which` (one block)
+and `kv_group` (G) place k and v for any G. G = 1 is [T, 3, nh, hd] with its own strides (heads-major views
+included), and Triton specialises an integer argument equal to 1 into a constant: the non-grouped binaries are
+BERT's as before (the same SASS), and one binary serves G = 2..15 (a multiple of 16 gets the JIT's divisibility
+hint, a binary of its own).
 """
 from __future__ import annotations
 
@@ -125,7 +137,7 @@ ATTENTION_DO_NOT_SPECIALIZE = ("max_seqlen", "stride_mask_b", "seq_bucket")
 @triton.jit(do_not_specialize=ATTENTION_DO_NOT_SPECIALIZE)
 def _attention_fwd_kernel(
     # pointers
-    qkv_ptr,  # [T, 3, nh, hd], hd unit-stride
+    qkv_ptr,  # [T, 3, nh, hd], or grouped [T, nh + 2 kv, hd] (q heads, k heads, v heads); hd unit-stride
     cu_seqlens_ptr,  # [n + 1] int32: sequence i is tokens cu_seqlens[i] : cu_seqlens[i + 1]
     key_valid_ptr,  # [n, S] int8 (a bool tensor viewed as int8), 1 = real key; read only when HAS_MASK
     kv_end_ptr,  # [n] int32, 1 + index of the row's last real key, 0 = fully padded row; read only when HAS_MASK
@@ -140,8 +152,9 @@ def _attention_fwd_kernel(
     qk_scale,  # softmax scale * log2(e)
     bias_reach,  # L - 1: the per-distance table's largest distance (its entry of distance 0): bias or column
     window,  # w: query i sees key j only when |i - j| <= w (positions in the sequence); read only when HAS_WINDOW
+    kv_group,  # G: query heads per key/value head (1: as many key/value heads as query heads)
     # strides (in elements)
-    stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, q/k/v selector, head
+    stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, a block of key/value heads (q -> k, k -> v at G = 1), head
     stride_mask_b, stride_mask_s,
     stride_out_t,
     stride_bias_h,
@@ -168,6 +181,7 @@ def _attention_fwd_kernel(
     seq = pid // num_m_blocks
     pid_m = pid % num_m_blocks
     head = tl.program_id(1).to(tl.int64)
+    kv_head = (tl.program_id(1) // kv_group).to(tl.int64)  # the key/value head of this query head's group
 
     seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # the sequence's first token in T
     seq_len = tl.load(cu_seqlens_ptr + seq + 1) - tl.load(cu_seqlens_ptr + seq)
@@ -212,8 +226,11 @@ def _attention_fwd_kernel(
         q_rot = rot_base + offs_m[:, None] * stride_rot_t + offs_freq[None, :]
         q = _rotate(q, q_partner, tl.load(cos_ptr + q_rot, mask=q_mask[:, None], other=0.0),
                     tl.load(sin_ptr + q_rot, mask=q_mask[:, None], other=0.0), sign[None, :])
-    k_base = seq_base + stride_qkv_which  # K^T tile [HEAD_DIM, BLOCK_N] is read straight from the [T, ...] layout
-    v_base = seq_base + 2 * stride_qkv_which
+    # K and V of the head's group: k is block G of the layout, v block G + 1 (the module docstring); at G = 1 this is
+    # seq_base + stride_qkv_which and + 2 stride_qkv_which. K^T tile [HEAD_DIM, BLOCK_N] is read straight from it.
+    kv_base = qkv_ptr + kv_head * stride_qkv_h + seq_start * stride_qkv_t
+    k_base = kv_base + kv_group * stride_qkv_which
+    v_base = kv_base + (kv_group + 1) * stride_qkv_which
     if HAS_BIAS:
         bias_row = bias_ptr + head * stride_bias_h
         bias_col = bias_reach - offs_m  # + key position = the table column of distance j - i
@@ -324,7 +341,10 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     128-query tile and 64x64 spill at hd 64/128; 64x32 with 8 warps fits up to hd 32, 64x16 with 4 warps at hd 64,
     32x16 with 4 warps at hd 128 (ptxas's own register budget there; 255 spills).
     rotary (fp16/bf16, hd 64): 64x32 as the short-sequence tile; 64x64 with the window spilled 8 bytes on sm_80
-    under Triton 3.6 (REG 255).
+    under Triton 3.6 (REG 255). At hd 128 (EuroBERT-2.1B; the partner K^T tile and the cos/sin tiles are twice as
+    wide) 128x64 at 8 warps and 64x32 at 4 warps spilled 8-16 bytes on sm_80 without a key mask, in either register
+    budget (Triton 3.9); 128x32 at 8 warps in ptxas's own budget and 64x32 at 8 warps fit (REG 188-242 on sm_80,
+    134-177 on sm_90, Triton 3.9 and 3.6). Chosen by registers, not timed yet.
     disentangled (fp16/bf16): the gathered column, c2p and p2c tiles hold registers in the key loop. Both terms at
     hd 64: 64x64 at 4 warps spilled on sm_80 (STACK 64 under Triton 3.9, 232 under 3.6), so the short-sequence tile
     is 64x32; 128x64 fits at maxnreg=255 (REG 222-250 on sm_80; in ptxas's own budget it took 128 registers at hd 32
@@ -338,6 +358,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
         return [_config(64, 32, 8, 2)]
     if disentangled and head_dim > 64:
         return [_config(64, 32, 4, 2)]
+    if rotary and head_dim > 64:
+        return [_config(128, 32, 8, 2, maxnreg=None), _config(64, 32, 8, 2)]
     # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
     big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 else 255)
     narrow = head_dim > 64 or (rotary and head_dim == 64) or disentangled
@@ -429,12 +451,13 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
            key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
            config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
            rotary=None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
-           column: torch.Tensor | None = None, uniform_padded_queries: bool = False) -> torch.Tensor:
+           column: torch.Tensor | None = None, uniform_padded_queries: bool = False,
+           kv_heads: int | None = None) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
     forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
     first config of attention_configs() for its dtype and head dim (benchmarking would sync), and a binary not loaded
     yet is refused (utils.NotWarmedUp: warm up first). Runs on qkv's device."""
-    T, _, num_heads, head_dim = qkv.shape
+    T, num_heads, head_dim, kv_group, stride_which, stride_head = _heads(qkv, kv_heads)
     has_c2p, has_p2c = c2p is not None, p2c is not None
     if has_c2p or has_p2c:
         _refuse_with_disentangled(bias, window, rotary)
@@ -480,8 +503,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     else:
         p2c, stride_p2c_t, stride_p2c_h = _placeholder(qkv.device, torch.float32), 1, 1
     args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias, cos, sin, column, c2p, p2c,
-            max_seqlen, float(scale) * _LOG2E, bias_reach, int(window),
-            qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            max_seqlen, float(scale) * _LOG2E, bias_reach, int(window), kv_group,
+            qkv.stride(0), stride_which, stride_head,
             stride_mask_b, stride_mask_s,
             out.stride(0), stride_bias_h, stride_rot_t,
             stride_c2p_t, stride_c2p_h, stride_p2c_t, stride_p2c_h,
@@ -506,10 +529,21 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
             _attention_fwd_kernel[launch_grid(num_seqs, max_seqlen, num_heads, config.kwargs["BLOCK_M"])](*args,
                                                                                                       **kwargs)
     if key_valid is not None and has_window:
-        _uniform_where(qkv, _window_is_empty(key_valid, int(window)), out)
+        _uniform_where(qkv, kv_heads, _window_is_empty(key_valid, int(window)), out)
     if key_valid is not None and uniform_padded_queries:
-        _uniform_where(qkv, ~key_valid, out)
+        _uniform_where(qkv, kv_heads, ~key_valid, out)
     return out
+
+
+def _heads(qkv: torch.Tensor, kv_heads: int | None) -> tuple:
+    """(T, nh, hd, G, stride_qkv_which, stride_qkv_h) of qkv [T, 3, nh, hd] (kv_heads None) or grouped
+    [T, nh + 2 kv, hd]: there a block of key/value heads is kv heads wide, and q holds G = nh / kv of them."""
+    if kv_heads is None:
+        T, _, num_heads, head_dim = qkv.shape
+        return T, num_heads, head_dim, 1, qkv.stride(1), qkv.stride(2)
+    T, width, head_dim = qkv.shape
+    num_heads = width - 2 * kv_heads
+    return T, num_heads, head_dim, num_heads // kv_heads, kv_heads * qkv.stride(1), qkv.stride(1)
 
 
 def _refuse_with_disentangled(bias, window, rotary) -> None:
@@ -532,12 +566,14 @@ def _window_is_empty(key_valid, window):
     return (counts[:, (i + window + 1).clamp(max=S)] - counts[:, (i - window).clamp(min=0)]) == 0
 
 
-def _uniform_where(qkv, uniform, out):
+def _uniform_where(qkv, kv_heads, uniform, out):
     """Padded rows: the queries where `uniform` [B, S] is True get HF eager's answer for a query whose every key is
     masked, the mean of its row's S values. A few [B, S] tensor ops, no host read: fine inside a CUDA graph."""
     B, S = uniform.shape
-    T, _, nh, hd = qkv.shape
-    mean = qkv[:, 2].view(B, S, nh, hd).float().mean(dim=1).to(out.dtype)  # [B, nh, hd]
+    T, nh, hd, group = _heads(qkv, kv_heads)[:4]
+    v = qkv[:, 2] if kv_heads is None else qkv[:, nh + kv_heads:]  # [T, kv, hd] (kv = nh without groups)
+    mean = v.reshape(B, S, nh // group, hd).float().mean(dim=1).to(out.dtype)  # [B, kv, hd]
+    mean = mean.repeat_interleave(group, dim=1) if group > 1 else mean  # [B, nh, hd]: each query head's group
     rows = out.view(B, S, nh, hd)
     rows.copy_(torch.where(uniform[:, :, None, None], mean[:, None], rows))
 
@@ -562,8 +598,9 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
               key_valid: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
               config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
               rotary=None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
-              column: torch.Tensor | None = None, uniform_padded_queries: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scale + B) v per sequence, for packed qkv [T, 3, nh, hd] -> out [T, nh*hd].
+              column: torch.Tensor | None = None, uniform_padded_queries: bool = False,
+              kv_heads: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + B) v per sequence, for packed qkv [T, 3, nh, hd] (or grouped, below) -> out [T, nh*hd].
 
     cu_seqlens: [n + 1] int32 (on qkv's device): 0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = T; sequence i is tokens
                 cu_seqlens[i] : cu_seqlens[i + 1]. Checked here with one host read (`launch` does not read it).
@@ -585,14 +622,29 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
                 c = column[clamp(j - i + L - 1, 0, 2L - 2)]. Not combined with bias, window or rotary.
     uniform_padded_queries: with key_valid, a padded query gets the mean of its row's S values (HF's answer where
                 the mask is key_valid[i] * key_valid[j], as DeBERTa's); False: it attends to the row's real keys.
+    kv_heads:   None, or grouped-query attention over kv key/value heads: qkv is then [T, nh + 2 kv, hd] (q heads,
+                k heads, v heads, in that order along dim 1; any strides but hd's), kv divides nh, and query head h
+                reads key/value head h // (nh / kv), never expanded (see the module docstring).
     """
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
-    if qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be [T, 3, num_heads, head_dim], got shape {tuple(qkv.shape)}")
+    if kv_heads is None:
+        if qkv.dim() != 4 or qkv.shape[1] != 3:
+            raise ValueError(f"qkv must be [T, 3, num_heads, head_dim] (grouped, with kv_heads: "
+                             f"[T, num_heads + 2*kv_heads, head_dim]), got shape {tuple(qkv.shape)}")
+    else:
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+            raise ValueError(f"kv_heads must be None or a positive int, got {kv_heads!r}")
+        if qkv.dim() != 3:
+            raise ValueError(f"with kv_heads={kv_heads}, qkv must be [T, num_heads + 2*kv_heads, head_dim], got shape "
+                             f"{tuple(qkv.shape)}")
+        queries = qkv.shape[1] - 2 * kv_heads
+        if queries < kv_heads or queries % kv_heads:
+            raise ValueError(f"qkv.shape[1]={qkv.shape[1]} leaves num_heads={queries} query heads beside 2 x "
+                             f"kv_heads={kv_heads}; kv_heads must divide num_heads")
     if qkv.dtype not in _DTYPES:
         raise TypeError(f"qkv.dtype={qkv.dtype} is not supported; use float32, float16 or bfloat16")
-    T, _, num_heads, head_dim = qkv.shape
+    T, num_heads, head_dim = _heads(qkv, kv_heads)[:3]
     if head_dim not in TRITON_HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported by the Triton attention kernel; "
                          f"supported head dims are {TRITON_HEAD_DIMS}")
@@ -683,7 +735,7 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
         if out.stride(-1) != 1:
             raise ValueError(f"out's last dim must be unit-stride, got strides {tuple(out.stride())}")
     return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config, bias, window, rotary, c2p, p2c, column,
-                  uniform_padded_queries)
+                  uniform_padded_queries, kv_heads)
 
 
 _TERM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -744,11 +796,17 @@ def aot_specs() -> list[dict]:
     - max_seqlen, the key_valid row stride (= S) and the bias table's reach and row stride (L - 1, 2L - 1) are
       arbitrary at run time: no hint; nor is the column table's reach L - 1. The c2p/p2c strides keep the default
       hint: [T, nh, P] or its [nh, T, P] transpose, P = 2 x 256 buckets in DeBERTa-v2/v3.
+    - the group size kv_group is the constant 1 where every query head has its own key/value head (BERT's binaries
+      unchanged); the grouped variants (GQA_AOT_HEAD_DIMS) take it as an i32 without a hint (EuroBERT's 3), and
+      their block of key/value heads kv x hd keeps the default hint (hd is a multiple of 16).
     """
-    return [spec for spec in _aot_specs() if _in_suite(spec["constexprs"], spec["signature"]["qkv_ptr"])]
+    return [spec for spec in _aot_specs() if _in_suite(spec)]
 
 
-def _in_suite(constexprs: dict, qkv_type: str) -> bool:
+def _in_suite(spec: dict) -> bool:
+    constexprs, qkv_type = spec["constexprs"], spec["signature"]["qkv_ptr"]
+    if "kv_group" in spec["signature"]:
+        return constexprs["HEAD_DIM"] in GQA_AOT_HEAD_DIMS and qkv_type in ("*fp16", "*bf16")
     if constexprs["HAS_C2P"] or constexprs["HAS_P2C"]:
         form = (constexprs["HAS_C2P"], constexprs["HAS_P2C"], constexprs["HAS_MASK"])
         return constexprs["HEAD_DIM"] == 64 and qkv_type in DISENTANGLED_AOT.get(form, ())
@@ -769,13 +827,18 @@ WINDOW_AOT_HEAD_DIMS = (32, 64)
 # bf16, padded in fp16; c2p alone packed in fp16. The rest (p2c alone, fp32, other head dims) only in all_aot_specs().
 DISENTANGLED_AOT = {(True, True, False): ("*fp16", "*bf16"), (True, True, True): ("*fp16",),
                     (True, False, False): ("*fp16",)}
-# (HAS_MASK, HAS_BIAS, HAS_WINDOW, HAS_ROTARY, HAS_C2P, HAS_P2C): BERT's, the relative-bias families', ModernBERT's
-# local layers (window and rotary; window alone) and global layers (rotary alone), DeBERTa's (c2p and p2c; either)
-_VARIANTS = [(mask, bias, False, False, False, False) for bias in (False, True) for mask in (True, False)] + \
-    [(mask, False, window, rotary, False, False) for window, rotary in ((True, False), (True, True), (False, True))
+# Grouped-query attention with rotary q/k, as EuroBERT runs it (fp16/bf16): hd 64 (EuroBERT-210m/610m) and 128 (2.1B)
+GQA_AOT_HEAD_DIMS = (64, 128)
+# (HAS_MASK, HAS_BIAS, HAS_WINDOW, HAS_ROTARY, HAS_C2P, HAS_P2C, grouped): BERT's, the relative-bias families',
+# ModernBERT's local layers (window and rotary; window alone) and global layers (rotary alone), DeBERTa's (c2p and
+# p2c; either), EuroBERT's (rotary over grouped key/value heads)
+_VARIANTS = [(mask, bias, False, False, False, False, False) for bias in (False, True) for mask in (True, False)] + \
+    [(mask, False, window, rotary, False, False, False) for window, rotary in ((True, False), (True, True),
+                                                                              (False, True))
      for mask in (True, False)] + \
-    [(mask, False, False, False, c2p, p2c) for c2p, p2c in ((True, True), (True, False), (False, True))
-     for mask in (True, False)]
+    [(mask, False, False, False, c2p, p2c, False) for c2p, p2c in ((True, True), (True, False), (False, True))
+     for mask in (True, False)] + \
+    [(mask, False, False, True, False, False, True) for mask in (True, False)]
 
 
 def all_aot_specs() -> list[dict]:
@@ -789,14 +852,14 @@ def _aot_specs() -> list[dict]:
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
         for precision in precisions:
             for head_dim in TRITON_HEAD_DIMS:
-                for has_mask, has_bias, has_window, has_rotary, has_c2p, has_p2c in _VARIANTS:
+                for has_mask, has_bias, has_window, has_rotary, has_c2p, has_p2c, grouped in _VARIANTS:
                     for config in attention_configs(dtype, head_dim, precision, has_rotary, has_c2p or has_p2c):
                         bm, bn, warps, stages, maxnreg = _key(config)
                         name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
                                         [f"hd{head_dim}", "mask" if has_mask else "nomask"] +
                                         (["bias"] if has_bias else []) + (["window"] if has_window else []) +
                                         (["rotary"] if has_rotary else []) + (["c2p"] if has_c2p else []) +
-                                        (["p2c"] if has_p2c else []) +
+                                        (["p2c"] if has_p2c else []) + (["gqa"] if grouped else []) +
                                         [f"{bm}x{bn}-w{warps}-s{stages}" + (f"-r{maxnreg}" if maxnreg else "")])
                         bias_args = {"bias_reach": "i32", "stride_bias_h": "i32"} if has_bias else {}
                         # window: ModernBERT's 64 gets the JIT's divisibility-16 hint (the default here); so does
@@ -807,6 +870,7 @@ def _aot_specs() -> list[dict]:
                         reach_args = {"bias_reach": "i32"} if (has_c2p or has_p2c) and not has_bias else {}
                         c2p_args = {"stride_c2p_t": "i32", "stride_c2p_h": "i32"} if has_c2p else {}
                         p2c_args = {"stride_p2c_t": "i32", "stride_p2c_h": "i32"} if has_p2c else {}
+                        group_args = {"kv_group": "i32"} if grouped else {}
                         specs.append({
                             "name": name,
                             "fn": _attention_fwd_kernel,
@@ -817,7 +881,7 @@ def _aot_specs() -> list[dict]:
                                 "stride_qkv_h": "i32", "stride_mask_b": "i32", "stride_out_t": "i32",
                                 "seq_bucket": "i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **bias_args,
                                 **window_args, **rotary_args, "column_ptr": "*i32", "c2p_ptr": "*fp32",
-                                "p2c_ptr": "*fp32", **reach_args, **c2p_args, **p2c_args,
+                                "p2c_ptr": "*fp32", **reach_args, **c2p_args, **p2c_args, **group_args,
                             },
                             "constexprs": {"stride_mask_s": 1, "HEAD_DIM": head_dim,
                                            "HAS_MASK": has_mask, "HAS_BIAS": has_bias, "INPUT_PRECISION": precision,
@@ -829,9 +893,10 @@ def _aot_specs() -> list[dict]:
                                            **({} if has_c2p else {"stride_c2p_t": 1, "stride_c2p_h": 1}),
                                            **({} if has_p2c else {"stride_p2c_t": 1, "stride_p2c_h": 1}),
                                            **({} if has_window else {"window": 1}),
-                                           **({} if has_rotary else {"stride_rot_t": 1})},
+                                           **({} if has_rotary else {"stride_rot_t": 1}),
+                                           **({} if grouped else {"kv_group": 1})},
                             "hints": {"max_seqlen": None, "stride_mask_b": None, "seq_bucket": None,
-                                      **{arg: None for arg in {**bias_args, **reach_args}}},
+                                      **{arg: None for arg in {**bias_args, **reach_args, **group_args}}},
                             "num_warps": warps,
                             "num_stages": stages,
                             **({"maxnreg": config.maxnreg} if config.maxnreg else {}),

@@ -315,6 +315,8 @@ EXPECTED_TILES = {
 
 # rotary q/k at hd 64 in fp16/bf16: 64x32 as the short-sequence tile (64x64 spilled on sm_80 under Triton 3.6)
 EXPECTED_ROTARY_TILES_HD64 = [(128, 64, 8, 2, 255), (64, 32, 4, 2, 255)]
+# at hd 128 (EuroBERT-2.1B): 128x32 and 64x32 at 8 warps (128x64, and 64x32 at 4 warps, spilled on sm_80)
+EXPECTED_ROTARY_TILES_HD128 = [(128, 32, 8, 2, None), (64, 32, 8, 2, 255)]
 # DeBERTa's c2p/p2c in fp16/bf16: 64x32 as the short-sequence tile (64x64 spilled on sm_80); hd 128: 64x32 alone
 # (128x64 spilled)
 EXPECTED_DISENTANGLED_TILES = [(128, 64, 8, 2, 255), (64, 32, 4, 2, 255)]
@@ -325,7 +327,9 @@ def test_attention_configs_are_the_documented_tiles(dtype, precision, head_dim):
     got = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision)]
     assert got == EXPECTED_TILES[dtype, precision, head_dim]
     rotary = [attention_module._key(c) for c in attention_module.attention_configs(dtype, head_dim, precision, True)]
-    assert rotary == (EXPECTED_ROTARY_TILES_HD64 if head_dim == 64 and dtype != torch.float32 else got)
+    half = dtype != torch.float32
+    assert rotary == (EXPECTED_ROTARY_TILES_HD64 if head_dim == 64 and half else
+                      EXPECTED_ROTARY_TILES_HD128 if head_dim == 128 and half else got)
     disentangled = [attention_module._key(c) for c in
                     attention_module.attention_configs(dtype, head_dim, precision, disentangled=True)]
     if dtype == torch.float32:
@@ -368,10 +372,11 @@ def test_aot_specs_well_formed():
     exactly the documented tiles for each (dtype, precision, head dim) and mask variant: 48 kernels without a bias,
     the same tiles at head dim 64 (MPNet-base, DeBERTa-v3-base) with one: 12 more, and ModernBERT's window,
     window + rotary and rotary variants in fp16/bf16 at head dims 32 and 64: 48 more, and DeBERTa's at head dim 64
-    (c2p + p2c in fp16 and bf16 packed, in fp16 padded; c2p alone in fp16 packed): 8 more."""
+    (c2p + p2c in fp16 and bf16 packed, in fp16 padded; c2p alone in fp16 packed): 8 more, and EuroBERT's rotary
+    over grouped key/value heads in fp16/bf16 at head dims 64 and 128: 16 more."""
     specs = attention_module.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(names) == len(set(names)) == 116
+    assert len(names) == len(set(names)) == 132
     arg_names = set(attention_module._attention_fwd_kernel.arg_names)  # JITFunction or, here, InterpretedFunction
     for spec in specs:
         assert not set(spec["signature"]) & set(spec["constexprs"]), spec["name"]
@@ -379,13 +384,13 @@ def test_aot_specs_well_formed():
         assert set(spec["hints"]) <= set(spec["signature"]), spec["name"]
     tags = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 
-    def covered(with_bias, window=False, rotary=False, c2p=False, p2c=False):
+    def covered(with_bias, window=False, rotary=False, c2p=False, p2c=False, grouped=False):
         return sorted(str((s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
                            s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"],
                            s["num_warps"], s["num_stages"], s.get("maxnreg"))) for s in specs
                       if tuple(s["constexprs"][flag] for flag in ("HAS_BIAS", "HAS_WINDOW", "HAS_ROTARY", "HAS_C2P",
                                                                    "HAS_P2C"))
-                      == (with_bias, window, rotary, c2p, p2c))
+                      == (with_bias, window, rotary, c2p, p2c) and ("kv_group" in s["signature"]) == grouped)
 
     def expected(head_dims, dtypes=tuple(tags)):
         return sorted(str((tags[dtype], precision, hd, mask) + tile) for (dtype, precision, hd), tiles in
@@ -409,6 +414,9 @@ def test_aot_specs_well_formed():
                                                         disentangled(("*fp16",), (True,)))
     assert covered(False, c2p=True) == disentangled(("*fp16",), (False,))
     assert covered(False, p2c=True) == []
+    assert covered(False, rotary=True, grouped=True) == sorted(
+        str((tags[dtype], "ieee", hd, mask) + tile) for dtype in half for mask in (True, False)
+        for hd, tiles in ((64, EXPECTED_ROTARY_TILES_HD64), (128, EXPECTED_ROTARY_TILES_HD128)) for tile in tiles)
     for spec in specs:  # the variants off: their arguments are the constant 1 the launcher passes
         constexprs = spec["constexprs"]
         assert constexprs["HAS_WINDOW"] or constexprs["window"] == 1, spec["name"]
@@ -417,6 +425,9 @@ def test_aot_specs_well_formed():
         assert constexprs["HAS_P2C"] or constexprs["stride_p2c_t"] == constexprs["stride_p2c_h"] == 1, spec["name"]
         terms = constexprs["HAS_C2P"] or constexprs["HAS_P2C"]
         assert (terms or constexprs["HAS_BIAS"]) == ("bias_reach" in spec["signature"]), spec["name"]
+        # one key/value head per query head: the group size is the constant 1 (BERT's binaries)
+        assert ("kv_group" in spec["signature"]) == ("-gqa-" in spec["name"]), spec["name"]
+        assert "kv_group" in spec["signature"] or constexprs["kv_group"] == 1, spec["name"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
