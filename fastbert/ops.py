@@ -60,16 +60,16 @@ def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -
 
 def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
               backend: str = "torch", bias: torch.Tensor | None = None, window: int | None = None,
-              rotary=None, disentangled=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              rotary=None, disentangled=None, kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attn`: a TokenLayout (packed, padding-free) or an AttentionMask (padded rows). `bias`, `window`, `rotary`,
-    `disentangled`: the fields of units.attention.Extras (a per-distance bias table, a sliding window, rotary cos/sin,
-    DeBERTa's c2p/p2c terms)."""
+    `disentangled`, `kv_heads`: the fields of units.attention.Extras (a per-distance bias table, a sliding window,
+    rotary cos/sin, DeBERTa's c2p/p2c terms, grouped key/value heads: qkv [T, nh + 2 kv, hd])."""
     padded = None
     if return_probs:
         padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-    extras = Extras(bias, window, rotary, disentangled)
+    extras = Extras(bias, window, rotary, disentangled, kv_heads)
     twin = lambda: _attention.twin(qkv, attn, scale, dropout_p, return_probs, extras)  # noqa: E731
     if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
         kernel = lambda: _attention.kernel(qkv, attn, scale, extras=extras, checked=True)  # noqa: E731

@@ -2,6 +2,13 @@
 sequences -> [T, nh*hd]. The kernel is flash attention over cu_seqlens (kernels/attention.py); the twin runs sdpa per
 sequence (one dense batch when the lengths are equal), or HF's eager math on padded rows when the caller wants the
 probabilities. What a family adds to the scores travels as one `Extras`.
+
+Grouped-query attention (Extras.kv_heads = kv < nh): qkv is [T, nh + 2 kv, hd], the QKV GEMM's output viewed per
+head (q heads, k heads, v heads), and query head h reads key/value head h // (nh / kv), transformers' repeat_kv order.
+Neither side expands k and v for the whole batch: the kernel reads each key/value head in place for its group, the
+twin hands sdpa the key/value heads (enable_gqa, per sequence). They are repeated, for one call, only where no fused
+kernel takes groups: HF's eager math (beside the [B, nh, S, S] probabilities it forms anyway), the dropout math
+written out on CPU, and sdpa on CUDA under a mask (`_sdpa`).
 """
 from __future__ import annotations
 
@@ -19,15 +26,45 @@ from .common import inference_only, random_inputs, run_backend
 OP = "attention"
 
 
-def _rotate_qk_into(qkv: torch.Tensor, rotary: Rotary, workspace: Workspace) -> torch.Tensor:
-    """q and k of every token of qkv [T, 3, nh, hd] (float32) rotated at once into a workspace buffer [T, 2, nh, hd]:
-    `rotate`'s arithmetic, each half written in place (no cat)."""
-    T, _, nh, hd = qkv.shape
-    half = hd // 2
-    qk = qkv[:, :2]
-    out = workspace.take("rotated_qk", (T, 2, nh, hd), qkv)
-    tmp = workspace.take("rotary_product", (T, 2, nh, half), qkv)
-    cos, sin = rotary.cos[:, None, None, :], rotary.sin[:, None, None, :]
+def heads(qkv: torch.Tensor, kv_heads: int | None) -> tuple[int, int, int, int]:
+    """(T, nh, kv, hd) of qkv [T, 3, nh, hd] (kv_heads None: kv = nh) or grouped [T, nh + 2 kv, hd]."""
+    if kv_heads is None:
+        T, _, nh, hd = qkv.shape
+        return T, nh, nh, hd
+    T, width, hd = qkv.shape
+    return T, width - 2 * kv_heads, kv_heads, hd
+
+
+def split_heads(qkv: torch.Tensor, batch: int, length: int, parts: tuple | None = None) -> tuple:
+    """Strided views, no copy, of `batch` sequences of `length` tokens: qkv [T, n, nh, hd] -> n tensors
+    [batch, nh, length, hd]; grouped [T, sum(parts), hd] -> one [batch, h, length, hd] per head count h of `parts`
+    ((nh, kv, kv) for q, k, v)."""
+    rows = qkv.view(batch, length, *qkv.shape[1:])
+    if parts is None:
+        return rows.permute(2, 0, 3, 1, 4).unbind(0)
+    return rows.transpose(1, 2).split(parts, dim=1)
+
+
+def _parts(nh: int, kv_heads: int | None) -> tuple | None:
+    return None if kv_heads is None else (nh, kv_heads, kv_heads)
+
+
+def repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[.., kv, L, hd] -> [.., kv * group, L, hd], each key/value head repeated for its group of query heads
+    (transformers' repeat_kv); x itself when group == 1."""
+    return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
+def _rotate_qk_into(qkv: torch.Tensor, rotary: Rotary, workspace: Workspace, kv_heads: int | None) -> torch.Tensor:
+    """q and k of every token of qkv (float32) rotated at once into a workspace buffer: [T, 2, nh, hd], or grouped
+    [T, nh + kv, hd] (q heads, then k heads): `rotate`'s arithmetic, each half written in place (no cat)."""
+    half = qkv.shape[-1] // 2
+    qk = qkv[:, :2] if kv_heads is None else qkv[:, :qkv.shape[1] - kv_heads]
+    out = workspace.take("rotated_qk", tuple(qk.shape), qkv)
+    tmp = workspace.take("rotary_product", (*qk.shape[:-1], half), qkv)
+    cos, sin = rotary.cos[:, None], rotary.sin[:, None]  # [T, 1, hd/2]: the same angles for every head
+    if qk.dim() == 4:  # and for q and k
+        cos, sin = cos[:, None], sin[:, None]
     x1, x2, o1, o2 = qk[..., :half], qk[..., half:], out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=o1).sub_(torch.mul(x2, sin, out=tmp))  # x1 * cos - x2 * sin
     torch.mul(x2, cos, out=o2).add_(torch.mul(x1, sin, out=tmp))  # x2 * cos + x1 * sin
@@ -106,9 +143,17 @@ def _score_mask(bias, window, num_queries, num_keys, dtype, device, query_start=
 def _sdpa(q, k, v, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
     """F.scaled_dot_product_attention, but with dropout on CPU in float32 the math written out: sdpa's CPU kernel
     takes no dropout, so sdpa falls back to this same math with F.dropout's bernoulli_ mask, and `dropout`'s draws are
-    cheaper. A bool attn_mask is True where a key is seen; the twins' masks leave every query at least one key."""
-    if dropout_p == 0.0 or q.device.type != "cpu" or q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+    cheaper. A bool attn_mask is True where a key is seen; the twins' masks leave every query at least one key.
+    k and v may hold fewer heads than q (grouped-query attention), which sdpa reads for each group (enable_gqa). The
+    math written out, and sdpa on CUDA with a mask (whose fused kernels take no groups there: it would run its math
+    kernel, the [.., nq, nk] scores in memory; transformers repeats there too), take them repeated, for this call."""
+    group = q.shape[-3] // k.shape[-3]
+    written_out = dropout_p != 0.0 and q.device.type == "cpu" and q.dtype == torch.float32
+    if group > 1 and (written_out or attn_mask is not None and q.device.type == "cuda"):
+        k, v, group = repeat_kv(k, group), repeat_kv(v, group), 1
+    if not written_out:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=group > 1)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [.., nq, nk], fresh: in place is safe for autograd
     if attn_mask is not None:
         scores = scores.masked_fill_(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
@@ -150,11 +195,16 @@ class Extras(NamedTuple):
     disentangled: twins.Disentangled, DeBERTa's per-token c2p/p2c terms, added after the scale; padded rows then
         follow HF's mask rule mask_i * mask_j (a padded query attends uniformly to all S keys). Never combined with
         the three above.
+    kv_heads: grouped-query attention over kv key/value heads (EuroBERT): qkv is [T, nh + 2 kv, hd] (q heads, k
+        heads, v heads; kv divides nh) and query head h attends with key/value head h // (nh / kv); None: qkv is
+        [T, 3, nh, hd]. A layout rather than a score term, carried here so that every backend, the custom op and
+        "auto" see it with the rest of the call.
     """
     bias: torch.Tensor | None = None
     window: int | None = None
     rotary: Rotary | None = None
     disentangled: Disentangled | None = None
+    kv_heads: int | None = None
 
 
 NONE = Extras()
@@ -162,59 +212,63 @@ NONE = Extras()
 
 def twin(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
          extras: Extras = NONE, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """qkv [T, 3, nh, hd] -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn` is a TokenLayout (packed
-    sequences, padding-free) or an AttentionMask (padded rows, T = B*S); `extras`: see Extras. `workspace`: see
-    twins.Workspace (packed sequences only read it)."""
-    bias, window, rotary, disentangled = extras
+    """qkv [T, 3, nh, hd] (grouped: [T, nh + 2 kv, hd]) -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn`
+    is a TokenLayout (packed sequences, padding-free) or an AttentionMask (padded rows, T = B*S); `extras`: see Extras.
+    `workspace`: see twins.Workspace (packed sequences only read it)."""
+    bias, window, rotary, disentangled, kv_heads = extras
     if disentangled is not None:
         _check_disentangled(disentangled, bias, window, rotary)
     if isinstance(attn, TokenLayout):
         return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary, disentangled,
-                                      workspace), None
-    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary, disentangled)
+                                      workspace, kv_heads), None
+    return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary, disentangled,
+                                  kv_heads)
 
 
 def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
                     bias: torch.Tensor | None = None, window: int | None = None, rotary: Rotary | None = None,
-                    disentangled: Disentangled | None = None,
-                    workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    disentangled: Disentangled | None = None, workspace: Workspace | None = None,
+                    kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`twin` with the extras as keywords (Extras' fields)."""
-    return twin(qkv, attn, scale, dropout_p, return_probs, Extras(bias, window, rotary, disentangled), workspace)
+    return twin(qkv, attn, scale, dropout_p, return_probs, Extras(bias, window, rotary, disentangled, kv_heads),
+                workspace)
 
 
 def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0,
                            bias: torch.Tensor | None = None, window: int | None = None,
                            rotary: Rotary | None = None, disentangled: Disentangled | None = None,
-                           workspace: Workspace | None = None) -> torch.Tensor:
+                           workspace: Workspace | None = None, kv_heads: int | None = None) -> torch.Tensor:
     """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
     on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
     3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
     sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch; a `window`, a band
     of keys per block of queries; `disentangled` terms: each sequence's own [1, nh, L, L] (they depend on its
-    tokens)."""
-    T, _, nh, hd = qkv.shape
+    tokens). Grouped (`kv_heads`): k and v keep their kv heads, [.., kv, L, hd], which sdpa reads for each group
+    (enable_gqa)."""
+    T, nh, kv, hd = heads(qkv, kv_heads)
+    parts, gqa = _parts(nh, kv_heads), kv < nh
     # BERT's inference: sdpa as it is, no host work around it (a forward of short rows is Python-bound)
     plain = bias is None and window is None and dropout_p == 0.0 and disentangled is None
     if layout.uniform and disentangled is None:
         B, S = layout.batch_size, layout.seq_len
-        q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
+        q, k, v = split_heads(qkv, B, S, parts)  # q [B, nh, S, hd], k and v [B, kv, S, hd]: strided views
         if rotary is not None:
             q, k, v = rotated_qk(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
-        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale) if plain else \
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa) if plain else \
             _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
         return ctx.transpose(1, 2).reshape(T, nh * hd)
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
                            "(a captured CUDA graph runs the Triton kernel)")
     if workspace is not None:
-        return _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace)
+        return _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads)
     contexts, start = [], 0
     for piece in qkv.split(layout.lengths):  # views; under autograd one SplitBackward, not a zeroed [T, ...] each
         length = piece.shape[0]
-        q, k, v = piece.unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
+        q, k, v = split_heads(piece, 1, length, parts)  # [1, nh, L, hd], k and v [1, kv, L, hd]
         q, k, v = rotated_qk(q, k, v, rotary, slice(start, start + length))
         if plain:
-            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale)
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         elif disentangled is not None:
             mask = disentangled_bias(disentangled, start, length).to(q.dtype)[None]  # [1, nh, L, L]
             ctx = _sdpa(q, k, v, mask, dropout_p, scale)
@@ -225,20 +279,21 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
 
 
-def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace) -> torch.Tensor:
+def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads) -> torch.Tensor:
     """attention_varlen_torch's ragged case with q and k rotated for all tokens at once (float32) and every
     sequence's context written straight into one workspace buffer [T, nh*hd] (no per-sequence cat, no final cat)."""
-    T, _, nh, hd = qkv.shape
+    T, nh, kv, hd = heads(qkv, kv_heads)
+    parts = _parts(nh, kv_heads)
     rotated = None
     if rotary is not None and qkv.dtype == torch.float32:
-        rotated, rotary = _rotate_qk_into(qkv, rotary, workspace), None  # [T, 2, nh, hd]
+        rotated, rotary = _rotate_qk_into(qkv, rotary, workspace, kv_heads), None  # [T, 2, nh, hd] / [T, nh + kv, hd]
     ctx = workspace.take("context", (T, nh * hd), qkv)
     ctx_heads, start = ctx.view(T, nh, hd), 0
     for length in layout.lengths:
         rows = slice(start, start + length)
-        q, k, v = qkv[rows].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)  # [1, nh, L, hd]
+        q, k, v = split_heads(qkv[rows], 1, length, parts)  # [1, nh, L, hd], k and v [1, kv, L, hd]
         if rotated is not None:
-            q, k = rotated[rows].unsqueeze(0).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = split_heads(rotated[rows], 1, length, None if parts is None else parts[:2])
         q, k, v = rotated_qk(q, k, v, rotary, rows)
         _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out=ctx_heads[rows].unsqueeze(0))
         start += length
@@ -247,15 +302,16 @@ def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, 
 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
                            return_probs: bool = False, bias: torch.Tensor | None = None, window: int | None = None,
-                           rotary: Rotary | None = None,
-                           disentangled: Disentangled | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Padded rows, qkv [B*S, 3, nh, hd] -> (context [B*S, nh*hd], probs [B, nh, S, S] or None). A `bias` table and a
-    `window` are read at the padded positions (as HF does: distances count padding); a fully padded row still
-    attends uniformly to all S keys (HF eager's answer there). With `disentangled` (DeBERTa) HF's mask is
-    mask_i * mask_j: every padded query attends uniformly to all S keys, in any row."""
+                           rotary: Rotary | None = None, disentangled: Disentangled | None = None,
+                           kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Padded rows, qkv [B*S, 3, nh, hd] (grouped: [B*S, nh + 2 kv, hd]) -> (context [B*S, nh*hd], probs
+    [B, nh, S, S] or None). A `bias` table and a `window` are read at the padded positions (as HF does: distances
+    count padding); a fully padded row still attends uniformly to all S keys (HF eager's answer there). With
+    `disentangled` (DeBERTa) HF's mask is mask_i * mask_j: every padded query attends uniformly to all S keys, in any
+    row."""
     B, S = mask.batch_size, mask.seq_len
-    T, _, nh, hd = qkv.shape
-    q, k, v = qkv.view(B, S, 3, nh, hd).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, S, hd], strided views
+    T, nh, kv, hd = heads(qkv, kv_heads)
+    q, k, v = split_heads(qkv, B, S, _parts(nh, kv_heads))  # q [B, nh, S, hd], k and v [B, kv, S, hd]: views
     if rotary is not None:
         q, k, v = rotated_qk(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
     rel = None if bias is None else relative_bias(bias, S, S, qkv.dtype)[None]  # [1, nh, S, S]
@@ -274,6 +330,8 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         additive = torch.zeros((), dtype=qkv.dtype, device=qkv.device) if mask.additive is None else mask.additive
         mask = dataclasses.replace(mask, additive=torch.where(band, additive, low))
     if return_probs:  # HF's eager math, because the caller wants the probabilities themselves
+        # grouped: HF's repeat_kv, for this call only, beside the [B, nh, S, S] probabilities formed anyway
+        k, v = repeat_kv(k, nh // kv), repeat_kv(v, nh // kv)
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         if rel is not None:
             scores = scores + rel
@@ -297,12 +355,17 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
     if mask.empty_rows is not None:
         # Fully padded rows: HF eager's uniform attention over all S keys, stated outright. Adding finfo.min only
         # equalises the scores when it swamps them; sdpa adds fp16's -65504 in fp32, where it does not.
-        ctx = torch.where(mask.empty_rows, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
+        ctx = torch.where(mask.empty_rows, _mean_value(v, nh).to(ctx.dtype), ctx)
         if probs is not None:
             probs = torch.where(mask.empty_rows, torch.full_like(probs, 1.0 / S), probs)
     if pairwise is not None and probs is None:  # (the probabilities' path masked the scores themselves)
-        ctx = torch.where(pairwise, v.mean(dim=2, keepdim=True).to(ctx.dtype), ctx)
+        ctx = torch.where(pairwise, _mean_value(v, nh).to(ctx.dtype), ctx)
     return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]
+
+
+def _mean_value(v: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """v [B, kv, S, hd] -> [B, nh, 1, hd]: the mean value of each row, for each query head (its group's)."""
+    return repeat_kv(v.mean(dim=2, keepdim=True), num_heads // v.shape[1])
 
 
 # ---- the kernel ----------------------------------------------------------------------------------------------------
@@ -332,34 +395,36 @@ def kernel(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras: Extras =
 
 def _launch_extras(extras: Extras) -> dict:
     """Extras as the kernel's launcher takes them: DeBERTa's terms as plain tensors (the kernel is a leaf)."""
-    bias, window, rotary, dis = extras
+    bias, window, rotary, dis, kv_heads = extras
     terms = {} if dis is None else dict(c2p=dis.c2p, p2c=dis.p2c, column=dis.column)
-    return dict(bias=bias, window=window, rotary=rotary, **terms)
+    return dict(bias=bias, window=window, rotary=rotary, kv_heads=kv_heads, **terms)
 
 
 # ---- the custom op (a traced forward records one node) -------------------------------------------------------------
 def _flat(extras: Extras) -> tuple:
-    """Extras as the schema holds them: the window (-1: none), then its tensors (None where absent). One optional
-    tensor each, not a Tensor?[] (torch.jit.trace takes no list of optional tensors)."""
-    bias, window, rotary, dis = extras
+    """Extras as the schema holds them: the window (-1: none), its tensors (None where absent), the key/value heads
+    (-1: as many as the query heads). One optional tensor each, not a Tensor?[] (torch.jit.trace takes no list of
+    optional tensors)."""
+    bias, window, rotary, dis, kv_heads = extras
     cos, sin = (None, None) if rotary is None else rotary
     c2p, p2c, column = (None, None, None) if dis is None else (dis.c2p, dis.p2c, dis.column)
-    return -1 if window is None else window, bias, cos, sin, c2p, p2c, column
+    return -1 if window is None else window, bias, cos, sin, c2p, p2c, column, -1 if kv_heads is None else kv_heads
 
 
-def _unflat(window: int, bias, cos, sin, c2p, p2c, column) -> Extras:
+def _unflat(window: int, bias, cos, sin, c2p, p2c, column, kv_heads: int) -> Extras:
     return Extras(bias, None if window < 0 else window, None if cos is None else Rotary(cos, sin),
-                  None if column is None else Disentangled(c2p, p2c, column))
+                  None if column is None else Disentangled(c2p, p2c, column), None if kv_heads < 0 else kv_heads)
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def custom_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None, pairwise: bool, backend: str, window: int, bias: torch.Tensor | None,
               cos: torch.Tensor | None, sin: torch.Tensor | None, c2p: torch.Tensor | None,
-              p2c: torch.Tensor | None, column: torch.Tensor | None) -> torch.Tensor:
-    """Packed qkv [T, 3, nh, hd] -> [T, nh*hd]; key_valid [n, S] for padded rows (then every row has S tokens;
-    pairwise: DeBERTa's mask_i * mask_j); window and the tensors after it: the Extras (`_flat`)."""
-    extras = _unflat(window, bias, cos, sin, c2p, p2c, column)
+              p2c: torch.Tensor | None, column: torch.Tensor | None, kv_heads: int = -1) -> torch.Tensor:
+    """Packed qkv [T, 3, nh, hd] (grouped: [T, nh + 2 kv, hd]) -> [T, nh*hd]; key_valid [n, S] for padded rows (then
+    every row has S tokens; pairwise: DeBERTa's mask_i * mask_j); window and the arguments after it: the Extras
+    (`_flat`)."""
+    extras = _unflat(window, bias, cos, sin, c2p, p2c, column, kv_heads)
 
     def twin_call():
         if key_valid is None:
@@ -380,8 +445,10 @@ def custom_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
 
 
 @custom_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, pairwise, backend, window, bias, cos, sin, c2p, p2c, column):
-    return qkv.new_empty(qkv.shape[0], qkv.shape[2] * qkv.shape[3])
+def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, pairwise, backend, window, bias, cos, sin, c2p, p2c, column,
+      kv_heads=-1):
+    _, nh, _, hd = heads(qkv, None if kv_heads < 0 else kv_heads)
+    return qkv.new_empty(qkv.shape[0], nh * hd)
 
 
 def traced(backend: str):
@@ -412,6 +479,7 @@ class Variant(NamedTuple):
     window: int | None = None  # a sliding window of +-w keys, or None
     rotary: bool = False  # q and k rotated by per-token cos/sin tables
     disentangled: int = 0  # c2p and p2c terms over P columns, or 0 for none
+    group: int = 1  # query heads per key/value head (grouped-query attention), 1 for none
 
 
 def key(dtype: torch.dtype, shapes) -> str:
@@ -427,14 +495,18 @@ def key(dtype: torch.dtype, shapes) -> str:
     key += f"|window{v.window}" if v.window is not None else ""
     # DeBERTa: the kernel gathers two per-token tables into every score tile, the twin forms each sequence's bias
     key += f"|dis{v.disentangled}" if v.disentangled else ""
+    # grouped key/value heads: the kernel reads each one for its group, the twin hands sdpa the groups (enable_gqa)
+    key += f"|gqa{v.group}" if v.group > 1 else ""
     return key + ("|rotary" if v.rotary else "")
 
 
 def contenders(dtype, shapes, device, kernel, twin):
     rand, g = random_inputs(device, dtype)
     layout = measured_layout(shapes.tokens, shapes.max_seqlen, shapes.ragged, device)
-    qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim)
     v = shapes.attention
+    kv_heads = shapes.heads // v.group if v.group > 1 else None
+    qkv = rand(layout.num_tokens, 3, shapes.heads, shapes.head_dim) if kv_heads is None else \
+        rand(layout.num_tokens, shapes.heads + 2 * kv_heads, shapes.head_dim)  # the grouped GEMM's output
     bias = rand(shapes.heads, 2 * v.bias_reach - 1).float() if v.bias_reach else None
     rotary = None
     if v.rotary:  # the tables of each token's position in its sequence, as the model builds them
@@ -447,7 +519,7 @@ def contenders(dtype, shapes, device, kernel, twin):
         column = torch.randint(0, P, (2 * L - 1,), generator=g, device=device, dtype=torch.int32)
         dis = Disentangled(rand(layout.num_tokens, shapes.heads, P).float(),
                            rand(layout.num_tokens, shapes.heads, P).float(), column)
-    args = (qkv, layout, shapes.head_dim ** -0.5, 0.0, False, Extras(bias, v.window, rotary, dis))
+    args = (qkv, layout, shapes.head_dim ** -0.5, 0.0, False, Extras(bias, v.window, rotary, dis, kv_heads))
     return (lambda: kernel(*args)), (lambda: twin(*args))
 
 
