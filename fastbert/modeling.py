@@ -198,12 +198,15 @@ class BertModel(TransformersModelMixin, nn.Module):
                 layer.__dict__["_columns"] = self._columns
         # what "auto" times each op with besides the shapes (its unit's Variant). Attention: the bias table's reach,
         # the local layers' half-window (attention is timed as the local layers run it, two of every three in
-        # ModernBERT; its global layers take the same choice), rotary q/k, DeBERTa's P columns
+        # ModernBERT; its global layers take the same choice), rotary q/k, DeBERTa's P columns, the query heads per
+        # key/value head (EuroBERT)
         window = next((layer.window for layer in self.layers if getattr(layer, "window", None) is not None), None)
+        kv_heads = next((layer.kv_heads for layer in self.layers if hasattr(layer, "kv_heads")), None)
         self._variants = (
             units.attention.Variant(RELATIVE_REACH if family.attention_bias == "buckets" else 0, window,
                                     family.positions == "rotary",
-                                    2 * relative.deberta_span(config) if self._disentangled else 0),
+                                    2 * relative.deberta_span(config) if self._disentangled else 0,
+                                    config.num_attention_heads // kv_heads if kv_heads else 1),
             units.bias_gelu.Variant(gated=family.mlp == "gated"),
             units.residual_layernorm.Variant(pre_norm=family.norm == "pre"))
         self.pooler = BertPooler(config) if add_pooling_layer else None

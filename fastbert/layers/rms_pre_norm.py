@@ -11,8 +11,9 @@ EuroBertModel, Llama's decoder layer attending both ways).
 
 With num_key_value_heads < num_attention_heads, k_proj and v_proj are narrower: the fused weight's rows are q, then
 k, then v, and each key/value head serves num_attention_heads / num_key_value_heads query heads (transformers'
-repeat_kv), which the layer lays out as the [T, 3, nh, hd] the attention op takes. The model applies the final
-RMSNorm after the last layer. A linear an adapter wraps is called as the module it is.
+repeat_kv). The GEMM's output viewed per head, [T, nh + 2 kv, hd], is what the attention op takes then: the key/value
+heads are read for their groups, never repeated in memory. The model applies the final RMSNorm after the last layer.
+A linear an adapter wraps is called as the module it is.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class RMSPreNormLayer(EncoderLayer):
         holder.attention_dropout = p
 
     def qkv(self, h: torch.Tensor, run) -> torch.Tensor:
-        """h [T, H] -> q, k, v as [T, 3, nh, hd], each key/value head repeated for its group of query heads."""
+        """h [T, H] -> q, k, v as [T, 3, nh, hd]; with fewer key/value heads, grouped [T, nh + 2 kv, hd] (q heads, k
+        heads, v heads: the fused weight's rows), which attention reads as it is (Extras.kv_heads)."""
         sa = self.self_attention
         T, nh, hd, kv = h.shape[0], self.num_heads, self.head_dim, self.kv_heads
         plain = all(adapters.is_plain_linear(sa._modules[name]) for name in sa.names)
@@ -63,21 +65,20 @@ class RMSPreNormLayer(EncoderLayer):
             weight, bias = sa.fused(sa.parts(), run.traced, run.grad)
             if kv == nh:
                 return run.qkv_projection(h, weight, bias, nh)                                  # one GEMM
-            q, k, v = F.linear(h, weight, bias).split((nh * hd, kv * hd, kv * hd), dim=-1)
-        else:  # adapters on some of q/k/v: each module as it is
-            q, k, v = (sa._modules[name](h) for name in sa.names)
-        group = nh // kv
-        k, v = (t.reshape(T, kv, 1, hd).expand(T, kv, group, hd).reshape(T, nh, hd) for t in (k, v))
-        return torch.stack((q.reshape(T, nh, hd), k, v), dim=1)                                  # [T, 3, nh, hd]
+            qkv = F.linear(h, weight, bias)                                                     # one GEMM
+        else:  # adapters on some of q/k/v: each module as it is, in the fused GEMM's column order
+            qkv = torch.cat([sa._modules[name](h) for name in sa.names], dim=-1)
+        return qkv.view(T, 3, nh, hd) if kv == nh else qkv.view(T, nh + 2 * kv, hd)
 
     def forward(self, x, attn, run, output_attentions: bool = False, rotary=None, workspace=None):
         """x [T, H] -> ([T, H], attention probabilities or None); `rotary`: the cos/sin of the packed tokens."""
         ln1, out, ln2, wo = map(self.module, ("ln1", "attn_out", "ln2", "ffn_out"))
         p_attn = self.dropouts()[0] if self.training else 0.0
         plain = adapters.is_plain_linear
-        qkv = self.qkv(ln1(x), run)                                                              # [T, 3, nh, hd]
+        qkv = self.qkv(ln1(x), run)                                          # [T, 3, nh, hd] or [T, nh + 2 kv, hd]
+        kv_heads = self.kv_heads if self.kv_heads < self.num_heads else None
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions,
-                                   Extras(rotary=rotary))                                       # [T, H]
+                                   Extras(rotary=rotary, kv_heads=kv_heads))                    # [T, H]
         x = torch.addmm(x, ctx, out.weight.t()) if plain(out) and out.bias is None else x + out(ctx)
         h = ln2(x)
         gate, up = self.module("ffn_gate"), self.module("ffn_up")

@@ -46,16 +46,68 @@ def test_long_and_short_rows(kv_heads, impl, left):
     assert got.last_hidden_state[~mask.bool()].abs().max() == 0
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa4"])
 def test_kernels_through_the_interpreter(kv_heads):
-    """kernels="triton": the fused QKV GEMM (or, grouped, q/k/v laid out for the attention kernel), the rotary
-    attention kernel, the SwiGLU epilogue; rows past one key block."""
+    """kernels="triton": the fused QKV GEMM (or, grouped, one GEMM whose key/value heads the attention kernel reads
+    for their groups), the rotary attention kernel, the SwiGLU epilogue; rows past one key block."""
     hf = hf_model("eager", kv_heads=kv_heads)
     fb = fastbert.BertModel.from_hf(hf, kernels="triton")
     ids, mask = ragged([1, 70, 33])
     with torch.no_grad():
         assert error(fb(ids, attention_mask=mask).last_hidden_state,
                      hf(ids, attention_mask=mask).last_hidden_state, mask) <= 1e-5
+
+
+def record_attention_inputs(monkeypatch) -> list:
+    """(qkv's shape, Extras.kv_heads) of every call of the attention op's twin and kernel from now on."""
+    from fastbert.units import attention as unit
+    seen = []
+
+    def recording(fn):
+        def run(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras=unit.NONE, *rest, **kwargs):
+            seen.append((tuple(qkv.shape), extras.kv_heads))
+            return fn(qkv, attn, scale, dropout_p, return_probs, extras, *rest, **kwargs)
+        return run
+
+    monkeypatch.setattr(unit, "twin", recording(unit.twin))
+    monkeypatch.setattr(unit, "kernel", recording(unit.kernel))
+    return seen
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "gqa4"])
+def test_attention_takes_the_key_value_heads_unrepeated(kernels, kv_heads, monkeypatch):
+    """With fewer key/value heads the attention op receives the QKV GEMM's output per head, [T, nh + 2 kv, hd] with
+    Extras.kv_heads, on the twin and on the kernel: no [T, 3, nh, hd] of repeated key/value heads is built on the way.
+    With as many, the [T, 3, nh, hd] of qkv_projection, as before."""
+    seen = record_attention_inputs(monkeypatch)
+    hf = hf_model("eager", kv_heads=kv_heads)
+    fb = fastbert.BertModel.from_hf(hf, kernels=kernels)
+    ids, mask = ragged([9, 33, 1])
+    with torch.no_grad():
+        got, want = fb(ids, attention_mask=mask), hf(ids, attention_mask=mask)
+    T, hd = int(mask.sum()), 16
+    call = ((T, 4 + 2 * kv_heads, hd), kv_heads) if kv_heads < 4 else ((T, 3, 4, hd), None)
+    assert seen == [call, call]  # one a layer
+    assert error(got.last_hidden_state, want.last_hidden_state, mask) <= 1e-5
+
+
+def test_attention_probabilities_over_grouped_heads(monkeypatch):
+    """output_attentions=True runs HF's eager math on padded rows over the grouped heads: transformers' probabilities
+    (each key/value head repeated for its group), a fully padded row's among them."""
+    seen = record_attention_inputs(monkeypatch)
+    hf = hf_model("eager", kv_heads=2)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    ids, mask = ragged([9, 70, 4])
+    mask[2] = 0
+    with torch.no_grad():
+        got = fb(ids, attention_mask=mask, output_attentions=True)
+        want = hf(ids, attention_mask=mask, output_attentions=True)
+    assert seen == [((3 * 70, 4 + 2 * 2, 16), 2)] * 2
+    for g, w in zip(got.attentions, want.attentions, strict=True):
+        rows = mask.bool()[:, None, :, None].expand_as(w)  # every key of each real query
+        assert (g - w)[rows].abs().max() <= 1e-5
+    assert error(got.last_hidden_state, want.last_hidden_state, mask) <= 1e-5
 
 
 def test_eurobert_210m_shape():
