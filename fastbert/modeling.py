@@ -208,7 +208,7 @@ class BertModel(TransformersModelMixin, nn.Module):
                                     2 * relative.deberta_span(config) if self._disentangled else 0,
                                     config.num_attention_heads // kv_heads if kv_heads else 1),
             units.bias_gelu.Variant(gated=family.mlp == "gated"),
-            units.residual_layernorm.Variant(pre_norm=family.norm == "pre"))
+            units.residual_layernorm.Variant(pre_norm=family.norm == "pre", rms=family.norm_kind == "rms"))
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self._kernels = {op: "auto" for op in OPS}

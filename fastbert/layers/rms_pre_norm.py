@@ -4,8 +4,7 @@ EuroBertModel, Llama's decoder layer attending both ways).
     h    = RMSNorm1(x)                                       [T, H]     input_layernorm
     qkv  = qkv_projection(h)                                 [T, 3, nh, hd]   q_proj/k_proj/v_proj: one GEMM
     ctx  = attention(qkv, layout, rotary)                    [T, H]     q and k rotated per token
-    x    = x + ctx @ W_o^T                                   [T, H]     one addmm
-    h    = RMSNorm2(x)                                       [T, H]     post_attention_layernorm
+    x, h = residual_layernorm(ctx @ W_o^T + x, rms)          [T, H] x2  the new stream, post_attention_layernorm of it
     g    = bias_gelu(h @ [W_gate; W_up]^T, silu, gated)      [T, I]     silu(gate) * up
     x    = x + g @ W_down^T                                  [T, H]     one addmm
 
@@ -79,8 +78,12 @@ class RMSPreNormLayer(EncoderLayer):
         kv_heads = self.kv_heads if self.kv_heads < self.num_heads else None
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions,
                                    Extras(rotary=rotary, kv_heads=kv_heads))                    # [T, H]
-        x = torch.addmm(x, ctx, out.weight.t()) if plain(out) and out.bias is None else x + out(ctx)
-        h = ln2(x)
+        if plain(out) and RMSNorm.is_plain(ln2):  # no dropout: HF adds o_proj's output as it is
+            x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, None, ln2.variance_epsilon,
+                                          pre_norm=True, rms=True, workspace=workspace)          # [T, H] each
+        else:  # an adapter on W_o, or another module in the norm's place: each called as the module it is
+            x = torch.addmm(x, ctx, out.weight.t()) if plain(out) and out.bias is None else x + out(ctx)
+            h = ln2(x)
         gate, up = self.module("ffn_gate"), self.module("ffn_up")
         if plain(gate) and plain(up):
             weight, bias = self.gate_up(run)

@@ -3,6 +3,8 @@ Triton kernels through the interpreter; EuroBERT-210m's shape, grouped-query att
 2 and by 4 query heads) with and without biases, rows of 1 to 1,030 tokens right and left padded, a fully padded row,
 packed input, the refusals. q and k are scaled up so that a wrong angle or a wrong key/value head cannot hide under
 the bar. Bar: 1e-5 on real tokens."""
+import copy
+
 import pytest
 import torch
 import transformers
@@ -157,3 +159,102 @@ def test_num_key_value_heads_must_divide_the_heads():
     config.num_key_value_heads = 3
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         fastbert.BertModel(config)
+
+
+# ---- the attention output and post_attention_layernorm as one op: residual_layernorm's pre-norm RMSNorm form ------
+def set_rms_eps(model, eps):
+    """transformers' set_model_for_less_flaky_test sets every norm's eps; an RMSNorm's is its variance_epsilon."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    for m in norms:
+        m.variance_epsilon = eps
+    assert len(norms) == 5  # two a layer, and the final norm
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_rms_eps_set_after_optimize_is_read_at_every_forward(kernels):
+    """Each RMSNorm's variance_epsilon is read off the module at every forward, as transformers reads it: set on one
+    post_attention_layernorm alone (the norm the fused op runs) after optimize and a first forward, then on every
+    norm. Each change moves transformers' answer by more than ten times the bar, and fastbert's with it."""
+    hf = hf_model("eager")
+    fb = fastbert.optimize(copy.deepcopy(hf), kernels=kernels)
+    ids, mask = ragged([9, 33, 1])
+
+    def outputs():
+        with torch.no_grad():
+            return fb(ids, attention_mask=mask).last_hidden_state, hf(ids, attention_mask=mask).last_hidden_state
+
+    got, before = outputs()
+    assert error(got, before, mask) <= 1e-5
+    for eps in (None, 1.0, 0.25):
+        for m in (hf, fb):
+            if eps is None:
+                m.layers[0].post_attention_layernorm.variance_epsilon = 1.0
+            else:
+                set_rms_eps(m, eps)
+        got, want = outputs()
+        assert error(want, before, mask) > 1e-4 and error(got, want, mask) <= 1e-5, eps
+        before = want
+
+
+class _DoubledRMSNorm(transformers.models.eurobert.modeling_eurobert.EuroBertRMSNorm
+                      if has_rotary_post_norm() else torch.nn.Module):
+    """A norm of the same parameters whose forward differs: it must be called, not read for its weight."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+class _ShiftedLinear(torch.nn.Module):
+    """An adapter-like wrapper around a linear (PEFT keeps the original as base_layer)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x):
+        return self.base_layer(x) + 0.25
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("replaced", ["post_attention_layernorm", "o_proj"])
+def test_a_replaced_norm_or_wrapped_o_proj_is_called_as_the_module_it_is(kernels, replaced):
+    hf = hf_model("eager")
+    fb = fastbert.optimize(copy.deepcopy(hf), kernels=kernels)
+    for m in (hf, fb):
+        layer = m.layers[0]
+        if replaced == "o_proj":
+            layer.self_attn.o_proj = _ShiftedLinear(layer.self_attn.o_proj)
+        else:
+            norm = _DoubledRMSNorm(64, eps=layer.post_attention_layernorm.variance_epsilon)
+            norm.load_state_dict(layer.post_attention_layernorm.state_dict())
+            layer.post_attention_layernorm = norm
+    ids, mask = ragged([9, 33, 1])
+    with torch.no_grad():
+        assert error(fb(ids, attention_mask=mask).last_hidden_state,
+                     hf(ids, attention_mask=mask).last_hidden_state, mask) <= 1e-5
+
+
+def test_the_kernel_runs_the_rms_form(monkeypatch):
+    """kernels="triton": after attention, residual_layernorm's kernel in its pre-norm RMSNorm form, once a layer, with
+    the norm's own weight and eps; "auto" keys and times that form."""
+    from fastbert import units
+    unit = units.residual_layernorm
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append((args[4], args[5], args[6], kwargs.get("pre_norm"), kwargs.get("rms")))
+        return kernel(*args, **kwargs)
+
+    kernel = unit.kernel
+    monkeypatch.setattr(unit, "kernel", spy)
+    hf = hf_model("eager")
+    fb = fastbert.BertModel.from_hf(hf, kernels="triton")
+    ids, mask = ragged([5, 17])
+    with torch.no_grad():
+        assert error(fb(ids, attention_mask=mask).last_hidden_state,
+                     hf(ids, attention_mask=mask).last_hidden_state, mask) <= 1e-5
+    norms = [layer.post_attention_layernorm for layer in hf.layers]
+    assert len(calls) == len(norms)
+    for (weight, ln_bias, eps, pre_norm, rms), norm in zip(calls, norms):
+        assert weight is norm.weight and ln_bias is None and eps == norm.variance_epsilon and pre_norm and rms
+    assert fb._variants[2] == unit.Variant(pre_norm=True, rms=True)
