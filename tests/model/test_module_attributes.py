@@ -8,24 +8,32 @@ import copy
 import pytest
 import torch
 import transformers
-from helpers import arch_inputs, has_deberta_v2, has_modernbert, random_arch_model, type_kwargs
+from helpers import arch_inputs, has_deberta_v2, has_modernbert, has_rotary_post_norm, random_arch_model, type_kwargs
 
 import fastbert
 from fastbert import families
 
 NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
+NEEDS_ROTARY = pytest.mark.skipif(not has_rotary_post_norm(),
+                                  reason="this transformers has no NomicBERT, GTE, Jina-v3, EuroBERT (5.24+)")
 NEEDS_DEBERTA = pytest.mark.skipif(not has_deberta_v2(), reason="fastbert follows transformers 4.48+'s DeBERTa-v2")
 ARCHS = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "mpnet",
          pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
-         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA))
+         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA),
+         *(pytest.param(arch, marks=NEEDS_ROTARY) for arch in ("jina_embeddings_v3", "nomic_bert", "gte", "eurobert",
+                                                                 "eurobert-gqa")))
 
 
 def set_norm_eps(model, eps):
-    """What transformers' set_model_for_less_flaky_test does to the norms of these families."""
+    """What transformers' set_model_for_less_flaky_test does to the norms of these families: a LayerNorm's eps, an
+    RMSNorm's variance_epsilon (EuroBERT's, transformers' class or fastbert's of the same name)."""
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.LayerNorm):
             module.eps = eps
+            count += 1
+        elif type(module).__name__.endswith("RMSNorm"):
+            module.variance_epsilon = eps
             count += 1
     assert count >= 3  # the embeddings' and every layer's (ModernBERT's layer 0 has one, plus its final norm)
 
@@ -126,7 +134,7 @@ def test_train_mode_dropout_is_the_modules_p(arch):
         no_dropout(m.train())
     assert max_difference(model, reference) <= 1e-5
     moved = 0
-    for kind in ("attention", "attention_output", "ffn", "positions"):
+    for kind in families.DROPOUT_KINDS:
         for m in (model, reference):
             no_dropout(m)
         if not set_layer_dropout(reference, kind, 1.0):
@@ -134,7 +142,7 @@ def test_train_mode_dropout_is_the_modules_p(arch):
         assert set_layer_dropout(model, kind, 1.0), kind
         assert max_difference(model, reference) <= 1e-5, kind
         moved += 1
-    assert moved >= 2
+    assert moved >= min(2, len(families.of(reference.config).dropouts))  # EuroBERT has one: the attention's
 
 
 def test_dropout_p_set_after_a_first_train_forward_is_seen_by_the_next():
