@@ -286,12 +286,15 @@ def test_compile_estimate_is_current(tmp_path):
 
 def test_smoke_covers_every_kernel_variant():
     """One check per kernel variant and dtype, named for it: the TMA and pointer GEMMs with each epilogue (none,
-    GELU, tanh GELU, ReLU, GeGLU, SwiGLU), attention plain, with MPNet's bias table, ModernBERT's window + rotary and
-    DeBERTa's disentangled terms, and the row kernels (post-norm, without the dense bias, pre-norm)."""
+    GELU, tanh GELU, ReLU, GeGLU, SwiGLU), attention plain, with MPNet's bias table, ModernBERT's window + rotary,
+    DeBERTa's disentangled terms and EuroBERT's grouped k/v heads with rotary, and the row kernels (post-norm,
+    without the dense bias, pre-norm, and pre-norm with RMSNorm)."""
     variants = ["residual_layernorm-postnorm", "residual_layernorm-nobias", "residual_layernorm-prenorm",
+                "residual_layernorm-prenorm-rms",
                 *(f"gemm-{k}-{e}" for k in ("tma", "ptr") for e in ("bias", "gelu", "gelu_tanh", "relu", "gelu-gated",
                                                                    "silu-gated")),
-                "attention-varlen", "attention-bias", "attention-window-rotary", "attention-disentangled"]
+                "attention-varlen", "attention-bias", "attention-window-rotary", "attention-disentangled",
+                "attention-gqa-rotary"]
     checks = gpu_check.KernelChecks("cpu", dry_run=True)
     for short in ("bf16", "fp16"):
         assert [name for name, _ in checks.smoke(short)] == [f"{v}-{short}" for v in variants]
@@ -348,7 +351,7 @@ def test_gpu_check_child_keeps_the_checks_before_a_crash(tmp_path, monkeypatch):
     checks = [r for r in records if "check" in r]
     names = [r["check"] for r in checks]
     assert names[0] == "residual_layernorm-postnorm-fp16" and names[-1] == "attention-varlen-fp16"
-    assert "attention-bias-fp16" not in names and len(names) == 16  # 3 row kernels, 12 GEMMs, plain attention
+    assert "attention-bias-fp16" not in names and len(names) == 17  # 4 row kernels, 12 GEMMs, plain attention
     assert all(r["status"] == "ok" for r in checks), [r for r in checks if r["status"] != "ok"]
     assert records[-1]["step"] == "smoke-fp16" and records[-1]["status"] == "crashed"
 
