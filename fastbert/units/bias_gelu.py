@@ -46,6 +46,49 @@ def kernel(x, weight, bias, activation="gelu", gated=False, workspace=None, chec
     return (k.bias_gelu if checked else k.launch)(x, weight, bias, activation, gated)
 
 
+class KernelFunction(torch.autograd.Function):
+    """act(x @ W^T + b) through the kernel, with a backward: the first piece of training on the kernels, not yet
+    called by the model or the dispatch (the kernel path there stays inference only: `reason`).
+
+    Forward: the inference kernel as it is (kernels/bias_gelu.py), the [T, N] pre-activation h = x @ W^T + b
+    (N = I, or 2I gated) never written. Saved: x, W and b, which the caller holds anyway (the layer's input and the
+    parameters), so 0 extra bytes per token. Backward: h recomputed by the GEMM without epilogue into one [T, N]
+    buffer, overwritten in place by the derivative kernel with dh = dOut * act'(h) (gated: [dOut g act'(a),
+    dOut act(a)]), then dx = dh @ W, dW = dh^T @ x, db = dh.sum(0) through torch (cuBLAS on a GPU).
+
+    The trade, per token and per layer, s bytes per element: the twin's autograd keeps the linear's output h alive
+    until the backward (the activation saves it as its input; ReLU saves its output instead, which the next linear
+    keeps anyway): I s bytes, and gated 3 I s (h's 2I, which the halves a and g are views of, plus act(a), saved by
+    the product). BERT-base in fp16 (I = 3072): 6 KB per token per layer, 72 KB over 12 layers; ModernBERT-base
+    gated (I = 1152): 6.75 KB. Here: 0, for one more GEMM of the forward's 2 T N H FLOPs in the backward (which runs
+    two of that size already: dx and dW). Saving h instead would need a second output from the GEMM's epilogue
+    (N s bytes written per token in the forward): the choice to revisit once the GPU measures both."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation: str, gated: bool, checked: bool = False):
+        out = kernel(x, weight, bias, activation, gated, checked=checked)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.activation, ctx.gated = activation, gated
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias = ctx.saved_tensors
+        dh = kernels().backward(dout, x, weight, bias, ctx.activation, ctx.gated)  # [T, N]
+        dx = dh @ weight if ctx.needs_input_grad[0] else None
+        dweight = dh.t() @ x if ctx.needs_input_grad[1] else None
+        dbias = dh.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias, None, None, None
+
+
+def train_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
+                 gated: bool = False) -> torch.Tensor:
+    """`twin`'s result and gradients (x, W, b) through the kernels (`KernelFunction`); every argument is checked by
+    the kernel's public launcher (kernels/bias_gelu.py's `bias_gelu`). Not yet used by the model: the dispatch
+    sends autograd to the twin."""
+    return KernelFunction.apply(x, weight, bias, activation, gated, True)
+
+
 @torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
 def custom_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
               backend: str, gated: bool = False) -> torch.Tensor:

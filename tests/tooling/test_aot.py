@@ -180,6 +180,23 @@ def pytest_generate_tests(metafunc):
     """One test_aot_compile case per (spec, arch), named by the spec; a missing module is one failing case."""
     if metafunc.function.__name__ == "test_aot_compile":
         metafunc.parametrize("op, name, arch", _cases())
+    if metafunc.function.__name__ == "test_aot_compile_backward":
+        metafunc.parametrize("op, specs_fn, name, arch", _backward_cases())
+
+
+# Backward kernels, listed apart from an op's aot_specs() (bias_gelu's is the GEMM's, which
+# tests/kernels/test_gemm.py checks tile for tile): (op, the module's specs function).
+BACKWARD_SPEC_LISTS = (("bias_gelu", "backward_aot_specs"),)
+
+
+def _backward_cases():
+    cases = []
+    for op, specs_fn in BACKWARD_SPEC_LISTS:
+        for spec in getattr(importlib.import_module(_module_name(op)), specs_fn)():
+            if ONLY is None or ONLY.search(spec["name"]):
+                for arch in spec.get("archs", aot_compile.ARCHS):
+                    cases.append(pytest.param(op, specs_fn, spec["name"], arch, id=f"{spec['name']}-sm{arch}"))
+    return cases
 
 
 def _cases():
@@ -327,6 +344,14 @@ def test_aot_compile(op, name, arch):
     if (name, arch) in KNOWN_SPILL_BYTES and bad and all(p.startswith("register spills") for p in bad):
         assert record["stack"] <= KNOWN_SPILL_BYTES[(name, arch)], f"{name} sm_{arch}: {bad[0]}, more than listed"
         pytest.xfail(f"a listed spill: {bad[0]}")
+    assert not bad, f"{name} for sm_{arch}:\n  " + "\n  ".join(bad)
+
+
+def test_aot_compile_backward(op, specs_fn, name, arch):
+    """test_aot_compile's checks for the backward kernels (BACKWARD_SPEC_LISTS): compiles, fits, no spills."""
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    bad = aot_compile.problems(_record(op, name, arch, specs_fn))
     assert not bad, f"{name} for sm_{arch}:\n  " + "\n  ".join(bad)
 
 
