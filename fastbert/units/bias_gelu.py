@@ -46,7 +46,7 @@ def kernel(x, weight, bias, activation="gelu", gated=False, workspace=None, chec
     return (k.bias_gelu if checked else k.launch)(x, weight, bias, activation, gated)
 
 
-class KernelFunction(torch.autograd.Function):
+class TrainKernel(torch.autograd.Function):
     """act(x @ W^T + b) through the kernel, with a backward: the first piece of training on the kernels, not yet
     called by the model or the dispatch (the kernel path there stays inference only: `reason`).
 
@@ -83,10 +83,10 @@ class KernelFunction(torch.autograd.Function):
 
 def train_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
                  gated: bool = False) -> torch.Tensor:
-    """`twin`'s result and gradients (x, W, b) through the kernels (`KernelFunction`); every argument is checked by
+    """`twin`'s result and gradients (x, W, b) through the kernels (`TrainKernel`); every argument is checked by
     the kernel's public launcher (kernels/bias_gelu.py's `bias_gelu`). Not yet used by the model: the dispatch
     sends autograd to the twin."""
-    return KernelFunction.apply(x, weight, bias, activation, gated, True)
+    return TrainKernel.apply(x, weight, bias, activation, gated, True)
 
 
 @torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
