@@ -57,6 +57,11 @@ EuroBertRMSNorm the kernel differs only where its fp32 sum of squares (another o
 none in 12,288 values, tests/kernels/test_residual_layernorm.py; not yet counted on a GPU, whose sqrt is
 approximate). The rounding it skips is LayerNorm's: with a dense bias, h + bias is not rounded before the residual
 joins it; without one (EuroBERT's default, attention_bias=False) s is transformers' sum exactly.
+
+Training: `train_forward` runs the pre-norm form with STATS (the row's fp32 mean and rstd, or rstd, also stored; a
+constexpr that inference leaves at its default) for either norm placement, and `layernorm_backward` is the row pass
+backwards (see the comment above layernorm_backward_kernel); fastbert.units.residual_layernorm.TrainKernel joins
+them with the GEMM's gradients.
 """
 from __future__ import annotations
 
@@ -116,6 +121,8 @@ def bias_residual_layernorm_kernel(
     # pointers: h [T, H] (the GEMM output), bias [H], residual [T, H], LayerNorm gamma/beta [H], out [T, H],
     # s [T, H] (pre-norm: the new residual stream)
     h_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, out_ptr, s_ptr,
+    # stats fp32 (STATS only; training): LayerNorm [2, T] = mean, rstd; RMSNorm [1, T] = rstd
+    stats_ptr,
     # sizes and LayerNorm epsilon
     T, N, eps,
     # row strides in elements (every last dim is unit-stride)
@@ -128,6 +135,7 @@ def bias_residual_layernorm_kernel(
     ROWS: tl.constexpr,  # rows per program
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,  # a row is NUM_CHUNKS (1 or 3) chunks of CHUNK lanes
     EVEN: tl.constexpr,  # CHUNK * NUM_CHUNKS == N: no column mask (keeps the accesses 16-byte vectors)
+    STATS: tl.constexpr = False,  # also store the row statistics the backward reads (off: inference's code)
 ):
     # row_config gives 1 or 3: an odd part of at most 4 is 1 or 3 (a width of 2^k or 3 x 2^k).
     tl.static_assert(NUM_CHUNKS == 1 or NUM_CHUNKS == 3, "NUM_CHUNKS must be 1 or 3")
@@ -165,6 +173,8 @@ def bias_residual_layernorm_kernel(
     # is compiled away).
     if not RMS:
         mean = total / N
+        if STATS:
+            tl.store(stats_ptr + rows, mean, mask=row_ok)
         x0 = x0 - mean[:, None]
         if not EVEN:
             x0 = tl.where(m0, x0, 0.0)
@@ -175,6 +185,8 @@ def bias_residual_layernorm_kernel(
             x2 = x2 - mean[:, None]
         sq += tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     rstd = 1.0 / tl.sqrt(sq / N + eps)  # LayerNorm: 1 / std (biased variance); RMSNorm: 1 / rms
+    if STATS:  # [1, T] rstd (RMSNorm) or [2, T] mean (stored above), rstd
+        tl.store(stats_ptr + (0 if RMS else T) + rows, rstd, mask=row_ok)
 
     _store_chunk(out_ptr, o_rows, x0, rstd, ln_w_ptr, ln_b_ptr, c0, p0, m0, HAS_LN_BIAS, RMS)
     if NUM_CHUNKS == 3:
@@ -200,14 +212,16 @@ def row_config(hidden: int) -> tuple:
 
 def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                        ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
-                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False):
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False,
+                       stats: torch.Tensor | None = None):
     """LN(y [T, K] @ weight[H, K]^T + bias[H] + residual[T, H]) with gamma=ln_weight, beta=ln_bias (None: no beta)
     -> [T, H]. pre_norm: (s, LN(s)) for s = y @ weight^T + bias + residual, each [T, H] (see the header). rms:
     RMSNorm (weight ln_weight, no beta: ln_bias must be None) in place of LayerNorm, in either form.
 
     y may have any strides (cuBLAS reads it); residual, out and residual_out need a unit-stride last dimension. out
     (the LayerNorm) may be `residual` itself in the post-norm form (in-place update of the residual stream);
-    residual_out (pre_norm only: where s goes) may be `residual` itself.
+    residual_out (pre_norm only: where s goes) may be `residual` itself. stats (training): a contiguous float32
+    [2, T] (LayerNorm: mean, rstd) or [1, T] (RMSNorm: rstd) that receives the row statistics the backward reads.
     """
     if not isinstance(pre_norm, bool):
         raise TypeError(f"{OP}: pre_norm must be a bool; got pre_norm={pre_norm!r}")
@@ -248,7 +262,14 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             raise ValueError(f"{OP}: out and residual_out are the two outputs of the pre-norm form and must not "
                              f"overlap; got out.data_ptr()={out.data_ptr()}, "
                              f"residual_out.data_ptr()={residual_out.data_ptr()}")
-    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, out, residual_out, rms)
+    if stats is not None:
+        want = (1 if rms else 2, T)
+        if (not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32 or tuple(stats.shape) != want
+                or not stats.is_contiguous() or stats.device != device):
+            raise ValueError(f"{OP}: stats must be a contiguous float32 tensor of shape {want} on {device}; got "
+                             + (f"{stats.dtype} {tuple(stats.shape)} stride {stats.stride()} on {stats.device}"
+                                if isinstance(stats, torch.Tensor) else type(stats).__name__))
+    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, out, residual_out, rms, stats)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -262,26 +283,28 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def launch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
-           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False):
+           out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False,
+           stats: torch.Tensor | None = None):
     """`residual_layernorm` for arguments the caller has validated (the model does it once per forward). Without
     outputs given, the post-norm form writes the LayerNorm into the GEMM's buffer; the pre-norm form writes s there
     (the twin's `h += residual`) and the LayerNorm into a fresh tensor."""
     h = torch.matmul(y, weight.t())  # [T, H], cuBLAS (no bias: it is added in fp32 in the row kernel)
     if not pre_norm:
         return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h,
-                                       rms=rms)
+                                       rms=rms, stats=stats)
     return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out, pre_norm=True,
-                                   residual_out=residual_out if residual_out is not None else h, rms=rms)
+                                   residual_out=residual_out if residual_out is not None else h, rms=rms, stats=stats)
 
 
 def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                             ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
                             out: torch.Tensor | None = None, pre_norm: bool = False,
-                            residual_out: torch.Tensor | None = None, rms: bool = False):
+                            residual_out: torch.Tensor | None = None, rms: bool = False,
+                            stats: torch.Tensor | None = None):
     """The row pass alone: LN(h + bias + residual) for a GEMM output h [T, H], unit-stride rows, arguments
     validated by the caller (cheap asserts only); pre_norm: (s, LN(s)) with s written to residual_out (a fresh
     tensor when None); rms: RMSNorm for LN (ln_bias None). The benchmarks call it to measure the row kernel's GB/s.
-    out may be h or residual itself; residual_out too, but not out."""
+    out may be h or residual itself; residual_out too, but not out. stats: see `residual_layernorm`."""
     T, H = h.shape
     assert residual.shape == h.shape and ln_weight.shape == (H,), (h.shape, residual.shape, ln_weight.shape)
     assert ln_bias is None or ln_bias.shape == (H,) and not rms, (ln_bias.shape, rms)
@@ -297,14 +320,193 @@ def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual
     stream = residual_out if pre_norm else out  # s_ptr is never written unless PRE_NORM
     rows, chunk, num_chunks, num_warps = row_config(H)
     args = (h, bias if bias is not None else h, residual, ln_weight, ln_bias if ln_bias is not None else ln_weight,
-            out, stream, T, H, float(eps), h.stride(0), residual.stride(0), out.stride(0), stream.stride(0))
+            out, stream, stats if stats is not None else out, T, H, float(eps),
+            h.stride(0), residual.stride(0), out.stride(0), stream.stride(0))
     kwargs = dict(HAS_BIAS=bias is not None, HAS_LN_BIAS=ln_bias is not None, PRE_NORM=bool(pre_norm), RMS=bool(rms),
                   ROWS=rows, CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H, num_warps=num_warps)
+    if stats is not None:  # passed only when asked: inference's launch keeps its key and its kwargs
+        assert stats.dtype == torch.float32 and stats.shape == (1 if rms else 2, T), (stats.dtype, stats.shape)
+        kwargs["STATS"] = True
     with utils.device_guard(h):  # Triton launches on the current device: make it h's
         if utils.capturing(h):  # a binary not loaded yet cannot be loaded inside a capture
             utils.require_loaded(bias_residual_layernorm_kernel, args, kwargs, OP)
         bias_residual_layernorm_kernel[(triton.cdiv(T, rows),)](*args, **kwargs)
     return result
+
+
+# ---- training: the backward of the row pass ---------------------------------------------------------------------
+# With x_hat = (s - mean) * rstd (RMSNorm: s * rstd) and g = dN * gamma, per row of N values:
+#     dS = rstd * (g - mean(g) - x_hat * mean(g * x_hat))       (RMSNorm: without mean(g))
+#     dgamma = sum over rows of dN * x_hat,   dbeta = sum over rows of dN
+# The RMSNorm forward's rounding of the normalised row (transformers') is a cast to autograd, whose gradient passes
+# through: dS and dgamma use the fp32 x_hat. dS is also d(residual) and, through the GEMM, gives dy, dW and the dense
+# bias's gradient (the unit does those with torch). Each program takes BLOCKS blocks of ROWS rows and writes its
+# dgamma / dbeta partial sums to one row of a [programs, N] fp32 buffer; torch sums that buffer over its first
+# dimension, a fixed order, so the same inputs give bit-identical gradients (no atomics). BLOCKS = 4: at BERT-base,
+# T = 4096, 256 programs, and the partial buffers (2 x 256 x 768 x 4 B = 1.5 MB) are an eighth of what the kernel
+# must read anyway (s and dN in fp16: 12.6 MB).
+BACKWARD_BLOCKS = 4
+
+
+@triton.jit
+def _backward_chunk(s_ptr, dn_ptr, ln_w_ptr, s_rows, dn_rows, cols, param_cols, mask, mean, rstd,
+                    RMS: tl.constexpr, EVEN: tl.constexpr):
+    """x_hat, dN and g = dN * gamma for one [ROWS, CHUNK] chunk, in fp32 (zero on masked lanes and rows)."""
+    s = tl.load(s_ptr + s_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dn = tl.load(dn_ptr + dn_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gamma = tl.load(ln_w_ptr + param_cols).to(tl.float32)
+    if RMS:
+        x_hat = s * rstd[:, None]
+    else:
+        x_hat = (s - mean[:, None]) * rstd[:, None]
+    if not EVEN:  # a masked lane of a live row reads s = 0, whose x_hat is -mean * rstd
+        x_hat = tl.where(mask, x_hat, 0.0)
+    return x_hat, dn, dn * gamma[None, :]
+
+
+@triton.jit
+def _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, cols, mask, x_hat, g, mean_g, mean_gx, rstd,
+                    HAS_DS_EXTRA: tl.constexpr, RMS: tl.constexpr):
+    ds = g - x_hat * mean_gx[:, None]
+    if not RMS:
+        ds -= mean_g[:, None]
+    ds *= rstd[:, None]
+    if HAS_DS_EXTRA:  # pre-norm: the gradient that reached the returned stream s joins the norm's
+        ds += tl.load(dsx_ptr + dsx_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(ds_ptr + ds_rows + cols[None, :], ds.to(ds_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=RESIDUAL_LAYERNORM_DO_NOT_SPECIALIZE)
+def layernorm_backward_kernel(
+    # pointers: dN [T, N] (grad of the norm), dS_extra [T, N] (pre-norm: grad of the returned s), s [T, N] (the
+    # norm's input, saved by the forward), stats fp32 ([2, T] mean, rstd; RMSNorm [1, T] rstd), gamma [N],
+    # dS [T, N] (out), dgamma / dbeta partial sums fp32 [programs, N] (out)
+    dn_ptr, dsx_ptr, s_ptr, stats_ptr, ln_w_ptr, ds_ptr, dw_part_ptr, db_part_ptr,
+    # sizes
+    T, N,
+    # row strides in elements (every last dim is unit-stride)
+    stride_dnm, stride_dsxm, stride_sm, stride_dsm,
+    # meta-parameters
+    HAS_DS_EXTRA: tl.constexpr,  # add dS_extra to dS (pre-norm)
+    HAS_LN_BIAS: tl.constexpr,  # write dbeta's partial sums
+    RMS: tl.constexpr,  # RMSNorm: no mean (stats holds rstd only)
+    ROWS: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN: tl.constexpr,  # as the forward's
+    BLOCKS: tl.constexpr,  # blocks of ROWS rows per program (a constant bound: Triton 3.6 takes no tensor bound)
+):
+    tl.static_assert(NUM_CHUNKS == 1 or NUM_CHUNKS == 3, "NUM_CHUNKS must be 1 or 3")
+    pid = tl.program_id(0).to(tl.int64)
+    c0 = tl.arange(0, CHUNK)
+    c1 = c0 + CHUNK
+    c2 = c0 + 2 * CHUNK
+    if EVEN:
+        p0 = c0
+    else:
+        p0 = tl.minimum(c0, N - 1)
+    dw0 = tl.zeros([CHUNK], dtype=tl.float32)
+    db0 = tl.zeros([CHUNK], dtype=tl.float32)
+    dw1 = tl.zeros([CHUNK], dtype=tl.float32)
+    db1 = tl.zeros([CHUNK], dtype=tl.float32)
+    dw2 = tl.zeros([CHUNK], dtype=tl.float32)
+    db2 = tl.zeros([CHUNK], dtype=tl.float32)
+    for block in range(BLOCKS):
+        rows = (pid * BLOCKS + block) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < T
+        if EVEN:
+            m0 = row_ok[:, None]
+        else:
+            m0 = row_ok[:, None] & (c0 < N)[None, :]
+        if RMS:
+            rstd = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+            mean = rstd  # unused
+        else:
+            mean = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(stats_ptr + T + rows, mask=row_ok, other=0.0)
+        s_rows = (rows * stride_sm)[:, None]
+        dn_rows = (rows * stride_dnm)[:, None]
+        x0, dn0, g0 = _backward_chunk(s_ptr, dn_ptr, ln_w_ptr, s_rows, dn_rows, c0, p0, m0, mean, rstd, RMS, EVEN)
+        sum_gx = tl.sum(g0 * x0, axis=1)
+        sum_g = tl.sum(g0, axis=1)
+        dw0 += tl.sum(dn0 * x0, axis=0)
+        db0 += tl.sum(dn0, axis=0)
+        if NUM_CHUNKS == 3:
+            x1, dn1, g1 = _backward_chunk(s_ptr, dn_ptr, ln_w_ptr, s_rows, dn_rows, c1, c1, m0, mean, rstd, RMS,
+                                          EVEN)
+            x2, dn2, g2 = _backward_chunk(s_ptr, dn_ptr, ln_w_ptr, s_rows, dn_rows, c2, c2, m0, mean, rstd, RMS,
+                                          EVEN)
+            sum_gx += tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)
+            sum_g += tl.sum(g1, axis=1) + tl.sum(g2, axis=1)
+            dw1 += tl.sum(dn1 * x1, axis=0)
+            db1 += tl.sum(dn1, axis=0)
+            dw2 += tl.sum(dn2 * x2, axis=0)
+            db2 += tl.sum(dn2, axis=0)
+        mean_gx = sum_gx / N
+        mean_g = sum_g / N  # unused by RMSNorm
+        ds_rows = (rows * stride_dsm)[:, None]
+        dsx_rows = (rows * stride_dsxm)[:, None]
+        _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, c0, m0, x0, g0, mean_g, mean_gx, rstd, HAS_DS_EXTRA, RMS)
+        if NUM_CHUNKS == 3:
+            _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, c1, m0, x1, g1, mean_g, mean_gx, rstd, HAS_DS_EXTRA,
+                            RMS)
+            _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, c2, m0, x2, g2, mean_g, mean_gx, rstd, HAS_DS_EXTRA,
+                            RMS)
+    part = pid * N
+    if EVEN:
+        col_ok = c0 < CHUNK
+    else:
+        col_ok = c0 < N
+    tl.store(dw_part_ptr + part + c0, dw0, mask=col_ok)
+    if HAS_LN_BIAS:
+        tl.store(db_part_ptr + part + c0, db0, mask=col_ok)
+    if NUM_CHUNKS == 3:
+        tl.store(dw_part_ptr + part + c1, dw1)
+        tl.store(dw_part_ptr + part + c2, dw2)
+        if HAS_LN_BIAS:
+            tl.store(db_part_ptr + part + c1, db1)
+            tl.store(db_part_ptr + part + c2, db2)
+
+
+def train_forward(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                  ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, rms: bool = False):
+    """The forward training runs: (s, LN(s), stats), the pre-norm form of `residual_layernorm` (validated the same
+    way) with its row statistics, for either norm placement: s is what the backward needs, and a post-norm caller
+    returns LN(s) alone. stats: fp32 [2, T] (mean, rstd) for LayerNorm, [1, T] (rstd) for RMSNorm. Through the
+    pre-norm form the LayerNorm reads s rounded to the input dtype, as the twin's does (in fp32 the two forms are
+    one)."""
+    stats = torch.empty((1 if rms else 2, y.shape[0] if y.dim() == 2 else 0), device=y.device, dtype=torch.float32)
+    s, normed = residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=True, rms=rms,
+                                   stats=stats)
+    return s, normed, stats
+
+
+def layernorm_backward(dn: torch.Tensor, ds_extra: torch.Tensor | None, s: torch.Tensor, stats: torch.Tensor,
+                       ln_weight: torch.Tensor, has_ln_bias: bool, rms: bool = False):
+    """(dS, dgamma, dbeta) from the norm's output gradient dn [T, H] (and ds_extra [T, H], the gradient of the
+    returned stream s in the pre-norm form, or None), the saved s [T, H] and stats of `train_forward`. dS has s's
+    dtype; dgamma and dbeta (None unless has_ln_bias) are fp32 [H], reduced over programs in a fixed order. Arguments
+    come from the unit's autograd function (cheap asserts only); the row tensors need a unit-stride last dimension."""
+    T, H = s.shape
+    assert dn.shape == s.shape and ln_weight.shape == (H,), (dn.shape, s.shape, ln_weight.shape)
+    assert ds_extra is None or ds_extra.shape == s.shape, (ds_extra.shape, s.shape)
+    assert stats.dtype == torch.float32 and stats.shape == (1 if rms else 2, T), (stats.dtype, stats.shape)
+    assert H <= 1 or all(t.stride(1) == 1 for t in (dn, s) + ((ds_extra,) if ds_extra is not None else ())), (
+        dn.stride(), s.stride())
+    ds = torch.empty_like(s)
+    rows, chunk, num_chunks, num_warps = row_config(H)
+    programs = triton.cdiv(T, rows * BACKWARD_BLOCKS)
+    dw_part = torch.empty((programs, H), device=s.device, dtype=torch.float32)
+    db_part = torch.empty((programs, H), device=s.device, dtype=torch.float32) if has_ln_bias else None
+    if T == 0 or H == 0:
+        zero = torch.zeros(H, device=s.device, dtype=torch.float32)
+        return ds, zero, zero.clone() if has_ln_bias else None
+    extra = ds_extra if ds_extra is not None else dn
+    args = (dn, extra, s, stats, ln_weight, ds, dw_part, db_part if db_part is not None else dw_part, T, H,
+            dn.stride(0), extra.stride(0), s.stride(0), ds.stride(0))
+    kwargs = dict(HAS_DS_EXTRA=ds_extra is not None, HAS_LN_BIAS=bool(has_ln_bias), RMS=bool(rms), ROWS=rows,
+                  CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H, BLOCKS=BACKWARD_BLOCKS,
+                  num_warps=num_warps)
+    with utils.device_guard(s):
+        layernorm_backward_kernel[(programs,)](*args, **kwargs)
+    return ds, dw_part.sum(0), db_part.sum(0) if db_part is not None else None
 
 
 BERT_HIDDEN = (384, 768, 1024)  # MiniLM / BERT-base / BERT-large
@@ -329,22 +531,26 @@ NORM_VARIANTS = ((True, False, False), (True, True, False), (False, False, False
 
 
 def _spec(short: str, has_bias: bool, config: tuple, hidden: int, pre_norm: bool = False,
-          has_ln_bias: bool = True, rms: bool = False) -> dict:
+          has_ln_bias: bool = True, rms: bool = False, stats: bool = False) -> dict:
     rows, chunk, num_chunks, num_warps, even = config
     ptr = "*" + short
     hints = {"T": None}
     if hidden % 16:
         hints.update(N=None, stride_hm=None, stride_rm=None, stride_om=None, stride_sm=None)
     variant = ("" if has_bias else "-nobias") + ("-prenorm" if pre_norm else "") + (
-        "-rms" if rms else "" if has_ln_bias else "-nolnbias")
+        "-rms" if rms else "" if has_ln_bias else "-nolnbias") + ("-stats" if stats else "")
+    constexprs = {"HAS_BIAS": has_bias, "HAS_LN_BIAS": has_ln_bias, "PRE_NORM": pre_norm, "RMS": rms,
+                  "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even}
+    if stats:  # inference's specs leave STATS at its default, as its launches do
+        constexprs["STATS"] = True
     return {
         "name": f"{OP}-{short}{variant}-H{hidden}-{rows}x{num_chunks}x{chunk}-w{num_warps}{'' if even else '-masked'}",
         "fn": bias_residual_layernorm_kernel,
         "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
-                      "out_ptr": ptr, "s_ptr": ptr, "T": "i32", "N": "i32", "eps": "fp32",
+                      "out_ptr": ptr, "s_ptr": ptr, "stats_ptr": "*fp32" if stats else ptr,
+                      "T": "i32", "N": "i32", "eps": "fp32",
                       "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_sm": "i32"},
-        "constexprs": {"HAS_BIAS": has_bias, "HAS_LN_BIAS": has_ln_bias, "PRE_NORM": pre_norm, "RMS": rms,
-                       "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even},
+        "constexprs": constexprs,
         "num_warps": num_warps, "num_stages": 1, "hints": hints,
     }
 
@@ -367,4 +573,34 @@ def aot_specs() -> list:
                 for hidden in BERT_HIDDEN:
                     config = row_config(hidden) + (True,)
                     specs.append(_spec(short, has_bias, config, hidden, pre_norm, has_ln_bias, rms))
+    # training: the forward that also writes the statistics (always the pre-norm form, see `train_forward`), and the
+    # backward, for each norm kind training runs at BERT_HIDDEN
+    for short in DTYPES.values():
+        for has_ln_bias, rms, ds_extra in BACKWARD_VARIANTS:
+            for hidden in BERT_HIDDEN:
+                config = row_config(hidden) + (True,)
+                specs.append(_spec(short, True, config, hidden, True, has_ln_bias, rms, stats=True))
+                specs.append(_backward_spec(short, config, hidden, has_ln_bias, rms, ds_extra))
     return specs
+
+
+# (has_ln_bias, rms, ds_extra): BERT's post-norm LayerNorm, ModernBERT's pre-norm LayerNorm without bias, EuroBERT's
+# pre-norm RMSNorm
+BACKWARD_VARIANTS = ((True, False, False), (False, False, True), (False, True, True))
+
+
+def _backward_spec(short: str, config: tuple, hidden: int, has_ln_bias: bool, rms: bool, ds_extra: bool) -> dict:
+    rows, chunk, num_chunks, num_warps, even = config
+    ptr = "*" + short
+    variant = ("-prenorm" if ds_extra else "") + ("-rms" if rms else "" if has_ln_bias else "-nolnbias")
+    return {
+        "name": f"{OP}-backward-{short}{variant}-H{hidden}-{rows}x{num_chunks}x{chunk}-b{BACKWARD_BLOCKS}"
+                f"-w{num_warps}",
+        "fn": layernorm_backward_kernel,
+        "signature": {"dn_ptr": ptr, "dsx_ptr": ptr, "s_ptr": ptr, "stats_ptr": "*fp32", "ln_w_ptr": ptr,
+                      "ds_ptr": ptr, "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "T": "i32", "N": "i32",
+                      "stride_dnm": "i32", "stride_dsxm": "i32", "stride_sm": "i32", "stride_dsm": "i32"},
+        "constexprs": {"HAS_DS_EXTRA": ds_extra, "HAS_LN_BIAS": has_ln_bias, "RMS": rms, "ROWS": rows,
+                       "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even, "BLOCKS": BACKWARD_BLOCKS},
+        "num_warps": num_warps, "num_stages": 1, "hints": {"T": None},
+    }

@@ -62,6 +62,64 @@ def kernel(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pr
                                                            pre_norm, rms=rms)
 
 
+class TrainKernel(torch.autograd.Function):
+    """residual_layernorm on the kernels with a backward: the row kernel's forward (pre-norm form, with its row
+    statistics) and the row kernel's backward (layernorm_backward), the GEMM gradients through torch (cuBLAS on a
+    GPU). Call it through `train_kernel`.
+
+    Saved for the backward, per token (e = the dtype's bytes, K = y's width, H = the hidden size):
+        y          K·e   (dW = dS^T @ y)
+        s          H·e   (the norm's input: x_hat is recomputed from it and the statistics)
+        stats      8 B   (mean and rstd, fp32) for LayerNorm, 4 B (rstd) for RMSNorm
+    plus W and gamma (parameters, not per token): (K + H)·e + 8 (LayerNorm) or + 4 (RMSNorm).
+    The twin's autograd saves, per token: for LayerNorm the same, (K + H)·e + 8 (linear keeps y, layer_norm keeps
+    its input s and fp32 mean and rstd); for RMSNorm, run as transformers' elementwise ops, y, s in fp32 (a copy in
+    fp16/bf16, s itself in fp32), the normalised row in the input dtype and rstd: (K + H)·e + 4H + 4. So the
+    LayerNorm saves as much as the twin (the gain there is fewer passes, not memory) and the RMSNorm 4H bytes per
+    token less (3 KB at H = 768), in every dtype. In the pre-norm form the saved s is the returned stream itself."""
+
+    @staticmethod
+    def forward(ctx, y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, rms):
+        s, normed, stats = kernels().train_forward(y, weight, bias, residual, ln_weight, ln_bias, eps, rms=rms)
+        ctx.save_for_backward(y, weight, s, stats, ln_weight)
+        ctx.pre_norm, ctx.rms, ctx.has_ln_bias = pre_norm, rms, ln_bias is not None
+        ctx.param_dtypes = (None if bias is None else bias.dtype, ln_weight.dtype,
+                            None if ln_bias is None else ln_bias.dtype)
+        return (s, normed) if pre_norm else normed
+
+    @staticmethod
+    def backward(ctx, *grads):
+        y, weight, s, stats, ln_weight = ctx.saved_tensors
+        ds_extra, dn = grads if ctx.pre_norm else (None, grads[0])
+        needs = ctx.needs_input_grad  # y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, rms
+        dn = dn if dn.stride(-1) == 1 else dn.contiguous()
+        if ds_extra is not None and ds_extra.stride(-1) != 1:
+            ds_extra = ds_extra.contiguous()
+        ds, dgamma, dbeta = kernels().layernorm_backward(dn, ds_extra, s, stats, ln_weight, ctx.has_ln_bias,
+                                                         ctx.rms)
+        bias_dtype, gamma_dtype, beta_dtype = ctx.param_dtypes
+        dy = ds @ weight if needs[0] else None
+        dweight = ds.t() @ y if needs[1] else None
+        dbias = ds.sum(0).to(bias_dtype) if needs[2] else None
+        dresidual = ds if needs[3] else None
+        dgamma = dgamma.to(gamma_dtype) if needs[4] else None
+        dbeta = dbeta.to(beta_dtype) if needs[5] and dbeta is not None else None
+        return dy, dweight, dbias, dresidual, dgamma, dbeta, None, None, None
+
+
+def train_kernel(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                 ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
+                 pre_norm: bool = False, rms: bool = False):
+    """`twin`'s contract (2-D y and residual) on the kernels, with gradients for y, weight, bias, residual,
+    ln_weight and ln_bias (None for an input that is None or does not require grad); see TrainKernel for what it
+    saves. Dropout is not drawn in the kernels yet: dropout_p > 0 raises (the twin serves dropout). The model does
+    not call this yet: its training still runs the twin (units.common.inference_only)."""
+    if dropout_p > 0:
+        raise ValueError(f"{OP}: the kernels' backward does not draw dropout yet; got dropout_p={dropout_p} "
+                         f"(the twin serves dropout: backend 'torch', or call with dropout_p=0)")
+    return TrainKernel.apply(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, rms)
+
+
 @torch.library.custom_op("fastbert::residual_layernorm", mutates_args=())
 def custom_op(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
               ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, backend: str,

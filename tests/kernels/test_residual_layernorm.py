@@ -593,7 +593,7 @@ def test_kernel_refuses_other_chunk_counts():
     for num_chunks in (2, 4):
         with pytest.raises(Exception, match="NUM_CHUNKS must be 1 or 3"):
             rln_mod.bias_residual_layernorm_kernel[(1,)](
-                h, h, res, gamma, beta, out, out, T, H, 1e-5, H, H, H, H,
+                h, h, res, gamma, beta, out, out, out, T, H, 1e-5, H, H, H, H,
                 HAS_BIAS=False, HAS_LN_BIAS=True, PRE_NORM=False, RMS=False, ROWS=4, CHUNK=H // num_chunks,
                 NUM_CHUNKS=num_chunks, EVEN=True)
 
@@ -611,10 +611,15 @@ def test_aot_specs():
     """The post-norm kernel for every dtype x {bias, no bias} x kernel config row_config gives over 1..MAX_HIDDEN (40
     of them, the masked ones included), each with the config of the width it is named after; then the pre-norm,
     no-LN-bias and RMSNorm variants (ModernBERT's pre-norm without LN bias, pre-norm with one, post-norm without one,
-    EuroBERT's pre-norm RMSNorm) at 384, 768 and 1024, for every dtype x {bias, no bias}."""
-    specs = rln_mod.aot_specs()
-    names = [s["name"] for s in specs]
-    assert len(set(names)) == len(names) == 3 * 2 * 40 + 3 * 2 * 4 * 3
+    EuroBERT's pre-norm RMSNorm) at 384, 768 and 1024, for every dtype x {bias, no bias}. Training's forward (the
+    pre-norm form writing the statistics, "-stats") and backward ("-backward"), for every dtype x norm kind of
+    BACKWARD_VARIANTS at those widths, are checked in tests/kernels/test_residual_layernorm_backward.py."""
+    every = rln_mod.aot_specs()
+    names = [s["name"] for s in every]
+    training = 3 * len(rln_mod.BACKWARD_VARIANTS) * len(rln_mod.BERT_HIDDEN)
+    assert len(set(names)) == len(names) == 3 * 2 * 40 + 3 * 2 * 4 * 3 + 2 * training
+    specs = [s for s in every if "-stats-" not in s["name"] and "-backward-" not in s["name"]]
+    assert len(specs) == len(every) - 2 * training
     for must in ("residual_layernorm-fp16-H384-8x3x128-w4", "residual_layernorm-bf16-nobias-H768-4x3x256-w4",
                  "residual_layernorm-fp32-H1024-4x1x1024-w4", "residual_layernorm-fp16-H5-512x1x8-w4-masked",
                  "residual_layernorm-fp16-nobias-H8193-1x1x16384-w16-masked",
@@ -625,7 +630,7 @@ def test_aot_specs():
                  "residual_layernorm-bf16-nobias-prenorm-rms-H768-4x3x256-w4",
                  "residual_layernorm-fp32-prenorm-rms-H384-8x3x128-w4"):
         assert must in names, must
-    params = set(rln_mod.bias_residual_layernorm_kernel.arg_names)
+    params = set(rln_mod.bias_residual_layernorm_kernel.arg_names) - {"STATS"}  # inference leaves it at its default
     for s in specs:
         assert s["fn"] is rln_mod.bias_residual_layernorm_kernel
         assert set(s["signature"]) | set(s["constexprs"]) == params and not set(s["signature"]) & set(s["constexprs"])
