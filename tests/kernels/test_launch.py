@@ -171,9 +171,9 @@ def test_loaded_finds_the_key_jit_run_files(monkeypatch):
 
     def launch(t, **options):
         h = torch.randn(t, 64)
-        args = (h, h, h, h, h, h, h, t, 64, 1e-12, 64, 64, 64, 64)
-        kwargs = dict(HAS_BIAS=True, HAS_LN_BIAS=True, PRE_NORM=False, ROWS=4, CHUNK=64, NUM_CHUNKS=1, EVEN=True,
-                      num_warps=4, **options)
+        args = (h, h, h, h, h, h, h, h, t, 64, 1e-12, 64, 64, 64, 64)  # the eighth pointer: the statistics
+        kwargs = dict(HAS_BIAS=True, HAS_LN_BIAS=True, PRE_NORM=False, RMS=False, ROWS=4, CHUNK=64, NUM_CHUNKS=1,
+                      EVEN=True, num_warps=4, **options)
         return args, kwargs
 
     args, kwargs = launch(203)
