@@ -3,13 +3,12 @@
     qkv_projection.py      x @ W_qkv^T + b viewed [T, 3, nh, hd]
     attention.py           softmax(q k^T * scale + extras + mask) v, per sequence
     bias_gelu.py           act(x @ W^T + b) (gated: act(a) * g)
-    residual_layernorm.py  LayerNorm(y @ W^T + b + residual) (pre-norm: the stream and its norm)
+    residual_layernorm.py  LayerNorm(y @ W^T + b + residual) (pre-norm: the stream and its norm; rms: RMSNorm)
 
 A unit module holds, under the same names in each:
 
     twin(...)              the PyTorch definition, with the signature the layers call
     kernel(...)            the Triton kernel behind the same signature (the model has validated its tensors)
-    call(...)              the op for callers outside the model: backend= per call, the kernel's checked entry point
     traced(backend)        a callable with twin's signature that records one torch custom op node (its schema and
                            fake are in the unit), for torch.compile and torch.export
     reason(situation, facts)
@@ -17,6 +16,10 @@ A unit module holds, under the same names in each:
     key(dtype, shapes)     "auto"'s table key for these shapes (fastbert/measure.py)
     contenders(dtype, shapes, device, kernel, twin)
                            zero-argument calls of kernel and twin on random inputs of these shapes, which "auto" times
+
+Callers outside the model reach the ops through fastbert/ops.py (a backend per call, the kernels' checked entry
+points). bias_gelu and residual_layernorm also hold `train_kernel(...)`: the kernel forward with a backward on the
+kernels, as an autograd function; the model's training does not call it yet (its ops run their twins under autograd).
 
 The custom ops are for traced forwards only (torch.compile, torch.export: one node each, where a tracer cannot follow a
 Triton launcher's Python), and for inference; an eager forward calls twin and kernel directly, since the dispatcher
