@@ -32,9 +32,7 @@ import triton.language as tl
 from . import utils
 from .gemm import (
     ACTIVATIONS,
-    _gelu_erf,
-    _gelu_tanh,
-    _silu,
+    _activate,
     check_device,
     check_dtypes,
     check_linear,
@@ -139,20 +137,6 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    """act(x) in fp32: the forward epilogue's functions."""
-    if ACTIVATION == "gelu":
-        y = _gelu_erf(x)
-    elif ACTIVATION == "gelu_tanh":
-        y = _gelu_tanh(x)
-    elif ACTIVATION == "relu":
-        y = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    else:
-        y = _silu(x)
-    return y
-
-
-@triton.jit
 def bias_gelu_backward_kernel(
     # pointers: dOut [T, N] (any strides), h [T, N] ([T, 2N] when GATED; unit last stride), dh like h (may be h)
     dout_ptr, h_ptr, dh_ptr,
@@ -175,7 +159,7 @@ def bias_gelu_backward_kernel(
     if GATED:
         g = tl.load(h_row + N + offs_n, mask=mask, other=0.0).to(tl.float32)
         da = dout * g * _activation_grad(a, ACTIVATION)
-        dg = dout * _activation(a, ACTIVATION)
+        dg = dout * _activate(a, ACTIVATION)  # the forward epilogue's act(a)
         tl.store(dh_row + offs_n, da.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_row + N + offs_n, dg.to(dh_ptr.dtype.element_ty), mask=mask)
     else:

@@ -109,20 +109,26 @@ def _silu(x):
 
 
 @triton.jit
+def _activate(x, ACTIVATION: tl.constexpr):
+    """act(x) in fp32 (None: x itself): the epilogue's, and the backward's act(a) of a gated MLP."""
+    if ACTIVATION == "gelu":
+        x = _gelu_erf(x)
+    elif ACTIVATION == "gelu_tanh":
+        x = _gelu_tanh(x)
+    elif ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)  # as torch.relu: NaN in, NaN out
+    elif ACTIVATION == "silu":
+        x = _silu(x)
+    return x
+
+
+@triton.jit
 def _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
     """bias + activation on the fp32 accumulator tile."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    if ACTIVATION == "gelu":
-        acc = _gelu_erf(acc)
-    elif ACTIVATION == "gelu_tanh":
-        acc = _gelu_tanh(acc)
-    elif ACTIVATION == "relu":
-        acc = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)  # as torch.relu: NaN in, NaN out
-    elif ACTIVATION == "silu":
-        acc = _silu(acc)
-    return acc
+    return _activate(acc, ACTIVATION)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .. import families, twins
-from ..units.residual_layernorm import rms_norm  # noqa: F401  (HF's RMSNorm forward; the op's twin uses it too)
+from ..units.residual_layernorm import rms_norm  # HF's RMSNorm forward, defined once: the op's twin runs it too
 from .fused_qkv import FusedQKV
 from .host import GradientCheckpointingLayer
 
