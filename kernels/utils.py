@@ -58,6 +58,24 @@ def input_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def dropout_seed(device: torch.device) -> torch.Tensor:
+    """A Philox seed for one dropout call: int64 [1] on `device`, drawn from torch's generator for that device (so
+    torch.manual_seed makes a step reproducible, and a CUDA graph's replay draws a new one). A kernel loads it and
+    draws element e's keep bit from Philox(seed, e); its backward is handed the same tensor and regenerates the
+    forward's mask exactly. A tensor rather than a Python int: an int argument would be specialised by Triton (its
+    value's width and divisibility by 16 enter the compile key) and baked into a captured graph."""
+    return torch.randint(0, 2 ** 62, (1,), device=device, dtype=torch.int64)
+
+
+@triton.jit
+def dropout_keep(seed_ptr, offsets, p):
+    """The keep mask of dropout with probability p at element numbers `offsets` (int32 or int64, any shape): Philox
+    uniform(seed, offset) >= p, the seed loaded from `dropout_seed`'s tensor. The same seed and offsets give the same
+    mask in any kernel, forward or backward."""
+    seed = tl.load(seed_ptr)
+    return tl.rand(seed, offsets) >= p
+
+
 def tf32_enabled() -> bool:
     """torch's TF32 switch for fp32 matmuls. torch >= 2.9 has `fp32_precision`, which reflects both its own setting and
     the legacy `allow_tf32` (reading `allow_tf32` after the new API was used raises there)."""
