@@ -20,6 +20,7 @@ from . import fallback
 from .fallback import kernel_failed, net_callable
 from .mask import tracing
 from .units import OPS, UNITS
+from .units.common import trains
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -98,7 +99,8 @@ class Situation(NamedTuple):
     attention_dropout: float
     hidden_dropout: float
     padded: str | None  # why attention runs on padded rows ("output_attentions=True needs ...", a custom mask), or None
-    shapes: object = None  # measure.Shapes where "auto" measures (an inference forward on CUDA), else None
+    shapes: object = None  # measure.Shapes where "auto" measures (a forward on CUDA), else None
+    variants: tuple = ()  # the model's Variant of each op that has one (attention's, bias_gelu's, ...), by type
 
 
 # Where "auto" picks by measuring (fastbert/measure.py): on a GPU. Elsewhere it takes the kernel wherever one can run
@@ -148,12 +150,16 @@ def plan(situation: Situation) -> Ops:
     if tracing() and not TRACE_AS_CUSTOM_OPS:  # an ONNX export (traced_as_aten): every op on its twin
         return Ops(*(unit.twin for unit in UNITS.values()), frozenset(), traced=True)
     why = reasons(situation)
+    training = {op: trains(op, situation) for op in OPS}
     use = {op: resolve(op, backend, situation.device, why[op]) for op, backend in zip(OPS, situation.kernels)}
-    inference = not situation.needs_grad and situation.attention_dropout == 0 and situation.hidden_dropout == 0
-    if situation.shapes is not None:
-        for op, backend in zip(OPS, situation.kernels):
-            if backend == "auto" and use[op]:
-                use[op] = _measured(op, situation)
+    inference = not any(training.values())
+    for op, backend in zip(OPS, situation.kernels):
+        if backend != "auto" or not use[op]:
+            continue
+        if situation.shapes is not None:  # a GPU: measured (forward + backward where the op trains)
+            use[op] = _measured(op, situation, training[op])
+        elif training[op]:  # unmeasured (the interpreter): a forward that trains keeps the twin, as on a CPU
+            use[op] = False
     requested = dict(zip(OPS, situation.kernels))
     backends = {op: requested[op] if use[op] else "torch" for op in OPS}  # "auto" here: the kernel, with its net
     triton = frozenset(op for op, on in use.items() if on)
@@ -167,10 +173,11 @@ def plan(situation: Situation) -> Ops:
         unit = UNITS[op]
         if backends[op] == "torch":
             return unit.twin
+        kernel = unit.train_kernel if training[op] else unit.kernel  # the autograd function where the op trains
         if backends[op] == "triton":  # asked for: the kernel's own error reaches the caller
-            return unit.kernel
-        table_key = None if situation.shapes is None else unit.key(situation.dtype, situation.shapes)
-        return net_callable(op, unit.kernel, unit.twin, situation.device, table_key)
+            return kernel
+        table_key = None if situation.shapes is None else table_key_of(op, situation, training[op])
+        return net_callable(op, kernel, unit.twin, situation.device, table_key)
 
     return Ops(*map(chosen, OPS), triton=triton, traced=tracing(), grad=situation.needs_grad)
 
@@ -180,15 +187,36 @@ def _measure():
     return measure
 
 
-def _measured(op: str, situation: Situation) -> bool:
+def table_key_of(op: str, situation: Situation, training: bool) -> str:
+    """"auto"'s table key for `op` in `situation` (a GPU forward): the unit's key, and "|train" where the op trains,
+    since forward + backward is what is timed there."""
+    key = UNITS[op].key(situation.dtype, situation.shapes)
+    return key + "|train" if training else key
+
+
+def with_backward(fn: Callable) -> Callable:
+    """fn's call, then the backward of its floating outputs (ones as their gradients), the tensor arguments made
+    leaves that need gradients: what a training step costs an op, for "auto" to time."""
+    def run(*args, **kwargs):
+        args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+        out = fn(*args, **kwargs)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return out
+    return run
+
+
+def _measured(op: str, situation: Situation, training: bool = False) -> bool:
     """"auto" on a GPU: the kernel when it measured at least as fast as the twin for these shapes (measure.py), and has
     not failed for them. While a forward is traced or a CUDA graph captured, nothing is timed (a device sync would
     break the capture): an op not yet measured takes its kernel, whose launcher uses a fixed config there."""
     measure = _measure()
     unit = UNITS[op]
     choices = measure.choices_for(situation.device)
-    key = unit.key(situation.dtype, situation.shapes)
-    failed = (op, situation.dtype, situation.shapes.tokens)
+    key = table_key_of(op, situation, training)
+    failed = (op, situation.dtype, situation.shapes.tokens)  # a failure, forward or backward, sets both aside
     if failed in fallback._FAILED:
         return False
     if choices.failure(key) is not None:  # an earlier process with these versions saw the kernel fail
@@ -196,7 +224,12 @@ def _measured(op: str, situation: Situation) -> bool:
         return False
     if tracing() or not choices.known(key) and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return choices.table.get(key, {}).get("choice", "triton") == "triton"
-    kernel_fn, twin_fn = unit.contenders(situation.dtype, situation.shapes, situation.device, unit.kernel, unit.twin)
+    if training:
+        kernel_fn, twin_fn = unit.contenders(situation.dtype, situation.shapes, situation.device,
+                                             with_backward(unit.train_kernel), with_backward(unit.twin))
+    else:
+        kernel_fn, twin_fn = unit.contenders(situation.dtype, situation.shapes, situation.device, unit.kernel,
+                                             unit.twin)
     try:
         return choices.choose(key, kernel_fn, twin_fn)
     except measure.KernelFailed as failure:  # compiling, autotuning or timing the kernel (the twin's errors propagate)

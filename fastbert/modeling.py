@@ -293,9 +293,9 @@ class BertModel(TransformersModelMixin, nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or (batch.inputs_embeds is not None and batch.inputs_embeds.requires_grad))
-        if needs_grad and not self.training and not self._warned_autograd:
-            self._warn_autograd_in_eval()
         run = self.resolve_ops(needs_grad, batch.why_padded(output_attentions), *batch.size)
+        if needs_grad and not self.training and not self._warned_autograd:
+            self._warn_autograd_in_eval(run, batch.why_padded(output_attentions), batch.size)
         if not self.family.selects_hidden_states and output_hidden_states:
             output_hidden_states = True  # MPNet's forward reads a selection as a flag: every layer, as HF gives it
         keep = HiddenStates.of(output_hidden_states, len(self.layers), batch)
@@ -312,18 +312,23 @@ class BertModel(TransformersModelMixin, nn.Module):
         rest = tuple(v for v in (out.hidden_states, out.attentions) if v is not None)
         return (out.last_hidden_state, out.pooler_output, *rest)
 
-    def _warn_autograd_in_eval(self) -> None:
-        """An eval-mode forward with autograd on (model(**inputs) without torch.no_grad(), a common habit) runs every
-        op on its PyTorch twin: on a GPU under "auto" that is a silent speed cliff, so it is said once per model."""
+    def _warn_autograd_in_eval(self, run: dispatch.Ops, padded, size) -> None:
+        """An eval-mode forward with autograd on (model(**inputs) without torch.no_grad(), a common habit) runs an op
+        on its PyTorch twin wherever no training kernel serves it or its twin measured faster forward + backward: on
+        a GPU under "auto" that is a silent speed cliff against the same forward without autograd, so it is said
+        once per model, naming those ops."""
         device = self.embeddings.word_embeddings.weight.device
         if device.type not in dispatch.MEASURED_DEVICE_TYPES or "auto" not in self._kernels.values() \
                 or dispatch.triton_unavailable(device):
             return
+        lost = [op for op in self.resolve_ops(False, padded, *size).triton - run.triton if self._kernels[op] == "auto"]
+        if not lost:
+            return
         self._warned_autograd = True
-        warnings.warn("fastbert: this eval-mode forward runs with autograd enabled, so every op runs its PyTorch twin "
-                      "instead of its Triton kernel (the kernels serve inference). Call the model under "
-                      "torch.inference_mode() (or torch.no_grad()) for the fast path; said once for this model",
-                      stacklevel=3)
+        warnings.warn(f"fastbert: this eval-mode forward runs with autograd enabled, so {', '.join(sorted(lost))} "
+                      "run their PyTorch twin instead of their Triton kernel (no training kernel serves them, or the "
+                      "twin is faster with its backward). Call the model under torch.inference_mode() (or "
+                      "torch.no_grad()) for the fast path; said once for this model", stacklevel=3)
 
     def cuda_graphs(self, token_buckets=(128, 256, 512, 1024, 2048, 4096, 8192), max_seqs: int = 256,
                     max_seqlen: int | None = None):
@@ -454,15 +459,14 @@ class BertModel(TransformersModelMixin, nn.Module):
         cfg = self.config
         kernels = tuple(map(self._kernels.__getitem__, OPS))
         shapes = None
-        if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and not needs_grad \
-                and not self.training and tokens:
+        if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and tokens:
             bucket = measure.token_bucket
             shapes = measure.Shapes(bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                     cfg.num_attention_heads, self.head_dim, bucket(max_seqlen), self.activation,
                                     ragged, *self._variants)
         p_attn, p_hidden = self._largest_dropouts() if self.training else (0.0, 0.0)
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
-                                       p_hidden, padded, shapes)
+                                       p_hidden, padded, shapes, self._variants)
         if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return dispatch.plan(situation)
         if self._plans_failures != len(fallback._FAILED):

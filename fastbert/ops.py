@@ -31,10 +31,15 @@ bias_gelu_torch = _bias_gelu.twin
 residual_layernorm_torch = _residual_layernorm.twin
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on `tensors`: its kernel is then the unit's train_kernel."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _use_kernel(op: str, backend: str, x, *tensors, dropout: float = 0.0, head_dim: int | None = None,
                 padded: str | None = None) -> bool:
     """resolve() for one call of the functions below (the model resolves once per forward instead)."""
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
+    needs_grad = _needs_grad(x, *tensors)
     why = reasons(Situation((), x.device, x.dtype, head_dim or 0, needs_grad, dropout, dropout, padded))[op]
 
     def reason():
@@ -53,8 +58,8 @@ def _call(op: str, backend: str, x: torch.Tensor, kernel, twin):
 def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -> torch.Tensor:
     twin = lambda: _qkv_projection.twin(x, weight, bias, num_heads)  # noqa: E731
     if _use_kernel("qkv_projection", backend, x, weight, bias):
-        return _call("qkv_projection", backend, x,
-                     lambda: _qkv_projection.kernel(x, weight, bias, num_heads, checked=True), twin)
+        run = _qkv_projection.train_kernel if _needs_grad(x, weight, bias) else _qkv_projection.kernel
+        return _call("qkv_projection", backend, x, lambda: run(x, weight, bias, num_heads, checked=True), twin)
     return twin()
 
 
@@ -82,8 +87,8 @@ def bias_gelu(x, weight, bias, activation: str = "gelu", *, gated: bool = False,
     """act(x @ W^T + b); gated: W [2I, H] (HF's Wi) and act(a) * g [T, I] (units.bias_gelu.twin)."""
     twin = lambda: _bias_gelu.twin(x, weight, bias, activation, gated)  # noqa: E731
     if _use_kernel("bias_gelu", backend, x, weight, bias):
-        return _call("bias_gelu", backend, x,
-                     lambda: _bias_gelu.kernel(x, weight, bias, activation, gated, checked=True), twin)
+        run = _bias_gelu.train_kernel if _needs_grad(x, weight, bias) else _bias_gelu.kernel
+        return _call("bias_gelu", backend, x, lambda: run(x, weight, bias, activation, gated, checked=True), twin)
     return twin()
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..twins import Workspace, activate, activate_into, linear_into
-from .common import inference_only, random_inputs, run_backend
+from .common import kernel_reason, random_inputs, run_backend
 
 OP = "bias_gelu"
 
@@ -47,8 +47,7 @@ def kernel(x, weight, bias, activation="gelu", gated=False, workspace=None, chec
 
 
 class TrainKernel(torch.autograd.Function):
-    """act(x @ W^T + b) through the kernel, with a backward: the first piece of training on the kernels, not yet
-    called by the model or the dispatch (the kernel path there stays inference only: `reason`).
+    """act(x @ W^T + b) through the kernel, with a backward (`train_kernel`).
 
     Forward: the inference kernel as it is (kernels/bias_gelu.py), the [T, N] pre-activation h = x @ W^T + b
     (N = I, or 2I gated) never written. Saved: x, W and b, which the caller holds anyway (the layer's input and the
@@ -82,11 +81,17 @@ class TrainKernel(torch.autograd.Function):
 
 
 def train_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
-                 gated: bool = False) -> torch.Tensor:
-    """`twin`'s result and gradients (x, W, b) through the kernels (`TrainKernel`); every argument is checked by
-    the kernel's public launcher (kernels/bias_gelu.py's `bias_gelu`). Not yet used by the model: the dispatch
-    sends autograd to the twin."""
-    return TrainKernel.apply(x, weight, bias, activation, gated, True)
+                 gated: bool = False, workspace: Workspace | None = None, checked: bool = False) -> torch.Tensor:
+    """`twin`'s result and gradients (x, W, b) through the kernels (`TrainKernel`): what a forward that trains runs
+    under the "triton" backend. checked: every argument is checked by the kernel's public launcher
+    (kernels/bias_gelu.py's `bias_gelu`), as for `kernel`."""
+    return TrainKernel.apply(x, weight, bias, activation, gated, checked)
+
+
+def train_unsupported(situation) -> str | None:
+    """Why train_kernel cannot serve a training forward's situation: never (every activation and the gated form
+    have their derivative in the kernel)."""
+    return None
 
 
 @torch.library.custom_op("fastbert::bias_gelu", mutates_args=())
@@ -109,7 +114,7 @@ def traced(backend: str):
 
 
 def reason(situation, facts) -> str | None:
-    return inference_only(OP, situation, facts)
+    return kernel_reason(OP, situation, facts, train_unsupported)
 
 
 class Variant(NamedTuple):

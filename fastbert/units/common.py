@@ -1,9 +1,39 @@
-"""What the four units share: the inference-only rule, a custom op's backend switch, and random inputs to time."""
+"""What the four units share: when a kernel serves a forward (inference or training), a custom op's backend
+switch, and random inputs to time."""
 from __future__ import annotations
 
 import torch
 
 from ..fallback import with_net
+from ..mask import tracing
+
+
+def op_dropout(op: str, situation) -> float:
+    """The dropout probability `op` draws in `situation`: attention's on its probabilities, residual_layernorm's on
+    the dense output; the GEMM ops draw none."""
+    if op == "attention":
+        return situation.attention_dropout
+    return situation.hidden_dropout if op == "residual_layernorm" else 0.0
+
+
+def trains(op: str, situation) -> bool:
+    """Whether `op` runs its training path in `situation`: autograd records the forward, or the op draws dropout
+    (a train-mode forward, even under no_grad). Its kernel is then the unit's `train_kernel`."""
+    return situation.needs_grad or op_dropout(op, situation) > 0
+
+
+def kernel_reason(op: str, situation, facts, train_unsupported, head_dim: int | None = None) -> str | None:
+    """Why `op`'s kernel cannot serve `situation` (None when it can): in a forward that trains, why its train_kernel
+    cannot (`train_unsupported(situation)`; a traced one runs the twins), then what the kernels support (`facts`:
+    fastbert.kernels.utils)."""
+    if trains(op, situation):
+        if tracing():
+            return "the forward is traced while it trains (the training kernels are autograd functions that " \
+                   "torch.compile and export do not trace): the twins serve it"
+        why = train_unsupported(situation)
+        if why is not None:
+            return why
+    return facts.call_unsupported(op, situation.dtype, head_dim)
 
 
 def inference_only(op: str, situation, facts, dropout: float = 0.0, head_dim: int | None = None) -> str | None:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..twins import Workspace, linear_into
-from .common import inference_only, random_inputs, run_backend
+from .common import kernel_reason, random_inputs, run_backend
 
 OP = "qkv_projection"
 
@@ -33,6 +33,41 @@ def kernel(x, weight, bias, num_heads, workspace=None, checked=False):
     return (k.qkv_projection if checked else k.launch)(x, weight, bias, num_heads)
 
 
+class TrainKernel(torch.autograd.Function):
+    """x @ W^T + b through the GEMM kernel, with the GEMM gradients through torch (cuBLAS on a GPU): dx = dqkv @ W,
+    dW = dqkv^T @ x, db = dqkv summed over tokens. No epilogue pays in the backward (there is no activation to
+    differentiate), so the backward is the linear's own. Saved: x and W, which the caller holds anyway (the layer's
+    input and the parameter), 0 extra bytes per token: the same as the twin's F.linear."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_heads: int, checked: bool = False):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return kernel(x, weight, bias, num_heads, checked=checked).view(x.shape[0], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight = ctx.saved_tensors
+        dx = dout @ weight if ctx.needs_input_grad[0] else None
+        dweight = dout.t() @ x if ctx.needs_input_grad[1] else None
+        dbias = dout.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias, None, None
+
+
+def train_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                 workspace: Workspace | None = None, checked: bool = False) -> torch.Tensor:
+    """`twin`'s contract on the GEMM kernel, with gradients for x, W and b (`TrainKernel`). The output is a view of
+    the autograd function's [T, 3H] result, so an adapter may add to its thirds in place (LoRA on q or v).
+    checked: every argument is checked by the kernel's public launcher, as for `kernel`."""
+    out = TrainKernel.apply(x, weight, bias, num_heads, checked)
+    return out.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
+
+
+def train_unsupported(situation) -> str | None:
+    """Why train_kernel cannot serve a training forward's situation: never (a linear has no dropout or variant)."""
+    return None
+
+
 @torch.library.custom_op("fastbert::qkv_projection", mutates_args=())
 def custom_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
               backend: str) -> torch.Tensor:
@@ -54,7 +89,7 @@ def traced(backend: str):
 
 
 def reason(situation, facts) -> str | None:
-    return inference_only(OP, situation, facts)
+    return kernel_reason(OP, situation, facts, train_unsupported)
 
 
 def key(dtype: torch.dtype, shapes) -> str:

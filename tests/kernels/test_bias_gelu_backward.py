@@ -137,9 +137,9 @@ def test_expanded_and_strided_gradients():
 def test_train_kernel_checks_its_arguments():
     x, w = make((3, 32), torch.float32), make((40, 32), torch.float32)
     with pytest.raises(ValueError, match="activation='tanh'"):
-        unit.train_kernel(x, w, None, "tanh")
+        unit.train_kernel(x, w, None, "tanh", checked=True)
     with pytest.raises(ValueError, match="x.shape\\[1\\]=32 must match weight.shape\\[1\\]=16"):
-        unit.train_kernel(x, w[:, :16], None)
+        unit.train_kernel(x, w[:, :16], None, checked=True)
 
 
 def test_the_forward_is_the_inference_kernels_output():

@@ -532,26 +532,52 @@ def test_another_module_at_a_layer_path_runs_as_that_module(family, where):
 # ---- no silent speed cliff: an eval-mode forward with autograd on, under "auto" on a GPU ---------------------------
 def test_autograd_in_eval_warns_once_per_model_not_in_train_mode(monkeypatch):
     """On a GPU (here: the CPU standing in for one, the interpreter making Triton runnable) an eval-mode forward
-    without no_grad runs every op on its twin: said once per model, naming torch.inference_mode(). Train mode and
-    no_grad say nothing."""
+    without no_grad that costs ops their kernel (the twin measured faster with its backward: forced here) is said
+    once per model, naming those ops and torch.inference_mode(). Train mode and no_grad say nothing."""
     from fastbert import dispatch
     from fastbert.kernels import utils as kernel_utils
     monkeypatch.setattr(kernel_utils, "INTERPRET", True)
     monkeypatch.setattr(dispatch, "MEASURED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "_measured", lambda op, situation, training=False: not training)
     hf = hf_head("bert").bert
     fb = fastbert.BertModel.from_hf(hf, kernels="auto")
-    with pytest.warns(UserWarning, match=r"eval-mode forward runs with autograd enabled.*torch\.inference_mode\(\)"):
+    with pytest.warns(UserWarning, match=r"eval-mode forward runs with autograd enabled, so attention, bias_gelu, "
+                                         r"qkv_projection, residual_layernorm run their PyTorch twin.*"
+                                         r"torch\.inference_mode\(\)"):
         fb(IDS, attention_mask=MASK)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fb(IDS, attention_mask=MASK)  # said once for this model
-        fb.train()(IDS, attention_mask=MASK)  # train mode: the twins are the documented path
+        fb.train()(IDS, attention_mask=MASK)  # train mode: a training forward, nothing to say
         fastbert.BertModel.from_hf(hf, kernels="torch").eval()(IDS, attention_mask=MASK)  # no kernel asked for
     assert not [w for w in record if "eval-mode forward" in str(w.message)]
     other = fastbert.BertModel.from_hf(hf, kernels="auto")
     with pytest.warns(UserWarning, match="said once for this model"):
         other(IDS, attention_mask=MASK)  # another model: said again
+
+
+def test_no_autograd_warning_where_the_kernels_serve_autograd(monkeypatch):
+    """Where the training kernels serve every op (measured at least as fast forward + backward: forced here), an
+    eval-mode forward under autograd loses nothing, and nothing is said."""
+    from fastbert import dispatch
+    from fastbert.kernels import utils as kernel_utils
+    from fastbert.units import attention, residual_layernorm
+    monkeypatch.setattr(kernel_utils, "INTERPRET", True)
+    monkeypatch.setattr(dispatch, "MEASURED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "_measured", lambda op, situation, training=False: True)
+    for unit in (attention, residual_layernorm):  # whatever their training kernels serve yet (planned, not run)
+        monkeypatch.setattr(unit, "reason", lambda situation, facts: None)
+        monkeypatch.setattr(unit, "train_kernel", unit.kernel, raising=False)
+    fb = fastbert.BertModel.from_hf(hf_head("bert").bert, kernels="auto")
+    plan = fb.resolve_ops(needs_grad=True, tokens=IDS.numel(), max_seqlen=IDS.shape[1])
+    assert plan.triton == frozenset(dispatch.OPS) and plan.grad
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fb.resolve_ops(needs_grad=False, tokens=IDS.numel(), max_seqlen=IDS.shape[1])
+        fb._warn_autograd_in_eval(plan, None, (IDS.numel(), IDS.shape[1], False))
+    assert not [w for w in record if "eval-mode forward" in str(w.message)]
 
 
 def test_no_autograd_warning_off_the_gpu(monkeypatch):
