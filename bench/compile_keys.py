@@ -203,8 +203,11 @@ def pretend_sm90(sms: int = 132):
 def job_keys(job: str) -> list:
     """The keys (key_text) job `job` launches, in order:
       smoke:DTYPE              the kernel-variant smoke list at its GPU sizes (bench/gpu_check.py KernelChecks)
+      smoke-backward:DTYPE     each train_kernel's forward and backward, every variant (KernelChecks.smoke_backward)
       configs:FAMILY           every autotune config of a family (KernelChecks.every_config)
-      forward:MODEL:CELL:DTYPE one forward of that benchmark model on that cell on the kernels (bench/harness.py)"""
+      forward:MODEL:CELL:DTYPE one forward of that benchmark model on that cell on the kernels (bench/harness.py)
+      train:MODEL:CELL:DTYPE   one fine-tuning step (forward in train mode, backward, AdamW) of that training model
+                               on that cell on the kernels (bench/harness.py, TRAIN_MODELS)"""
     with Launches("record") as launches, pretend_sm90(), torch.inference_mode():
         run_job(job)
     return launches.keys
@@ -213,13 +216,17 @@ def job_keys(job: str) -> list:
 def run_job(job: str, device: str = "cpu") -> None:
     """Runs `job` on `device`: the launch sequence the GPU run makes (under `Launches`, nothing runs)."""
     kind, _, rest = job.partition(":")
-    if kind in ("smoke", "configs"):
-        from bench.gpu_check import KernelChecks
+    if kind in ("smoke", "smoke-backward", "configs"):
+        from bench.gpu_check import KernelChecks, Skipped
 
         checks = KernelChecks(device, dry_run=False, launch_only=True)
-        items = checks.smoke(rest) if kind == "smoke" else checks.every_config(rest)
+        items = {"smoke": checks.smoke, "smoke-backward": checks.smoke_backward,
+                 "configs": checks.every_config}[kind](rest)
         for _, check in items:
-            check()
+            try:
+                check()
+            except Skipped:  # a variant not built yet (smoke-backward) launches nothing
+                pass
     elif kind == "forward":
         from bench import harness
 
@@ -228,8 +235,18 @@ def run_job(job: str, device: str = "cpu") -> None:
         fast = bank.fastbert(model, harness.DTYPES[dtype], device).set_kernels("triton")
         with torch.inference_mode():
             fast(**bank.batch(model, parse_cell(cell), device).inputs)
+    elif kind == "train":
+        from bench import harness
+
+        model, cell, dtype = rest.split(":")
+        with torch.inference_mode(False), torch.enable_grad():  # the callers record under inference mode
+            classifier = harness.train_variant(model, "fastbert-triton", harness.DTYPES[dtype], device)
+            batch, labels = harness.train_batch(model, parse_cell(cell), device)
+            classifier.train()
+            harness.train_step(classifier, harness.train_optimizer(classifier), batch, labels)()
     else:
-        raise ValueError(f"unknown job {job!r}: smoke:DTYPE, configs:FAMILY or forward:MODEL:CELL:DTYPE")
+        raise ValueError(f"unknown job {job!r}: smoke:DTYPE, smoke-backward:DTYPE, configs:FAMILY, "
+                         f"forward:MODEL:CELL:DTYPE or train:MODEL:CELL:DTYPE")
 
 
 def parse_cell(name: str):

@@ -134,12 +134,24 @@ TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16", "8x
 TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-base": "tiny-mpnet",
               "modernbert-base": "tiny-modernbert", "nomic-embed-base": "tiny-nomic"}
 CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
+# smoke-backward's attention variants, in order (each "not built" until the unit trains on its kernel)
+BACKWARD_ATTENTION = ("varlen", "padded", "gqa", "window-rotary", "bias", "disentangled", "dropout")
+# The training cells (bench/test_bench_train.py), after the families: one step of bf16 AdamW fine-tuning (forward in
+# train mode, loss, backward, optimizer step, zero_grad), HF sdpa first, then fastbert on the kernels. The models are
+# the test file's: "bert-base-lora" is BERT-base with PEFT LoRA r=8 on query and value. The goals: GOALS.
+TRAIN = (("bert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton")),
+         ("bert-base-lora", "32xvar16-512", ("hf-sdpa", "fastbert-triton")),
+         ("bert-base", "32x128", ("hf-sdpa", "fastbert-triton")),
+         ("modernbert-base", "32xvar16-512", ("hf-sdpa", "fastbert-triton")))
+TINY_TRAIN_MODEL = {"bert-base": "tiny", "bert-base-lora": "tiny-lora", "modernbert-base": "tiny-modernbert"}
+# A training step's speed-up over HF sdpa the GPU run is to show: the ragged cells (padding-free) and the dense one
+TRAIN_GOALS = {"32xvar16-512": 2.0, "32x128": 1.3}
 FORWARD_CHECK_CELL = "8xvar1-256"  # smoke-forward: BERT-base on ragged rows
 
 # Seconds each step needs on the GPU besides compiling (generous: model builds, HF's runs, the timed rounds).
 RUN_S = {"env": 15, "smoke": 30, "smoke-forward": 35, "configs": 60, "hf-sdpa": 45, "hf-eager": 45,
          "hf-compile": 120, "fastbert-triton": 45, "fastbert-graphs": 45, "ops": 60, "choices": 60, "memcheck": 60,
-         "tests": 120}
+         "tests": 120, "smoke-backward": 40, "train-hf-sdpa": 50, "train-fastbert-triton": 50}
 # A cold compile of one key, allowed for in the caps: twice the ~3 s the ahead-of-time compile's slowest kernel takes
 # here per config (the GPU machine's CPU is unknown). A step's cap is RUN_S + COMPILE_S x the keys it is the first
 # to need (bench/compile_keys.json: the estimate), so a step still fits where compiles take twice as long.
@@ -165,6 +177,32 @@ def _pytest(args: list, json_path: str | None = None) -> list:
 
 def forward_job(model: str, cell: str, dtype: str = "bf16") -> str:
     return f"forward:{model}:{cell}:{dtype}"
+
+
+def train_job(model: str, cell: str, dtype: str = "bf16") -> str:
+    return f"train:{model}:{cell}:{dtype}"
+
+
+def _train_cases(dry_run: bool) -> list[Step]:
+    """One pytest process per (training cell, variant), in order: bench/test_bench_train.py, its tiny stand-ins in
+    the dry run (fp32 on CPU, the kernels through the interpreter)."""
+    steps = []
+    for model, cell, variants in TRAIN:
+        runs_as = TINY_CELL[cell] if dry_run else cell
+        if dry_run:
+            selection = ["--bench-tiny", "--bench-target-s", "0.01", "--bench-min-rounds", "1",
+                         "--bench-models", TINY_TRAIN_MODEL[model]]
+        else:
+            selection = ["--bench-models", model, "--bench-device", "cuda", "--bench-dtypes", "bf16"]
+        for variant in variants:
+            name = f"train/{model}/{cell}/{variant}"
+            path = f"bench/train-{model}-{cell}-{variant}.json"
+            args = ["bench/test_bench_train.py", *selection, "--bench-cells", runs_as, "--bench-variants", variant]
+            jobs = [train_job(model, cell)] if variant.startswith("fastbert-") else []
+            steps.append(Step("2", name, _pytest(args, path), RUN_S[f"train-{variant}"], bench_json=path, jobs=jobs,
+                              info={"model": model, "cell": cell, "runs_as": runs_as, "variant": variant,
+                                    "kind": "train"}))
+    return steps
 
 
 def _cases(cells, dry_run: bool) -> list[Step]:
@@ -195,7 +233,8 @@ def plan(dry_run: bool, estimate: dict | None = None, with_estimate: bool = True
     and the tests, collected and not run, differ). The order: what the headline needs first, the proof of every
     kernel variant early, the sweeps and what is unproven (hf-compile) after the headline.
       env -> smoke-bf16 (every kernel variant, the headline's dtype) -> BERT's headline cells -> smoke-fp16 ->
-      the other families' cells -> smoke-forward -> the config sweeps -> hf-compile -> ops, choices, memcheck, tests
+      the other families' cells -> smoke-backward-bf16 (each train_kernel's gradients) -> the training cells ->
+      smoke-forward -> the config sweeps -> hf-compile -> ops, choices, memcheck, tests
     Each step's cap is its RUN_S plus COMPILE_S for each JIT key it is the first to need (`compile_estimate`)."""
     slow = 3 if dry_run else 1  # the interpreter and CPU inductor are slower than a GPU
     steps = [Step("1", "env", _child("env", dry_run), RUN_S["env"]),
@@ -203,6 +242,9 @@ def plan(dry_run: bool, estimate: dict | None = None, with_estimate: bool = True
     steps += _cases(HEADLINE, dry_run)
     steps.append(Step("1", "smoke-fp16", _child("smoke-fp16", dry_run), RUN_S["smoke"], jobs=["smoke:fp16"]))
     steps += _cases(FAMILIES, dry_run)
+    steps.append(Step("1", "smoke-backward-bf16", _child("smoke-backward-bf16", dry_run), RUN_S["smoke-backward"],
+                      jobs=["smoke-backward:bf16"]))
+    steps += _train_cases(dry_run)
     steps.append(Step("1", "smoke-forward", _child("smoke-forward", dry_run), RUN_S["smoke-forward"],
                       jobs=[forward_job("bert-base", FORWARD_CHECK_CELL, d) for d in ("bf16", "fp16")]))
     steps += [Step("1b", f"configs-{family}", _child(f"configs-{family}", dry_run), RUN_S["configs"],
@@ -404,7 +446,8 @@ def case_figures(path: str, tail: str) -> dict:
         info = bench.get("extra_info") or {}
         median = (bench.get("stats") or {}).get("median")
         figures.update({k: info.get(k) for k in ("max_abs_err", "err_bound", "real_tokens", "padded_tokens",
-                                                 "first_call_s", "buckets", "capture_s", "kernels")
+                                                 "first_call_s", "buckets", "capture_s", "kernels",
+                                                 "grad_rel_err", "grad_rel_bound", "triton_ops")
                         if info.get(k) is not None})
         if median:
             figures.update(median_s=median, median_ms=round(median * 1e3, 4),
@@ -705,6 +748,9 @@ def child_main(name: str, results: str, dry_run: bool) -> int:
     elif name.startswith("smoke-") and name[len("smoke-"):] in ("bf16", "fp16"):
         for check, fn in KernelChecks(device, dry_run).smoke(name[len("smoke-"):]):
             emit(check, fn)
+    elif name.startswith("smoke-backward-"):
+        for check, fn in KernelChecks(device, dry_run).smoke_backward(name[len("smoke-backward-"):]):
+            emit(check, fn)
     elif name == "smoke-forward":
         for dtype in ("bf16", "fp16"):
             emit(f"forward-{dtype}", lambda dtype=dtype: forward_check(device, dtype, dry_run))
@@ -890,6 +936,258 @@ class KernelChecks:
                     "interpreter_bf16": True, **facts}
         return {**self.compare(out, twin, ref64), **facts}
 
+    # ---- backward: train_kernel's gradients against the twin's and fp64 ---------------------------------------------
+    def autograd(self, check):
+        """`check` run outside inference mode, with grad on, whatever its caller's mode (bench/compile_keys.py
+        records a job under inference mode): every tensor it makes, the layouts and tables too, may be saved for
+        backward."""
+        def run(*args, **kwargs):
+            with self.torch.inference_mode(False), self.torch.enable_grad():
+                return check(*args, **kwargs)
+        return run
+
+    def grads(self, fn, tensors: dict, upstream: list) -> tuple:
+        """fn(**leaves)'s outputs (a tuple) and the gradients of sum(<output, upstream>) for each tensor of `tensors`
+        (None values pass through as None), autograd on fresh leaves: {name: grad or None}. Inside `autograd`."""
+        torch = self.torch
+        leaves = {k: None if t is None else t.detach().clone().requires_grad_(t.is_floating_point())
+                  for k, t in tensors.items()}
+        outs = fn(**leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        wanted = [k for k, t in leaves.items() if t is not None and t.requires_grad]
+        got = torch.autograd.grad(outs, [leaves[k] for k in wanted],
+                                  [u.to(device=o.device, dtype=o.dtype) for u, o in zip(upstream, outs)],
+                                  allow_unused=True)
+        return tuple(o.detach() for o in outs), dict(zip(wanted, got))
+
+    def compare_grads(self, dtype, kernel: tuple, twin: tuple, ref: tuple, names=("out",),
+                      twin_ref: tuple | None = None) -> dict:
+        """Each output and each gradient of the kernel against fp64, bound 2x the twin's own error (the smoke's rule,
+        per tensor); a gradient the kernel lacks where the twin has one, or any NaN, fails. `twin_ref`: the twin's
+        own fp64 reference where it differs from the kernel's (dropout: each side's reference applies its mask)."""
+        from fastbert.numerics import FP32_TOL, error_bound
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+        (k_out, k_grads), (t_out, t_grads), (r_out, r_grads) = kernel, twin, ref
+        tr_out, tr_grads = twin_ref or ref
+        tensors = [(n, k, t, r, tr) for n, k, t, r, tr in zip(names, k_out, t_out, r_out, tr_out)]
+        tensors += [(f"d{n}", k_grads.get(n), t_grads[n], r_grads[n], tr_grads[n]) for n in t_grads
+                    if t_grads[n] is not None]
+        report, ok = {}, True
+        for name, got, twin_t, ref_t, twin_ref_t in tensors:
+            if got is None:
+                report[name] = "no gradient"
+                ok = False
+                continue
+            ref64 = ref_t.double().to(got.device)
+            err = (got.double() - ref64).abs().max().item() if got.numel() else 0.0
+            twin_err = (twin_t.double() - twin_ref_t.double().to(got.device)).abs().max().item() \
+                if got.numel() else 0.0
+            bound = error_bound(dtype, twin_err, fp32_tol=twin_err + FP32_TOL)
+            finite = bool(self.torch.isfinite(got).all())
+            report[name] = {"err": err, "twin_err": twin_err, "bound": bound, "finite": finite}
+            ok = ok and finite and err <= bound  # NaN: the comparison is False
+        return {"ok": ok, "tensors": report}
+
+    def upstream(self, shapes, dtype, seed=40):
+        return [self.make(s, dtype, seed=seed + i) for i, s in enumerate(shapes)]
+
+    def bias_gelu_backward(self, dtype, M, H, I, activation, gated=False):
+        """bias_gelu's train_kernel (GEMM epilogue forward, derivative kernel backward) on x, W, b."""
+        import torch.nn.functional as F
+
+        from fastbert import twins
+        from fastbert.units import bias_gelu
+
+        self.needs_dot(dtype)
+        rows = 2 * I if gated else I
+        inputs = {"x": self.make((M, H), dtype), "weight": self.make((rows, H), dtype, H ** -0.5, seed=1),
+                  "bias": None if gated else self.make((rows,), dtype, 0.5, seed=2)}
+        up = self.upstream([(M, I)], dtype)
+        facts = {"shape": f"M{M} H{H} I{I}", "activation": activation, "gated": gated}
+        kernel = self.grads(lambda **t: bias_gelu.train_kernel(**t, activation=activation, gated=gated), inputs, up)
+        if self.launch_only:
+            return facts
+        twin = self.grads(lambda **t: bias_gelu.twin(**t, activation=activation, gated=gated), inputs, up)
+
+        def ref(x, weight, bias):
+            h = F.linear(x, weight, bias)
+            if gated:
+                a, g = h.chunk(2, dim=-1)
+                return twins.activate(a, activation) * g
+            return twins.activate(h, activation)
+
+        ref64 = self.grads(ref, {k: None if t is None else t.double() for k, t in inputs.items()},
+                           [u.double() for u in up])
+        return {**self.compare_grads(dtype, kernel, twin, ref64), **facts}
+
+    def residual_layernorm_backward(self, dtype, T, K, H, pre_norm=False, rms=False, dropout_p=0.0):
+        """residual_layernorm's train_kernel (row kernel forward with statistics, row kernel backward) on y, W, b,
+        residual, gamma, beta. With dropout (pre-norm form, a zero residual): the kernel's mask is read off the
+        returned stream s (dropped elements are exactly 0), and the fp64 reference applies that very mask, as the
+        twin's reference applies the twin's."""
+        import torch.nn.functional as F
+
+        from fastbert.units import residual_layernorm as unit
+
+        torch = self.torch
+        eps = 1e-5 if rms else 1e-12
+        modern = pre_norm and not dropout_p  # ModernBERT's and EuroBERT's form: no dense bias, no LayerNorm bias
+        inputs = {"y": self.make((T, K), dtype), "weight": self.make((H, K), dtype, K ** -0.5, seed=1),
+                  "bias": None if modern else self.make((H,), dtype, 0.5, seed=2),
+                  "residual": self.make((T, H), dtype, 0.0 if dropout_p else 1.0, seed=3),
+                  "ln_weight": self.make((H,), dtype, 0.2, 1.0, seed=4),
+                  "ln_bias": None if modern or rms else self.make((H,), dtype, 0.2, seed=5)}
+        up = self.upstream([(T, H), (T, H)] if pre_norm else [(T, H)], dtype)
+        names = ("s", "out") if pre_norm else ("out",)
+        facts = {"shape": f"T{T} K{K} H{H}", "pre_norm": pre_norm, "rms": rms, "dropout_p": dropout_p}
+
+        def kernel_fn(**t):
+            return unit.train_kernel(**t, eps=eps, dropout_p=dropout_p, pre_norm=pre_norm, rms=rms)
+
+        if dropout_p:  # the kernels refuse dropout until they draw it: not built, not failed
+            try:
+                with torch.no_grad():
+                    kernel_fn(**inputs)
+            except ValueError as e:
+                raise Skipped(f"not built: {e}") from None
+        torch.manual_seed(1234)
+        kernel = self.grads(kernel_fn, inputs, up)
+        if self.launch_only:
+            return facts
+        torch.manual_seed(1234)
+        twin = self.grads(lambda **t: unit.twin(**t, eps=eps, dropout_p=dropout_p, pre_norm=pre_norm, rms=rms),
+                          inputs, up)
+
+        def ref_for(mask):
+            def ref(y, weight, bias, residual, ln_weight, ln_bias):
+                h = F.linear(y, weight, bias)
+                if mask is not None:
+                    h = h * mask / (1.0 - dropout_p)
+                s = h + residual
+                n = s * (s.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * ln_weight if rms else \
+                    F.layer_norm(s, (H,), ln_weight, ln_bias, eps)
+                return (s, n) if pre_norm else n
+            return self.grads(ref, {k: None if t is None else t.double() for k, t in inputs.items()},
+                              [u.double() for u in up])
+
+        if not dropout_p:
+            return {**self.compare_grads(dtype, kernel, twin, ref_for(None), names), **facts}
+        k_mask, t_mask = (kernel[0][0] != 0).double(), (twin[0][0] != 0).double()
+        result = self.compare_grads(dtype, kernel, twin, ref_for(k_mask), names, twin_ref=ref_for(t_mask))
+        return {**result, "kept": k_mask.mean().item(), **facts}
+
+    def attention_backward(self, dtype, lengths, num_heads, head_dim, variant):
+        """attention's train_kernel against the twin and fp64 on a variant: "varlen", "padded" (padded rows with a
+        key mask, the upstream gradient zero at padded queries), "gqa" (grouped k/v heads), "window-rotary", "bias"
+        (MPNet's table, its gradient too), "disentangled" (DeBERTa's c2p/p2c, their gradients too), "dropout" (the
+        value rows one-hot in their position, lengths <= head_dim: each output row is then the kept, rescaled
+        probabilities of that query, so the kernel's own mask can be read off its output and applied to the fp64
+        reference, whose gradients then prove the backward regenerated the forward's mask). Not built (the unit has
+        no train_kernel, or refuses the call): skipped, saying so."""
+        from fastbert import twins
+        from fastbert.layout import TokenLayout
+        from fastbert.mask import AttentionMask
+        from fastbert.units import attention as unit
+
+        self.needs_dot(dtype)
+        torch = self.torch
+        T, scale, p = sum(lengths), head_dim ** -0.5, 0.1 if variant == "dropout" else 0.0
+        kv_heads = max(1, num_heads // 4) if variant == "gqa" else None
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+        mask2d = None
+        if variant == "padded":
+            B, S = len(lengths), max(lengths)
+            mask2d = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
+            T = B * S
+
+            def attn_for(device, dt):
+                return AttentionMask.build(mask2d.to(device), B, S, dt)
+        else:
+            def attn_for(device, dt):
+                return TokenLayout.from_cu_seqlens(cu.to(device), max(lengths), lengths)
+        attn = attn_for(self.device, dtype)
+        qkv = self.make((T, 3, num_heads, head_dim) if kv_heads is None else (T, num_heads + 2 * kv_heads, head_dim),
+                        dtype)
+        if variant == "dropout":  # v one-hot in each token's position within its sequence
+            position = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+            qkv[:, 2] = torch.nn.functional.one_hot(position, head_dim).to(dtype)[:, None, :]
+        tables = None
+        if variant == "window-rotary":
+            positions = torch.cat([torch.arange(n) for n in lengths])
+            inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+            tables = twins.rotary_tables(positions, inv_freq)
+        reach = max(lengths)
+        inputs = {"qkv": qkv, "bias": self.make((num_heads, 2 * reach - 1), torch.float32, seed=6)
+                  if variant == "bias" else None, "c2p": None, "p2c": None}
+        column = None
+        if variant == "disentangled":
+            P, span = (16, 4) if self.tiny else (512, 256)
+            distance = torch.arange(-(reach - 1), reach)
+            column = (distance.clamp(-span, span - 1) + span).to(torch.int32)
+            inputs.update(c2p=self.make((T, num_heads, P), dtype, seed=7), p2c=self.make((T, num_heads, P), dtype,
+                                                                                        seed=8))
+        window = (3 if self.tiny else 64) if variant == "window-rotary" else None
+
+        def extras_for(device, bias, c2p, p2c, rotary_dtype=torch.float32):
+            rotary = None if tables is None else twins.Rotary(tables.cos.to(device, rotary_dtype),
+                                                              tables.sin.to(device, rotary_dtype))
+            terms = None if c2p is None else twins.Disentangled(c2p, p2c, column.to(device))
+            return unit.Extras(bias, window, rotary, terms, kv_heads)
+
+        facts = {"variant": variant, "lengths": lengths, "heads": num_heads, "head_dim": head_dim,
+                 "kv_heads": kv_heads, "dropout_p": p}
+        train = getattr(unit, "train_kernel", None)
+        if train is None:
+            raise Skipped("not built: fastbert.units.attention has no train_kernel yet")
+        unsupported = getattr(unit, "train_unsupported", None)
+        why = unsupported(attn, p, False, extras_for(self.device, inputs["bias"], inputs["c2p"], inputs["p2c"])) \
+            if unsupported else None
+        if why:
+            raise Skipped(f"not built: {why}")
+        T_out = num_heads * head_dim
+        up = self.upstream([(T, T_out)], dtype)
+        if mask2d is not None:  # padded queries: their rows of the output are HF's convention, not trained on
+            up[0] = up[0] * mask2d.reshape(-1, 1).to(self.device, dtype)
+
+        def call(fn, device, dt):
+            def run(qkv, bias, c2p, p2c):
+                return fn(qkv, attn_for(device, dt), scale, p, False, extras_for(device, bias, c2p, p2c))[0]
+            return run
+
+        torch.manual_seed(1234)
+        kernel = self.grads(call(train, self.device, dtype), inputs, up)
+        if self.launch_only:
+            return facts
+        torch.manual_seed(1234)
+        twin = self.grads(call(unit.twin, self.device, dtype), inputs, up)
+        cpu64 = {k: None if t is None else t.double().cpu() for k, t in inputs.items()}
+        up64 = [u.double().cpu() for u in up]
+        if variant != "dropout":
+            ref_call = call(unit.twin, "cpu", torch.float64)
+            ref64 = self.grads(lambda **t: ref_call(**t), cpu64, up64)  # (rotary tables stay fp32, as the model's)
+            return {**self.compare_grads(dtype, kernel, twin, ref64), **facts}
+
+        def kept(out):  # [nh, L, L] per sequence: the kept, rescaled probabilities each query's row holds
+            rows = out.double().cpu().view(-1, num_heads, head_dim)
+            return [rows[s:s + n, :, :n].transpose(0, 1) != 0 for s, n in zip(cu.tolist(), lengths)]
+
+        def ref_with(masks):
+            def ref(qkv, bias, c2p, p2c):
+                outs = []
+                for (s, n), m in zip(zip(cu.tolist(), lengths), masks):
+                    q, k, v = qkv[s:s + n].permute(1, 2, 0, 3)  # [nh, L, hd] each
+                    probs = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) * m / (1 - p)
+                    outs.append((probs @ v).transpose(0, 1).reshape(n, T_out))
+                return torch.cat(outs)
+            return self.grads(ref, cpu64, up64)
+
+        result = self.compare_grads(dtype, kernel, twin, ref_with(kept(kernel[0][0])),
+                                    twin_ref=ref_with(kept(twin[0][0])))
+        masks = kept(kernel[0][0])
+        fraction = sum(m.sum().item() for m in masks) / max(1, sum(m.numel() for m in masks))
+        return {**result, "kept": fraction, **facts}
+
     def attention_tile(self, dtype, head_dim, extra):
         """The pinned attention tile of a smoke check: the first of its autotune list (the interpreter: its own)."""
         from fastbert.kernels import attention as attention_module
@@ -935,6 +1233,38 @@ class KernelChecks:
             yield (f"attention-{variant}-{short}",
                    lambda e=extra: self.attention(dtype, lengths, heads, hd, config=self.attention_tile(dtype, hd, e),
                                                   **e))
+
+    def smoke_backward(self, short: str):
+        """Each op unit's train_kernel once per variant in dtype `short`: its output and every gradient against the
+        twin's and an fp64 reference (bias_gelu: GELU, tanh GELU, ReLU, GeGLU, SwiGLU; residual_layernorm: post-norm,
+        pre-norm, pre-norm RMSNorm, dropout; attention: plain varlen, padded rows, grouped k/v heads, window + rotary,
+        MPNet's bias table, DeBERTa's terms, dropout). What the units do not build yet (attention's train_kernel,
+        dropout in the kernels) is a skip that says "not built". Under the interpreter (the dry run), which has no
+        bf16 tl.dot, the checks run in fp16 and are named so. BERT-base widths on the GPU, tiny ones in the dry run."""
+        if self.interpret and short == "bf16":
+            short = "fp16"
+        dtype = self.dtypes[short]
+        M, H, I = (13, 32, 48) if self.tiny else (203, 768, 3072)
+        heads, hd = (2, 16) if self.tiny else (12, 64)
+        lengths = [1, 7, 20] if self.tiny else [1, 17, 128, 77, 300, 512]
+        short_lengths = [1, 7, 16] if self.tiny else [1, 17, 33, 64]  # dropout: every length <= head_dim
+        for name, act, gated in (("gelu", "gelu", False), ("gelu_tanh", "gelu_tanh", False), ("relu", "relu", False),
+                                 ("geglu", "gelu", True), ("swiglu", "silu", True)):
+            yield (f"bias_gelu-{name}-{short}",
+                   self.autograd(lambda a=act, g=gated: self.bias_gelu_backward(dtype, M, H, I // 2 if g else I, a,
+                                                                                gated=g)))
+        yield (f"residual_layernorm-postnorm-{short}",
+               self.autograd(lambda: self.residual_layernorm_backward(dtype, M, I, H)))
+        yield (f"residual_layernorm-prenorm-{short}",
+               self.autograd(lambda: self.residual_layernorm_backward(dtype, M, H, H, pre_norm=True)))
+        yield (f"residual_layernorm-prenorm-rms-{short}",
+               self.autograd(lambda: self.residual_layernorm_backward(dtype, M, H, H, pre_norm=True, rms=True)))
+        yield (f"residual_layernorm-dropout-{short}",
+               self.autograd(lambda: self.residual_layernorm_backward(dtype, M, I, H, pre_norm=True, dropout_p=0.1)))
+        for variant in BACKWARD_ATTENTION:
+            yield (f"attention-{variant}-{short}",
+                   self.autograd(lambda v=variant: self.attention_backward(
+                       dtype, short_lengths if v == "dropout" else lengths, heads, hd, v)))
 
     def every_config(self, family: str):
         """Every autotune config of a family on edges in M, N and K (131 x 104 x 200: partial tiles everywhere,
@@ -1079,6 +1409,39 @@ def headline(summary_benchmarks: list[dict]) -> list[str]:
             parts = [f"÷ {b} {row[b]:.2f}×" for b in summarize.BASELINES if b in row]
             lines.append(f"{model} {cell} {dtype} {row['variant']}: {row['median_s'] * 1e3:.3f} ms, "
                          f"{row['tokens_per_s']:,.0f} tok/s; " + ", ".join(parts))
+    return lines
+
+
+def train_goals(records: list[dict]) -> list[str]:
+    """The training cells against their goals (TRAIN_GOALS): per cell, HF sdpa's step, fastbert's, the speed-up
+    (HF's median over fastbert's: the same tokens) and whether it meets the goal; a case without a figure says
+    why (its status and skip reason)."""
+    cells: dict = {}
+    for r in records:
+        if r.get("kind") == "train" and "check" not in r:
+            cells.setdefault((r["model"], r["cell"]), {})[r["variant"]] = r
+    lines = []
+    for (model, cell), variants in cells.items():
+        goal = TRAIN_GOALS.get(cell)
+        parts = []
+        for variant in ("hf-sdpa", "fastbert-triton"):
+            r = variants.get(variant)
+            if r is None:
+                parts.append(f"{variant} not run")
+            elif r.get("median_s"):
+                ops = r.get("triton_ops")
+                parts.append(f"{variant} {r['median_s'] * 1e3:.2f} ms ({r['tokens_per_s']:,} tok/s"
+                             + (f"; kernels: {', '.join(ops) or 'none'}" if ops is not None else "") + ")")
+            else:
+                parts.append(f"{variant} {r['status']}" + (f" ({r.get('skip_reason') or r.get('why')})"
+                                                           if r.get("skip_reason") or r.get("why") else ""))
+        hf, fast = variants.get("hf-sdpa", {}).get("median_s"), variants.get("fastbert-triton", {}).get("median_s")
+        if hf and fast:
+            ratio = hf / fast
+            parts.append(f"{ratio:.2f}x HF sdpa (goal >= {goal}x: {'met' if ratio >= goal else 'not met'})")
+        else:
+            parts.append(f"no ratio (goal >= {goal}x)")
+        lines.append(f"train {model} {cell}: " + "; ".join(parts))
     return lines
 
 
@@ -1231,6 +1594,12 @@ def main(argv: list[str] | None = None) -> int:
         rec.report["headline"] = headline(benchmarks)
         for line in rec.report["headline"]:
             log(f"headline: {line}")
+    rec.report["train"] = train_goals(records)
+    if rec.report["train"]:
+        text += "\n### Training step (bf16 AdamW; goals: >= 2x HF sdpa ragged, >= 1.3x dense 32x128)\n\n"
+        text += "".join(f"- {line}\n" for line in rec.report["train"])
+        for line in rec.report["train"]:
+            log(line)
     text += "\n" + timeline(records, args.cold_compile_s)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(text)

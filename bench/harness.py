@@ -579,3 +579,171 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training cells (bench/test_bench_train.py): one fine-tuning step of a classifier
+# --------------------------------------------------------------------------------------------------------------------
+# model name -> (the encoder's shape in hf_config, LoRA on query and value); "-lora": PEFT LoRA r=8, the rest frozen
+TRAIN_MODELS = {"bert-base": ("bert-base", False), "bert-base-lora": ("bert-base", True),
+                "modernbert-base": ("modernbert-base", False), "tiny": ("tiny", False), "tiny-lora": ("tiny", True),
+                "tiny-modernbert": ("tiny-modernbert", False)}
+TRAIN_CUDA_MODELS = ("bert-base", "bert-base-lora", "modernbert-base")
+TRAIN_TINY_MODELS = ("tiny", "tiny-lora", "tiny-modernbert")
+TRAIN_CUDA_CELLS = (_varlen(32, 16, 512), _fixed(32, 128))
+TRAIN_VARIANTS = ("hf-sdpa", "fastbert-triton")
+CLASSIFIERS = {"bert": "BertForSequenceClassification", "modernbert": "ModernBertForSequenceClassification"}
+LORA_RANK = 8
+
+
+def train_cases(tiny: bool, cuda_available: bool) -> list[ModelCase]:
+    """Every training case: bf16 on CUDA; --bench-tiny: the tiny stand-ins (fp32 on CPU, where the Triton variant runs
+    through the interpreter; bf16 on a GPU)."""
+    if tiny:
+        device = "cuda" if cuda_available else "cpu"
+        dtype = "bf16" if cuda_available else "fp32"
+        return [ModelCase(m, c, dtype, v, device) for m in TRAIN_TINY_MODELS for c in TINY_CELLS[1:]
+                for v in TRAIN_VARIANTS]
+    return [ModelCase(m, c, "bf16", v, "cuda") for m in TRAIN_CUDA_MODELS for c in TRAIN_CUDA_CELLS
+            for v in TRAIN_VARIANTS]
+
+
+def train_master(model: str):
+    """The fp32 CPU classifier (2 labels) every variant of a training cell copies: seeded random weights, HF's sdpa
+    attention. Built outside inference mode (its parameters must be able to require grad)."""
+    import transformers
+
+    config = hf_config(TRAIN_MODELS[model][0])
+    config.num_labels = 2
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.inference_mode(False):
+        return getattr(transformers, CLASSIFIERS[config.model_type])(config).float()
+
+
+def with_lora(model):
+    """PEFT LoRA r=8 on query and value (its default BERT targets), the classifier trained too (task SEQ_CLS); B is
+    drawn (PEFT starts it at zero, which would leave A's gradient zero), seeded by each parameter's name, so that
+    every variant of a cell trains the same adapters."""
+    import zlib
+
+    import peft
+
+    model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, task_type="SEQ_CLS",
+                                                       target_modules=["query", "value"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and "lora_" in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def train_variant(model: str, variant: str, dtype: torch.dtype, device: str, master=None):
+    """A copy of the training master as `variant` runs it, on `device` in `dtype`: HF with "sdpa" or "eager"
+    attention ("hf-sdpa", "hf-eager"), or fastbert in HF's place by its usual path (fastbert.optimize, kernels
+    "triton" or "torch"; no CUDA graphs: a training step is not replayed), then LoRA where the model has it."""
+    master = train_master(model) if master is None else master
+    with torch.inference_mode(False):
+        m = copy.deepcopy(master)
+        kind, _, impl = variant.partition("-")
+        if kind == "hf":
+            if hasattr(m, "set_attn_implementation"):
+                m.set_attn_implementation(impl)
+            else:
+                m.config._attn_implementation = impl
+            m = m.to(device=device, dtype=dtype)
+        elif kind == "fastbert":
+            import fastbert
+
+            m = fastbert.optimize(m.to(device=device, dtype=dtype), kernels=impl, cuda_graphs=False)
+        else:
+            raise ValueError(f"unknown training variant {variant!r}; the variants are {TRAIN_VARIANTS}")
+        return with_lora(m) if TRAIN_MODELS[model][1] else m
+
+
+def fastbert_encoder(model):
+    """The fastbert encoder inside a classifier (None for HF's own)."""
+    cls = fastbert_model_class()
+    return next((m for m in model.modules() if isinstance(m, cls)), None)
+
+
+def train_kernels(model, batch: Batch) -> list | None:
+    """The ops whose kernels a training step of `model` on `batch` runs (forward in train mode, dropout on, and
+    backward), as fastbert's dispatch resolves them; None for HF. Raises Unavailable with the dispatch's own reason
+    where kernels="triton" cannot train."""
+    encoder = fastbert_encoder(model)
+    if encoder is None:
+        return None
+    lengths = batch.real.sum(1)
+    was = encoder.training
+    try:
+        ops = set()
+        for mode in (False, True):  # the check runs with dropout off, the timed steps with it on
+            encoder.train(mode)
+            try:
+                run = encoder.resolve_ops(needs_grad=True, tokens=batch.real_tokens, max_seqlen=int(lengths.max()))
+            except RuntimeError as e:
+                raise Unavailable(f"fastbert cannot train on its kernels here ({'train' if mode else 'eval'} mode): "
+                                  f"{e}") from None
+            ops |= set(run.triton)
+        return sorted(ops)
+    finally:
+        encoder.train(was)
+
+
+def train_batch(model: str, cell: Cell, device: str) -> tuple[Batch, torch.Tensor]:
+    """The cell's batch (make_batch) and its labels (alternating classes)."""
+    batch = make_batch(hf_config(TRAIN_MODELS[model][0]), cell, device)
+    return batch, (torch.arange(cell.batch) % 2).to(device)
+
+
+def train_step(model, optimizer, batch: Batch, labels: torch.Tensor):
+    """One fine-tuning step as a callable: forward (in the model's mode: train, dropout on), the classification loss,
+    backward, optimizer step, zero_grad."""
+    def step():
+        model(**batch.inputs, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def train_optimizer(model) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (all of them; with LoRA the adapters and the classifier)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+
+def logits_and_grads(model, batch: Batch, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Eval mode (dropout off, so that every variant computes the same function), with autograd: the logits and the
+    gradient of the loss for each trainable parameter (fp32 copies); the model's grads are left cleared."""
+    was = model.training
+    model.eval()
+    try:
+        model.zero_grad(set_to_none=True)
+        out = model(**batch.inputs, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+                 if p.requires_grad and p.grad is not None}
+        return out.logits.detach().float(), grads
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was)
+
+
+def train_error(got: tuple, ref: tuple) -> tuple[float, float]:
+    """(max |logits - ref|, the worst gradient error max |g - g_ref| over the parameters, relative to the largest
+    reference gradient of any parameter); inf where anything is not finite or a gradient is missing. One scale for
+    all: some gradients are zero in exact arithmetic (a key bias: softmax ignores a shift of a query's scores) or
+    sums that cancel (the classifier's bias), where a per-parameter relative error measures only rounding noise."""
+    (logits, grads), (ref_logits, ref_grads) = got, ref
+    logit_err = (logits - ref_logits).abs().max().item()
+    scale = max((r.abs().max().item() for r in ref_grads.values() if r.numel()), default=0.0) or 1.0
+    worst = 0.0
+    for name, r in ref_grads.items():
+        g = grads.get(name)
+        err = (g - r).abs().max().item() / scale if g is not None and r.numel() else (0.0 if g is not None
+                                                                                       else math.inf)
+        if not math.isfinite(err):  # NaN never passes (max() would skip it); a missing gradient neither
+            return logit_err, math.inf
+        worst = max(worst, err)
+    return (logit_err if math.isfinite(logit_err) else math.inf), worst

@@ -195,6 +195,11 @@ PLAN_ORDER = ["env", "smoke-bf16",
               "headline/nomic-embed-base/32xvar16-512/fastbert-triton",
               "headline/nomic-embed-base/32xvar16-512/fastbert-graphs",
               "headline/modernbert-base/8x8192/hf-sdpa", "headline/modernbert-base/8x8192/fastbert-triton",
+              "smoke-backward-bf16",
+              "train/bert-base/32xvar16-512/hf-sdpa", "train/bert-base/32xvar16-512/fastbert-triton",
+              "train/bert-base-lora/32xvar16-512/hf-sdpa", "train/bert-base-lora/32xvar16-512/fastbert-triton",
+              "train/bert-base/32x128/hf-sdpa", "train/bert-base/32x128/fastbert-triton",
+              "train/modernbert-base/32xvar16-512/hf-sdpa", "train/modernbert-base/32xvar16-512/fastbert-triton",
               "smoke-forward", *(f"configs-{f}" for f in gpu_check.CONFIG_FAMILIES), "headline/32x128/hf-compile",
               "ops", "choices", "memcheck", "tests-bf16", "tests-kernels", "tests-model"]
 
@@ -202,9 +207,9 @@ PLAN_ORDER = ["env", "smoke-bf16",
 @pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
 def test_gpu_check_plan_order(dry_run):
     """The headline first: env, the bf16 smoke of every kernel variant, then BERT's cells with fastbert right after
-    its HF baseline, the fp16 smoke, the other families, the forward smoke, the config sweeps; hf-compile (Inductor's
-    cold start on the GPU image is unproven) only after every headline case. One pytest process per case; the dry
-    run has the same steps in the same order."""
+    its HF baseline, the fp16 smoke, the other families, then training (the backward smoke, the training cells), the
+    forward smoke, the config sweeps; hf-compile (Inductor's cold start on the GPU image is unproven) only after
+    every headline case. One pytest process per case; the dry run has the same steps in the same order."""
     steps = gpu_check.plan(dry_run)
     names = [s.name for s in steps]
     assert names == [s.name for s in gpu_check.plan(not dry_run)]
@@ -216,8 +221,14 @@ def test_gpu_check_plan_order(dry_run):
     for step in cases:  # every fastbert case comes after its cell's HF baseline
         if step.info["variant"].startswith("fastbert-"):
             hf = [s for s in cases if s.info["cell"] == step.info["cell"] and s.info["model"] == step.info["model"]
-                  and s.info["variant"].startswith("hf-")][0]
+                  and s.info.get("kind") == step.info.get("kind") and s.info["variant"].startswith("hf-")][0]
             assert names.index(hf.name) < names.index(step.name)
+    # training after every inference headline and family case, the backward smoke right before it
+    train = [names.index(s.name) for s in cases if s.info.get("kind") == "train"]
+    inference = [names.index(s.name) for s in cases if s.info.get("kind") != "train"
+                 and s.info["variant"] != "hf-compile"]
+    assert len(train) == 8 and max(inference) < names.index("smoke-backward-bf16") < min(train)
+    assert [s.info["variant"] for s in cases if s.info.get("kind") == "train"] == ["hf-sdpa", "fastbert-triton"] * 4
     cells = {c.name for c in (harness.TINY_CELLS if dry_run else harness.CUDA_CELLS
                               + sum(harness.MODEL_CUDA_CELLS.values(), ()))}
     for step in cases:
@@ -229,7 +240,8 @@ def test_gpu_check_plan_order(dry_run):
         assert ("--bench-compile" in args) == (step.info["variant"] == "hf-compile")
         assert any(a.endswith(step.bench_json) for a in args if a.startswith("--benchmark-json="))
         model = step.info["model"]
-        assert args[args.index("--bench-models") + 1] == (gpu_check.TINY_MODEL[model] if dry_run else model)
+        tiny = gpu_check.TINY_TRAIN_MODEL if step.info.get("kind") == "train" else gpu_check.TINY_MODEL
+        assert args[args.index("--bench-models") + 1] == (tiny[model] if dry_run else model)
         assert ("--bench-tiny" in args) == dry_run
     assert len({s.bench_json for s in cases}) == len(cases)  # each case its own JSON
 
@@ -251,28 +263,36 @@ def test_gpu_check_caps_follow_the_compile_estimate():
     assert len(stale["headline/32x128/fastbert-triton"].compiles) == gpu_check.UNKNOWN_COMPILES
 
 
-def test_gpu_check_estimate_names_every_job_of_the_plan():
-    """bench/compile_keys.json holds the keys of every job the plan runs, recorded with the kernels as they are
-    (test_compile_estimate_is_current re-records them)."""
-    estimate = gpu_check.load_estimate()
+def test_gpu_check_jobs_come_in_the_order_the_steps_need_them():
+    """The background compiles what the headline needs first; every job is one bench/compile_keys.py can run (the
+    estimate naming each of them, recorded with the kernels as they are: test_compile_estimate_is_current)."""
     jobs = gpu_check.background_jobs(gpu_check.plan(False, with_estimate=False))
-    assert set(jobs) == set(estimate)
     assert jobs[:2] == ["smoke:bf16", "forward:bert-base:32x128:bf16"]  # what the headline needs first
-    assert all(estimate[job] for job in jobs)
+    assert {job.split(":")[0] for job in jobs} == {"smoke", "forward", "smoke-backward", "train", "configs"}
+    train = [job for job in jobs if job.startswith(("smoke-backward:", "train:"))]
+    assert train == ["smoke-backward:bf16", "train:bert-base:32xvar16-512:bf16",
+                     "train:bert-base-lora:32xvar16-512:bf16", "train:bert-base:32x128:bf16",
+                     "train:modernbert-base:32xvar16-512:bf16"]
+    estimate = gpu_check.load_estimate()
+    assert all(estimate[job] for job in jobs if job in estimate)
 
 
-# Every kernel variant (the smoke), BERT's autotuned forward, and the two families whose launches differ most
-CURRENT_JOBS = ("smoke:bf16", "forward:bert-base:32x128:bf16", "forward:mpnet-base:32xvar16-512:bf16",
-                "forward:modernbert-base:32xvar16-512:bf16")
+# Every kernel variant (the smoke) and every backward (its smoke), BERT's autotuned forward, and the two families
+# whose launches differ most
+CURRENT_JOBS = ("smoke:bf16", "smoke-backward:bf16", "forward:bert-base:32x128:bf16",
+                "forward:mpnet-base:32xvar16-512:bf16", "forward:modernbert-base:32xvar16-512:bf16")
 
 
 @pytest.mark.slow
 def test_compile_estimate_is_current(tmp_path):
-    """Re-recording the keys of the jobs that cover every kernel variant gives bench/compile_keys.json's: a kernel
-    change that alters what a cold GPU compiles (a new constexpr, a specialised argument) must come with the new
-    estimate (`python -m bench.compile_keys --estimate`)."""
+    """bench/compile_keys.json names every job of the plan, and re-recording the keys of the jobs that cover every
+    kernel variant gives its keys: a kernel change that alters what a cold GPU compiles (a new constexpr, a
+    specialised argument), or a new job, must come with the new estimate (`python -m bench.compile_keys
+    --estimate`)."""
     import subprocess
     import sys
+
+    jobs = gpu_check.background_jobs(gpu_check.plan(False, with_estimate=False))
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels' launch path
     out = subprocess.run([sys.executable, "-m", "bench.compile_keys", str(tmp_path / "now.json"), *CURRENT_JOBS],
@@ -281,7 +301,9 @@ def test_compile_estimate_is_current(tmp_path):
     now = json.loads((tmp_path / "now.json").read_text())
     stored = gpu_check.load_estimate()
     stale = {job: (len(stored.get(job, [])), len(keys)) for job, keys in now.items() if stored.get(job) != keys}
-    assert not stale, f"bench/compile_keys.json is stale (job: stored keys, keys now): {stale}"
+    missing = sorted(set(jobs) - set(stored))
+    assert not stale and not missing, (f"bench/compile_keys.json is stale (job: stored keys, keys now): {stale}; "
+                                       f"it has no keys for the plan's jobs {missing}")
 
 
 def test_smoke_covers_every_kernel_variant():
@@ -298,6 +320,87 @@ def test_smoke_covers_every_kernel_variant():
     checks = gpu_check.KernelChecks("cpu", dry_run=True)
     for short in ("bf16", "fp16"):
         assert [name for name, _ in checks.smoke(short)] == [f"{v}-{short}" for v in variants]
+
+
+BACKWARD_VARIANTS = ["bias_gelu-gelu", "bias_gelu-gelu_tanh", "bias_gelu-relu", "bias_gelu-geglu", "bias_gelu-swiglu",
+                     "residual_layernorm-postnorm", "residual_layernorm-prenorm", "residual_layernorm-prenorm-rms",
+                     "residual_layernorm-dropout",
+                     *(f"attention-{v}" for v in ("varlen", "padded", "gqa", "window-rotary", "bias", "disentangled",
+                                                  "dropout"))]
+
+
+def test_smoke_backward_covers_every_train_kernel_variant():
+    """One check per train_kernel variant, named for it: bias_gelu's activations and gated forms, residual_layernorm
+    post-norm, pre-norm, RMS pre-norm and with dropout, attention plain, padded, grouped, window + rotary, MPNet's
+    bias, DeBERTa's terms and dropout. Under the interpreter (no bf16 tl.dot) the bf16 list runs in fp16."""
+    checks = gpu_check.KernelChecks("cpu", dry_run=True)
+    assert checks.interpret  # bench/conftest.py turns the interpreter on without CUDA
+    for short in ("bf16", "fp16"):
+        assert [name for name, _ in checks.smoke_backward(short)] == [f"{v}-fp16" for v in BACKWARD_VARIANTS]
+
+
+def test_smoke_backward_keeps_each_check_and_says_what_is_not_built(tmp_path, monkeypatch):
+    """The backward smoke records each check as it comes: an abort at one check keeps every one before it; a
+    variant the units do not build yet is a skip whose reason starts with "not built", never a failure."""
+    out = tmp_path / "out"
+    monkeypatch.setenv(gpu_check.FAULT_ENV, "smoke-backward-bf16:attention-window-rotary-fp16=crash")
+    assert gpu_check.main([str(out), "--dry-run", "--only", "smoke-backward-bf16"]) == 1
+    records = _records(out)
+    checks = [r for r in records if "check" in r]
+    assert [r["check"] for r in checks] == [f"{v}-fp16" for v in BACKWARD_VARIANTS[:12]]
+    for r in checks:
+        assert r["status"] == "ok" or r["status"] == "skipped" and r["why"].startswith("not built"), r
+        if r["status"] == "ok":
+            assert all(t["err"] <= t["bound"] and t["finite"] for t in r["tensors"].values()), r
+    assert records[-1]["step"] == "smoke-backward-bf16" and records[-1]["status"] == "crashed"
+
+
+def test_backward_check_fails_a_wrong_gradient(monkeypatch):
+    """The backward check is not vacuous: a train_kernel whose input gradient is off by a tenth fails it."""
+    import torch
+
+    from fastbert.units import bias_gelu
+
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias):
+            ctx.save_for_backward(x, weight, bias)
+            return bias_gelu.twin(x, weight, bias, "gelu")
+
+        @staticmethod
+        def backward(ctx, dout):
+            x, weight, bias = ctx.saved_tensors
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+                grads = torch.autograd.grad(bias_gelu.twin(*leaves, "gelu"), leaves, dout)
+            return grads[0] * 1.1, grads[1], grads[2]
+
+    monkeypatch.setattr(bias_gelu, "train_kernel", lambda x, weight, bias, activation, gated: Wrong.apply(x, weight,
+                                                                                                          bias))
+    checks = gpu_check.KernelChecks("cpu", dry_run=True)
+    result = checks.autograd(checks.bias_gelu_backward)(torch.float16, 13, 32, 48, "gelu")
+    assert not result["ok"] and result["tensors"]["dx"]["err"] > result["tensors"]["dx"]["bound"]
+    assert result["tensors"]["dweight"]["err"] <= result["tensors"]["dweight"]["bound"]
+
+
+def test_train_goals_read_each_cell():
+    """The training cells' line: both medians, the speed-up against the cell's goal, and the reason of a case that
+    has no figure."""
+    def step(model, cell, variant, **extra):
+        return {"stage": "2", "step": f"train/{model}/{cell}/{variant}", "kind": "train", "model": model,
+                "cell": cell, "variant": variant, **extra}
+
+    records = [step("bert-base", "32xvar16-512", "hf-sdpa", status="ok", median_s=0.1, tokens_per_s=80000),
+               step("bert-base", "32xvar16-512", "fastbert-triton", status="ok", median_s=0.04, tokens_per_s=200000,
+                    triton_ops=["attention", "bias_gelu"]),
+               step("bert-base", "32x128", "hf-sdpa", status="ok", median_s=0.05, tokens_per_s=80000),
+               step("bert-base", "32x128", "fastbert-triton", status="ok", median_s=0.04, tokens_per_s=100000),
+               step("modernbert-base", "32xvar16-512", "hf-sdpa", status="ok", median_s=0.1, tokens_per_s=1),
+               step("modernbert-base", "32xvar16-512", "fastbert-triton", status="skipped", skip_reason="no kernels")]
+    lines = gpu_check.train_goals(records)
+    assert lines[0].endswith("2.50x HF sdpa (goal >= 2.0x: met)") and "kernels: attention, bias_gelu" in lines[0]
+    assert lines[1].endswith("1.25x HF sdpa (goal >= 1.3x: not met)")
+    assert "fastbert-triton skipped (no kernels)" in lines[2] and lines[2].endswith("no ratio (goal >= 2.0x)")
 
 
 def test_ab_table_names_each_runs_hf_variant():
