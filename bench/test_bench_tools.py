@@ -403,6 +403,53 @@ def test_train_goals_read_each_cell():
     assert "fastbert-triton skipped (no kernels)" in lines[2] and lines[2].endswith("no ratio (goal >= 2.0x)")
 
 
+def test_saved_bytes_counts_distinct_storages_without_parameters():
+    """The pack hook's sum: a Linear saves its input, not its weight (a parameter); two views of one storage count
+    once."""
+    import torch
+
+    from bench import saved_bytes
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.linear(x[:, :8]) * self.linear(x[:, 8:])  # two views of x; the products save both outputs
+
+    with torch.inference_mode(False):  # bench/conftest.py runs each test in inference mode
+        got = saved_bytes.saved_bytes(Twice(), {"x": torch.randn(5, 16, requires_grad=True)})
+    assert got == 5 * 16 * 4 + 2 * 5 * 4 * 4  # x once (both views), the two [5, 4] outputs
+
+
+def test_saved_bytes_runs_tiny(tmp_path):
+    """`python -m bench.saved_bytes --tiny` end to end at small sizes: every variant with and without dropout, one
+    layer's bytes linear in the tokens for HF, the kernel path's row saying which ops ran their kernels (and why
+    not, where the dispatch refuses kernels="triton" under autograd), the JSON written."""
+    out = tmp_path / "saved.json"
+    code = ("import sys; from bench import saved_bytes; sys.exit(saved_bytes.main(['--tiny', '--batch', '3', "
+            f"'--seq', '16', '--kernel-batches', '1,2', '--json', {str(out)!r}]))")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], cwd=gpu_check.REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {(r["dropout"], r["variant"]): r for r in result["table"]}
+    assert set(rows) == {(d, v) for d in (0.1, 0.0) for v in ("hf-sdpa", "fastbert-torch", "fastbert-triton")}
+    for (dropout, variant), row in rows.items():
+        assert row["bytes_per_layer"] > 0 and row["bytes_per_token"] > 0
+        if variant == "hf-sdpa":
+            assert row["vs_hf_sdpa"] == 1.0 and abs(row["line_misses_by"]) < 1e-9 and row["kernel_ops"] is None
+        if variant == "fastbert-torch":
+            assert row["kernel_ops"] == [] and row["how"] == "measured"
+        if variant == "fastbert-triton":
+            assert isinstance(row["kernel_ops"], list) and row["how"].startswith("the line through")
+            assert row["kernel_ops"] or row["triton_refused"]  # the figure says what it measured
+    assert rows[(0.1, "hf-sdpa")]["bytes_per_layer"] > rows[(0.0, "hf-sdpa")]["bytes_per_layer"]  # dropout masks
+    assert "| 0.0 | fastbert-triton |" in run.stdout
+
+
 def test_ab_table_names_each_runs_hf_variant():
     """An A/B run against HF eager (MPNet has no sdpa) gets its row, with the variant named; a run recorded before
     the baseline was named reads as hf-sdpa."""
