@@ -27,6 +27,17 @@ rewritten after every step. The steps, the headline first, under one deadline (-
      ModernBERT-base (32xvar16-512 and 8x8192), NomicBERT (nomic-embed-text-v1.5's shape, 32xvar16-512; a skip
      that says so where transformers predates NomicBERT), base-sized random weights, steps
      headline/<model>/<cell>/<variant>
+  smoke-backward-bf16: each op unit's train_kernel (kernel forward + kernel backward) once per variant, its output
+     and every gradient against the twin's and an fp64 reference, bound 2x the twin's own error per tensor:
+     bias_gelu (GELU, tanh GELU, ReLU, GeGLU, SwiGLU), residual_layernorm (post-norm, pre-norm, RMS pre-norm, dropout:
+     the kernel's mask read off its output), attention (plain varlen, padded rows, grouped k/v heads, window + rotary,
+     MPNet's bias, DeBERTa's terms, dropout: one-hot values expose the kernel's mask); a variant the units do not
+     build yet is a skip saying "not built". The dry run runs them in fp16 (the interpreter has no bf16 tl.dot)
+  training, bf16, one process per case, HF sdpa first: one AdamW fine-tuning step (forward in train mode with
+     dropout, loss, backward, optimizer step, zero_grad; bench/test_bench_train.py) of BERT-base on 32 ragged rows of
+     16..512 (full fine-tuning, then PEFT LoRA r=8 on query+value), on 32x128 (full), and of ModernBERT-base on the
+     ragged rows; steps train/<model>/<cell>/<variant>. Goals in summary.md: >= 2x HF sdpa on the ragged step,
+     >= 1.3x on the dense one. fastbert's case is a skip quoting the dispatch where it cannot train on the kernels
   smoke-forward: a BERT-base-shaped forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x
      HF's own error, bf16 and fp16
   configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin (four processes
