@@ -95,7 +95,7 @@ import triton.language as tl
 from . import utils
 from .utils import DTYPES as _DTYPES
 from .utils import HEAD_DIMS as TRITON_HEAD_DIMS
-from .utils import input_precision, loop_bound
+from .utils import dropout_keep, input_precision, loop_bound
 
 _LOG2E = 1.4426950408889634  # softmax runs on exp2: exp(x) = exp2(x * log2(e)), log2(e) folded into the scale
 LOG2E = tl.constexpr(_LOG2E)  # the same factor on the bias table's values, inside the kernel
@@ -147,12 +147,15 @@ def _attention_fwd_kernel(
     column_ptr,  # [2L - 1] int32: the c2p/p2c column of distance j - i at j - i + L - 1; when HAS_C2P or HAS_P2C
     c2p_ptr,  # [T, nh, P] any float dtype, unit-stride P: per query token; when HAS_C2P
     p2c_ptr,  # [T, nh, P] any float dtype, unit-stride P: per key token; when HAS_P2C
+    lse_ptr,  # [T, nh] fp32 (out): each query's log-sum-exp of its scores, natural log; written only when STORE_LSE
+    seed_ptr,  # [1] int64 Philox seed (utils.dropout_seed); read only when DROPOUT
     # sizes
     max_seqlen,  # the longest sequence: the grid gives every sequence cdiv(max_seqlen, BLOCK_M) query blocks
     qk_scale,  # softmax scale * log2(e)
     bias_reach,  # L - 1: the per-distance table's largest distance (its entry of distance 0): bias or column
     window,  # w: query i sees key j only when |i - j| <= w (positions in the sequence); read only when HAS_WINDOW
     kv_group,  # G: query heads per key/value head (1: as many key/value heads as query heads)
+    dropout_p,  # the probability of dropping an attention probability; read only when DROPOUT
     # strides (in elements)
     stride_qkv_t, stride_qkv_which, stride_qkv_h,  # token, a block of key/value heads (q -> k, k -> v at G = 1), head
     stride_mask_b, stride_mask_s,
@@ -173,6 +176,8 @@ def _attention_fwd_kernel(
     HAS_ROTARY: tl.constexpr = False,  # rotate q and k (rotate-half) by the per-token cos/sin before QK^T
     HAS_C2P: tl.constexpr = False,  # add DeBERTa's content-to-position term, gathered from c2p per query row
     HAS_P2C: tl.constexpr = False,  # add its position-to-content term, gathered from p2c per key column
+    STORE_LSE: tl.constexpr = False,  # also store the log-sum-exp the backward reads (off: inference's code)
+    DROPOUT: tl.constexpr = False,  # drop probabilities (training): keep bits from Philox at each (head, query, key)
 ):
     # Grid: (query blocks x sequences, heads), query blocks fastest, so the programs that run together share one
     # sequence's and one head's K/V. Sequences ride on grid x (up to 2^31 - 1), not y/z (65535).
@@ -243,6 +248,16 @@ def _attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    if DROPOUT:
+        # Element (query token t, head, key position j) is number (t * nh + head) * max_seqlen + j: unique, and the
+        # backward (kernels/attention_backward.py) numbers it the same way, so it regenerates this mask. A fully
+        # padded row is HF's uniform answer, which the twin states without dropout: nothing is dropped there.
+        drop_rows = ((seq_start + offs_m) * tl.num_programs(1) + head) * max_seqlen
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        if HAS_MASK:
+            undropped = kv_end == 0
+            keep_scale = tl.where(undropped, 1.0, keep_scale)
+
     # Key blocks at or past n_end (the row's last real key, or the sequence's end) are never visited.
     lo = 0
     hi = n_end
@@ -302,6 +317,11 @@ def _attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs_n[:, None] * stride_qkv_t + offs_d[None, :],
                     mask=in_range[:, None], other=0.0)
+        if DROPOUT:  # l_i sums the probabilities before dropout: dropout acts on the normalised softmax
+            keep = dropout_keep(seed_ptr, drop_rows[:, None] + offs_n[None, :], dropout_p)
+            if HAS_MASK:
+                keep = keep | undropped
+            p = tl.where(keep, p * keep_scale, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
@@ -312,6 +332,9 @@ def _attention_fwd_kernel(
     out = tl.fdiv(acc, l_i[:, None], ieee_rounding=False)
     out_ptrs = out_ptr + seq_start * stride_out_t + head * HEAD_DIM + offs_m[:, None] * stride_out_t + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
+    if STORE_LSE:  # natural log: (m + log2 l) / log2(e), in the units of the scale's scores (and the bias table's)
+        tl.store(lse_ptr + (seq_start + offs_m) * tl.num_programs(1) + head, (m_i + tl.log2(l_i)) / LOG2E,
+                 mask=offs_m < seq_len)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -452,11 +475,15 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
            config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
            rotary=None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
            column: torch.Tensor | None = None, uniform_padded_queries: bool = False,
-           kv_heads: int | None = None) -> torch.Tensor:
+           kv_heads: int | None = None, lse: torch.Tensor | None = None, dropout_p: float = 0.0,
+           seed: torch.Tensor | None = None) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
     forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
     first config of attention_configs() for its dtype and head dim (benchmarking would sync), and a binary not loaded
-    yet is refused (utils.NotWarmedUp: warm up first). Runs on qkv's device."""
+    yet is refused (utils.NotWarmedUp: warm up first). Runs on qkv's device.
+    Training (`train_forward`): lse, an fp32 [T, nh] buffer, receives each query's log-sum-exp; dropout_p > 0 drops
+    attention probabilities with keep bits drawn from `seed` (utils.dropout_seed). Both are passed to the kernel only
+    when asked, so inference's launches keep their kwargs and their binaries."""
     T, num_heads, head_dim, kv_group, stride_which, stride_head = _heads(qkv, kv_heads)
     has_c2p, has_p2c = c2p is not None, p2c is not None
     if has_c2p or has_p2c:
@@ -502,8 +529,10 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         stride_p2c_t, stride_p2c_h = p2c.stride(0), p2c.stride(1)
     else:
         p2c, stride_p2c_t, stride_p2c_h = _placeholder(qkv.device, torch.float32), 1, 1
-    args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias, cos, sin, column, c2p, p2c,
-            max_seqlen, float(scale) * _LOG2E, bias_reach, int(window), kv_group,
+    lse_buffer = lse if lse is not None else _placeholder(qkv.device, torch.float32)
+    seed_buffer = seed if dropout_p > 0 else _placeholder(qkv.device, torch.int64)
+    args = (qkv, cu_seqlens, mask_i8, kv_end, out, bias, cos, sin, column, c2p, p2c, lse_buffer, seed_buffer,
+            max_seqlen, float(scale) * _LOG2E, bias_reach, int(window), kv_group, float(dropout_p),
             qkv.stride(0), stride_which, stride_head,
             stride_mask_b, stride_mask_s,
             out.stride(0), stride_bias_h, stride_rot_t,
@@ -512,6 +541,10 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     meta = dict(HEAD_DIM=head_dim, HAS_MASK=key_valid is not None, HAS_BIAS=has_bias,
                 INPUT_PRECISION=input_precision(qkv.dtype), HAS_WINDOW=has_window, HAS_ROTARY=has_rotary,
                 HAS_C2P=has_c2p, HAS_P2C=has_p2c)
+    if lse is not None:
+        meta["STORE_LSE"] = True
+    if dropout_p > 0:
+        meta["DROPOUT"] = True
     if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
@@ -533,6 +566,24 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if key_valid is not None and uniform_padded_queries:
         _uniform_where(qkv, kv_heads, ~key_valid, out)
     return out
+
+
+def train_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+                  key_valid: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                  window: int | None = None, rotary=None, kv_heads: int | None = None, dropout_p: float = 0.0,
+                  seed: torch.Tensor | None = None, config: triton.Config | None = None):
+    """The forward training runs: (out [T, nh*hd], lse fp32 [T, nh]), `launch`'s output and each query's
+    log-sum-exp of its scores (natural log, the scale and the bias included), which the backward reads to recompute
+    the probabilities (kernels/attention_backward.py). dropout_p > 0 drops probabilities inside the kernel with keep
+    bits drawn from `seed` (utils.dropout_seed), at the element numbers the backward regenerates. The caller
+    (fastbert.units.attention.train_kernel) has checked the arguments."""
+    T, num_heads = _heads(qkv, kv_heads)[:2]
+    lse = torch.empty((T, num_heads), dtype=torch.float32, device=qkv.device)
+    if dropout_p > 0 and seed is None:
+        raise ValueError("train_forward: dropout_p > 0 needs a seed tensor (utils.dropout_seed)")
+    out = launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, config=config, bias=bias, window=window,
+                 rotary=rotary, kv_heads=kv_heads, lse=lse, dropout_p=dropout_p, seed=seed)
+    return out, lse
 
 
 def _heads(qkv: torch.Tensor, kv_heads: int | None) -> tuple:
@@ -877,6 +928,7 @@ def _aot_specs() -> list[dict]:
                             "signature": {
                                 "qkv_ptr": f"*{tag}", "cu_seqlens_ptr": "*i32", "key_valid_ptr": "*i8",
                                 "kv_end_ptr": "*i32", "out_ptr": f"*{tag}", "bias_ptr": "*fp32", "max_seqlen": "i32",
+                                "lse_ptr": "*fp32", "seed_ptr": "*i64", "dropout_p": "fp32",
                                 "qk_scale": "fp32", "stride_qkv_t": "i32", "stride_qkv_which": "i32",
                                 "stride_qkv_h": "i32", "stride_mask_b": "i32", "stride_out_t": "i32",
                                 "seq_bucket": "i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **bias_args,
@@ -887,6 +939,7 @@ def _aot_specs() -> list[dict]:
                                            "HAS_MASK": has_mask, "HAS_BIAS": has_bias, "INPUT_PRECISION": precision,
                                            "HAS_WINDOW": has_window, "HAS_ROTARY": has_rotary,
                                            "HAS_C2P": has_c2p, "HAS_P2C": has_p2c,
+                                           "STORE_LSE": False, "DROPOUT": False,  # inference's: the defaults
                                            "BLOCK_M": bm, "BLOCK_N": bn,
                                            **({} if has_bias else {"stride_bias_h": 1}),
                                            **({} if has_bias or reach_args else {"bias_reach": 1}),
