@@ -400,6 +400,113 @@ def _launch_extras(extras: Extras) -> dict:
     return dict(bias=bias, window=window, rotary=rotary, kv_heads=kv_heads, **terms)
 
 
+# ---- training on the kernels ---------------------------------------------------------------------------------------
+# What train_kernel cannot serve yet, and why (train_unsupported names each; the dispatch reads it).
+_NOT_BUILT_DISENTANGLED = ("DeBERTa's c2p/p2c terms have no backward in the kernels yet (their gradients into the "
+                           "per-token tables are not built)")
+_NOT_BUILT_PAIRWISE = ("DeBERTa's padded-query rule (mask_i * mask_j) has no backward in the kernels yet")
+
+
+def train_unsupported(attn, dropout_p: float, return_probs: bool, extras: Extras) -> str | None:
+    """Why `train_kernel` cannot serve this call (None when it can): what the kernels' backward does not build."""
+    if return_probs:
+        return "the probabilities were asked for (return_probs): the kernels never form them"
+    if not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p={dropout_p} is outside [0, 1) (p = 1 drops everything: the twin serves it)"
+    if extras.disentangled is not None:
+        return _NOT_BUILT_DISENTANGLED
+    if isinstance(attn, AttentionMask):
+        if attn.custom:
+            return "a custom 3-D/4-D attention mask (only the twin applies those)"
+        if attn.pairwise:
+            return _NOT_BUILT_PAIRWISE
+        if extras.window is not None and attn.key_valid is not None:
+            return ("a window over padded rows has no backward in the kernels yet (a padded query whose window holds "
+                    "only padding is HF's uniform answer, written after the kernel); unpad the batch")
+    elif not isinstance(attn, TokenLayout):
+        return f"attn must be a TokenLayout or an AttentionMask, got {type(attn).__name__}"
+    return None
+
+
+class TrainKernel(torch.autograd.Function):
+    """attention on the kernels with a backward: `train_forward` (the forward kernel, also storing each query's
+    log-sum-exp, dropout drawn inside it from a Philox seed) and `attention_backward` (kernels/attention_backward.py:
+    a dK/dV kernel and a dQ kernel recomputing the probabilities from q, k and the log-sum-exp). Call it through
+    `train_kernel`. Gradients: qkv, and the bias table (fp32 atomics in the dQ kernel: the order of the sum, so its
+    last bits, vary from run to run).
+
+    Saved for the backward, per token (e = the dtype's bytes, H = nh * hd, G-grouped: qkv is (nh + 2 kv) * hd wide):
+        qkv        3·H·e  (the QKV GEMM's output itself, not a copy; (nh + 2 kv)·hd·e grouped)
+        out        H·e    (the returned context, which the output dense keeps anyway)
+        lse        4·nh B (fp32 log-sum-exp per head)
+    = 4·H·e + 4·nh bytes: 6,192 B at BERT-base in fp16 (H = 768, nh = 12). Per call, not per token: cu_seqlens (or
+    the [B, S] key mask: 1 B per padded token), the rotary tables and bias table (the layer's own), and an 8-byte
+    dropout seed. Nothing S-wide: no probabilities, no dropout mask, no rotated q/k.
+    The twin's autograd (sdpa per sequence) saves, per token: q, k and v (views of qkv: 3·H·e), sdpa's output
+    (H·e; the twin returns a [T, H] copy of it, which the output dense keeps), and, where a fused sdpa backend runs
+    (CUDA flash/efficient, CPU flash), the same fp32 log-sum-exp: 4·H·e + 4·nh, as much as the kernels. It saves
+    more where sdpa runs its math backend: with a bias or mask tensor on CPU, dropout on CPU, or return_probs, the
+    probabilities (nh·S·e per token: 12,288 B at S = 512, BERT-base fp16, twice the rest) and dropout's mask (as
+    large again); with rotary, the rotated q and k copies (2·H·e: 3,072 B at BERT-base fp16). Those are what the
+    kernels do not store."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, cu_seqlens, max_seqlen, scale, key_valid, window, rotary, kv_heads, dropout_p):
+        k = kernels()
+        seed = k.utils.dropout_seed(qkv.device) if dropout_p > 0 else None
+        out, lse = k.train_forward(qkv, cu_seqlens, max_seqlen, scale, key_valid, bias=bias, window=window,
+                                   rotary=rotary, kv_heads=kv_heads, dropout_p=dropout_p, seed=seed)
+        cos, sin = (None, None) if rotary is None else (rotary.cos, rotary.sin)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens, key_valid, bias, cos, sin, seed)
+        ctx.call = (max_seqlen, scale, window, kv_heads, dropout_p)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out, lse, cu_seqlens, key_valid, bias, cos, sin, seed = ctx.saved_tensors
+        max_seqlen, scale, window, kv_heads, dropout_p = ctx.call
+        dqkv, dbias = backward_kernels().attention_backward(
+            dout, qkv, out, lse, cu_seqlens, max_seqlen, scale, key_valid, bias=bias, window=window,
+            rotary=None if cos is None else (cos, sin), kv_heads=kv_heads, dropout_p=dropout_p, seed=seed)
+        needs = ctx.needs_input_grad
+        return (dqkv if needs[0] else None, dbias.to(bias.dtype) if needs[1] and dbias is not None else None,
+                None, None, None, None, None, None, None, None)
+
+
+def train_kernel(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
+                 extras: Extras = NONE, workspace: Workspace | None = None) -> tuple[torch.Tensor, None]:
+    """`twin`'s contract on the kernels, with gradients for qkv and the bias table (see TrainKernel for what it
+    saves): (context [T, nh*hd], None). Dropout (p < 1) is drawn inside the kernels from a seed taken from torch's
+    generator, so torch.manual_seed reproduces it (not the twin's mask: another generator). `workspace` is not read.
+    Raises ValueError with `train_unsupported`'s reason for a call the kernels' backward does not serve."""
+    why = train_unsupported(attn, dropout_p, return_probs, extras)
+    if why is None:
+        why = kernels().utils.call_unsupported(OP, qkv.dtype, heads(qkv, extras.kv_heads)[3])
+    if why is not None:
+        raise ValueError(f"{OP}: train_kernel cannot serve this call: {why}")
+    if qkv.stride(-1) != 1:
+        raise ValueError(f"{OP}: qkv's last dim must be unit-stride, got strides {tuple(qkv.stride())}")
+    k = kernels()
+    if isinstance(attn, TokenLayout):
+        cu_seqlens, max_seqlen, key_valid = attn.cu_seqlens, attn.max_seqlen, None
+    else:
+        cu_seqlens = k.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
+        max_seqlen, key_valid = attn.seq_len, attn.key_valid
+    out = TrainKernel.apply(qkv, extras.bias, cu_seqlens, max_seqlen, scale, key_valid, extras.window,
+                            extras.rotary, extras.kv_heads, float(dropout_p))
+    return out, None
+
+
+_BACKWARD_KERNEL = []  # [fastbert.kernels.attention_backward] once imported
+
+
+def backward_kernels():
+    if not _BACKWARD_KERNEL:
+        from ..kernels import attention_backward as module
+        _BACKWARD_KERNEL.append(module)
+    return _BACKWARD_KERNEL[0]
+
+
 # ---- the custom op (a traced forward records one node) -------------------------------------------------------------
 def _flat(extras: Extras) -> tuple:
     """Extras as the schema holds them: the window (-1: none), its tensors (None where absent), the key/value heads
