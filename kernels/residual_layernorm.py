@@ -62,6 +62,18 @@ Training: `train_forward` runs the pre-norm form with STATS (the row's fp32 mean
 constexpr that inference leaves at its default) for either norm placement, and `layernorm_backward` is the row pass
 backwards (see the comment above layernorm_backward_kernel); fastbert.units.residual_layernorm.TrainKernel joins
 them with the GEMM's gradients.
+
+Hidden dropout (DROPOUT, training only): the row kernel drops h + bias out before the residual joins, where the twin's
+dropout acts, with element e = row * H + col kept when Philox(seed, e) >= p (utils.dropout_keep) and scaled by
+1 / (1 - p); the backward kernel regenerates the same bits from the same seed tensor and writes, next to dS (the
+residual's gradient), dH = dS * keep / (1 - p) (the GEMM's). No mask is stored or read: the 8-byte seed replaces the
+twin's T x H-byte mask. The price is arithmetic: utils.dropout_keep runs a 10-round Philox per element (tl.rand keeps
+one of its four outputs), ~60 SASS instructions per element (sm_90, fp16, H = 768, 24 elements per thread: the
+forward grows from 608 to 2,024 instructions, the backward from 952 to 2,392). At BERT-base, T = 4096, that is ~190M
+thread-instructions, ~6 us of issue on an H200 (132 SMs x 128 lanes at ~2 GHz), about the time of the forward's
+25 MB of row traffic (~6 us): with dropout the row pass sits near the point where arithmetic, not memory, bounds
+it (an estimate; not measured).
+Inference's kernels compile exactly as before: the dropout arguments default to None, which Triton makes constants.
 """
 from __future__ import annotations
 
@@ -73,19 +85,44 @@ import triton.language as tl
 
 from . import utils
 from .gemm import DTYPES, check_device, check_dtypes, check_linear, check_out
+from .utils import dropout_keep
 
 OP = "residual_layernorm"
 MAX_HIDDEN = 16384  # a row must fit in one program's registers: 16384 fp32 over 16 warps = 32 per thread
+# Dropout draws element e = row * H + col's keep bit at Philox counter e, numbered in int32 while every e fits, in int64
+# for calls of more elements than this. Triton's randint4x feeds an int64 counter's high word to Philox as its second
+# counter word (zero below 2^32), so both numberings draw the same bits: the int64 one only costs more instructions.
+DROPOUT_I32_ELEMENTS = 2 ** 31
 
 
 @triton.jit
-def _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, cols, param_cols, mask, HAS_BIAS: tl.constexpr):
-    """h + bias + residual for one [ROWS, CHUNK] chunk, in fp32."""
+def _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, cols, param_cols, mask, e_rows, seed_ptr, dropout_p,
+               dropout_scale, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
+    """dropout(h + bias) + residual for one [ROWS, CHUNK] chunk, in fp32 (DROPOUT: keep bits at the element numbers
+    e_rows + cols, kept values scaled by dropout_scale = 1 / (1 - p), where the twin's dropout acts: before the
+    residual joins)."""
     x = tl.load(h_ptr + h_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(bias_ptr + param_cols).to(tl.float32)[None, :]
+    if DROPOUT:
+        keep = dropout_keep(seed_ptr, e_rows + cols[None, :], dropout_p)
+        x = tl.where(keep, x * dropout_scale, 0.0)
     x += tl.load(res_ptr + r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return x
+
+
+@triton.jit
+def _element_rows(rows, N, DROPOUT: tl.constexpr, OFFSETS_I64: tl.constexpr):
+    """The element number of each row's first value, row * N, as a [ROWS, 1] column: dropout draws element e's keep
+    bit at Philox counter e. int32 unless OFFSETS_I64 (T * N > DROPOUT_I32_ELEMENTS). Without DROPOUT a placeholder
+    that nothing reads."""
+    if DROPOUT:
+        e_rows = rows * N
+        if not OFFSETS_I64:
+            e_rows = e_rows.to(tl.int32)
+    else:
+        e_rows = rows
+    return e_rows[:, None]
 
 
 @triton.jit
@@ -136,6 +173,12 @@ def bias_residual_layernorm_kernel(
     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,  # a row is NUM_CHUNKS (1 or 3) chunks of CHUNK lanes
     EVEN: tl.constexpr,  # CHUNK * NUM_CHUNKS == N: no column mask (keeps the accesses 16-byte vectors)
     STATS: tl.constexpr = False,  # also store the row statistics the backward reads (off: inference's code)
+    DROPOUT: tl.constexpr = False,  # dropout on h + bias before the residual joins (training; off: inference's code)
+    OFFSETS_I64: tl.constexpr = False,  # dropout's element numbers in int64 (T * N > DROPOUT_I32_ELEMENTS)
+    # dropout (DROPOUT only): the int64 [1] Philox seed (utils.dropout_seed), the drop probability and 1 / (1 - p)
+    # (0 at p = 1: nothing is kept). Inference leaves them None, which Triton compiles as constants: its kernel keeps
+    # the parameters it had before dropout.
+    seed_ptr=None, dropout_p=None, dropout_scale=None,
 ):
     # row_config gives 1 or 3: an odd part of at most 4 is 1 or 3 (a width of 2^k or 3 x 2^k).
     tl.static_assert(NUM_CHUNKS == 1 or NUM_CHUNKS == 3, "NUM_CHUNKS must be 1 or 3")
@@ -145,6 +188,7 @@ def bias_residual_layernorm_kernel(
     r_rows = (rows * stride_rm)[:, None]
     o_rows = (rows * stride_om)[:, None]
     s_rows = (rows * stride_sm)[:, None]
+    e_rows = _element_rows(rows, N, DROPOUT, OFFSETS_I64)
     c0 = tl.arange(0, CHUNK)
     if EVEN:
         m0 = row_ok[:, None]
@@ -154,17 +198,20 @@ def bias_residual_layernorm_kernel(
         p0 = tl.minimum(c0, N - 1)
     # Chunks are separate variables (Triton tensors have power-of-two shapes, 768 = 3 x 256 is not one): the
     # constexpr branches unroll, and every chunk stays in registers between the passes.
-    x0 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c0, p0, m0, HAS_BIAS)
+    x0 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c0, p0, m0, e_rows, seed_ptr, dropout_p,
+                    dropout_scale, HAS_BIAS, DROPOUT)
     x0 = _stream_chunk(x0, s_ptr, s_rows, c0, m0, PRE_NORM)
     if not EVEN:
         x0 = tl.where(m0, x0, 0.0)
     total = tl.sum(x0, axis=1)
     if NUM_CHUNKS == 3:
         c1 = c0 + CHUNK
-        x1 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c1, c1, m0, HAS_BIAS)
+        x1 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c1, c1, m0, e_rows, seed_ptr, dropout_p,
+                        dropout_scale, HAS_BIAS, DROPOUT)
         x1 = _stream_chunk(x1, s_ptr, s_rows, c1, m0, PRE_NORM)
         c2 = c0 + 2 * CHUNK
-        x2 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c2, c2, m0, HAS_BIAS)
+        x2 = _row_chunk(h_ptr, bias_ptr, res_ptr, h_rows, r_rows, c2, c2, m0, e_rows, seed_ptr, dropout_p,
+                        dropout_scale, HAS_BIAS, DROPOUT)
         x2 = _stream_chunk(x2, s_ptr, s_rows, c2, m0, PRE_NORM)
         total += tl.sum(x1, axis=1) + tl.sum(x2, axis=1)
 
@@ -213,7 +260,7 @@ def row_config(hidden: int) -> tuple:
 def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                        ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
                        out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False,
-                       stats: torch.Tensor | None = None):
+                       stats: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None):
     """LN(y [T, K] @ weight[H, K]^T + bias[H] + residual[T, H]) with gamma=ln_weight, beta=ln_bias (None: no beta)
     -> [T, H]. pre_norm: (s, LN(s)) for s = y @ weight^T + bias + residual, each [T, H] (see the header). rms:
     RMSNorm (weight ln_weight, no beta: ln_bias must be None) in place of LayerNorm, in either form.
@@ -222,6 +269,9 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (the LayerNorm) may be `residual` itself in the post-norm form (in-place update of the residual stream);
     residual_out (pre_norm only: where s goes) may be `residual` itself. stats (training): a contiguous float32
     [2, T] (LayerNorm: mean, rstd) or [1, T] (RMSNorm: rstd) that receives the row statistics the backward reads.
+    dropout_p > 0 (training): y @ weight^T + bias is dropped out before the residual joins, keep bits drawn from
+    seed (utils.dropout_seed: int64 [1] on the tensors' device) at the element numbers row * H + col, which
+    `layernorm_backward` regenerates from the same seed.
     """
     if not isinstance(pre_norm, bool):
         raise TypeError(f"{OP}: pre_norm must be a bool; got pre_norm={pre_norm!r}")
@@ -269,7 +319,22 @@ def residual_layernorm(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             raise ValueError(f"{OP}: stats must be a contiguous float32 tensor of shape {want} on {device}; got "
                              + (f"{stats.dtype} {tuple(stats.shape)} stride {stats.stride()} on {stats.device}"
                                 if isinstance(stats, torch.Tensor) else type(stats).__name__))
-    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, out, residual_out, rms, stats)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{OP}: dropout_p must be a probability in [0, 1]; got dropout_p={dropout_p!r}")
+    if dropout_p > 0 and (not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1
+                          or seed.device != device):
+        raise ValueError(f"{OP}: dropout_p={dropout_p} needs seed, an int64 tensor of one element on {device} "
+                         f"(utils.dropout_seed); got "
+                         + (f"{seed.dtype} {tuple(seed.shape)} on {seed.device}" if isinstance(seed, torch.Tensor)
+                            else type(seed).__name__))
+    return launch(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, out, residual_out, rms, stats,
+                  dropout_p, seed)
+
+
+def _keep_scale(dropout_p: float) -> float:
+    """What a kept value is multiplied by, 1 / (1 - p) as the twin's dropout computes it (in double, then rounded to
+    float32 by the launch); 0 for p = 1, where nothing is kept."""
+    return 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -284,27 +349,30 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def launch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, pre_norm: bool = False,
            out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, rms: bool = False,
-           stats: torch.Tensor | None = None):
+           stats: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None):
     """`residual_layernorm` for arguments the caller has validated (the model does it once per forward). Without
     outputs given, the post-norm form writes the LayerNorm into the GEMM's buffer; the pre-norm form writes s there
     (the twin's `h += residual`) and the LayerNorm into a fresh tensor."""
     h = torch.matmul(y, weight.t())  # [T, H], cuBLAS (no bias: it is added in fp32 in the row kernel)
     if not pre_norm:
         return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h,
-                                       rms=rms, stats=stats)
+                                       rms=rms, stats=stats, dropout_p=dropout_p, seed=seed)
     return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out, pre_norm=True,
-                                   residual_out=residual_out if residual_out is not None else h, rms=rms, stats=stats)
+                                   residual_out=residual_out if residual_out is not None else h, rms=rms, stats=stats,
+                                   dropout_p=dropout_p, seed=seed)
 
 
 def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                             ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float,
                             out: torch.Tensor | None = None, pre_norm: bool = False,
                             residual_out: torch.Tensor | None = None, rms: bool = False,
-                            stats: torch.Tensor | None = None):
+                            stats: torch.Tensor | None = None, dropout_p: float = 0.0,
+                            seed: torch.Tensor | None = None):
     """The row pass alone: LN(h + bias + residual) for a GEMM output h [T, H], unit-stride rows, arguments
     validated by the caller (cheap asserts only); pre_norm: (s, LN(s)) with s written to residual_out (a fresh
     tensor when None); rms: RMSNorm for LN (ln_bias None). The benchmarks call it to measure the row kernel's GB/s.
-    out may be h or residual itself; residual_out too, but not out. stats: see `residual_layernorm`."""
+    out may be h or residual itself; residual_out too, but not out. stats, dropout_p and seed: see
+    `residual_layernorm`."""
     T, H = h.shape
     assert residual.shape == h.shape and ln_weight.shape == (H,), (h.shape, residual.shape, ln_weight.shape)
     assert ln_bias is None or ln_bias.shape == (H,) and not rms, (ln_bias.shape, rms)
@@ -327,6 +395,10 @@ def bias_residual_layernorm(h: torch.Tensor, bias: torch.Tensor | None, residual
     if stats is not None:  # passed only when asked: inference's launch keeps its key and its kwargs
         assert stats.dtype == torch.float32 and stats.shape == (1 if rms else 2, T), (stats.dtype, stats.shape)
         kwargs["STATS"] = True
+    if dropout_p > 0:  # likewise: p = 0 launches the kernel without dropout, as inference does
+        assert seed is not None and seed.dtype == torch.int64 and seed.numel() == 1, seed
+        kwargs.update(DROPOUT=True, OFFSETS_I64=T * H > DROPOUT_I32_ELEMENTS, seed_ptr=seed,
+                      dropout_p=float(dropout_p), dropout_scale=_keep_scale(dropout_p))
     with utils.device_guard(h):  # Triton launches on the current device: make it h's
         if utils.capturing(h):  # a binary not loaded yet cannot be loaded inside a capture
             utils.require_loaded(bias_residual_layernorm_kernel, args, kwargs, OP)
@@ -365,8 +437,9 @@ def _backward_chunk(s_ptr, dn_ptr, ln_w_ptr, s_rows, dn_rows, cols, param_cols, 
 
 
 @triton.jit
-def _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, cols, mask, x_hat, g, mean_g, mean_gx, rstd,
-                    HAS_DS_EXTRA: tl.constexpr, RMS: tl.constexpr):
+def _backward_store(ds_ptr, dsx_ptr, dh_ptr, ds_rows, dsx_rows, e_rows, cols, mask, x_hat, g, mean_g, mean_gx, rstd,
+                    seed_ptr, dropout_p, dropout_scale, HAS_DS_EXTRA: tl.constexpr, RMS: tl.constexpr,
+                    DROPOUT: tl.constexpr):
     ds = g - x_hat * mean_gx[:, None]
     if not RMS:
         ds -= mean_g[:, None]
@@ -374,6 +447,10 @@ def _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, cols, mask, x_hat, g, me
     if HAS_DS_EXTRA:  # pre-norm: the gradient that reached the returned stream s joins the norm's
         ds += tl.load(dsx_ptr + dsx_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(ds_ptr + ds_rows + cols[None, :], ds.to(ds_ptr.dtype.element_ty), mask=mask)
+    if DROPOUT:  # the forward's keep bits, regenerated: dH = dS * keep / (1 - p), in dS's layout
+        keep = dropout_keep(seed_ptr, e_rows + cols[None, :], dropout_p)
+        dh = tl.where(keep, ds * dropout_scale, 0.0)
+        tl.store(dh_ptr + ds_rows + cols[None, :], dh.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=RESIDUAL_LAYERNORM_DO_NOT_SPECIALIZE)
@@ -392,6 +469,11 @@ def layernorm_backward_kernel(
     RMS: tl.constexpr,  # RMSNorm: no mean (stats holds rstd only)
     ROWS: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, EVEN: tl.constexpr,  # as the forward's
     BLOCKS: tl.constexpr,  # blocks of ROWS rows per program (a constant bound: Triton 3.6 takes no tensor bound)
+    DROPOUT: tl.constexpr = False,  # the forward dropped h + bias out: also write dH, dS with its keep bits applied
+    OFFSETS_I64: tl.constexpr = False,  # as the forward's
+    # dropout (DROPOUT only; None otherwise, compiled as constants): dH [T, N] (out, dS's strides), the forward's
+    # seed tensor, probability and 1 / (1 - p)
+    dh_ptr=None, seed_ptr=None, dropout_p=None, dropout_scale=None,
 ):
     tl.static_assert(NUM_CHUNKS == 1 or NUM_CHUNKS == 3, "NUM_CHUNKS must be 1 or 3")
     pid = tl.program_id(0).to(tl.int64)
@@ -443,12 +525,14 @@ def layernorm_backward_kernel(
         mean_g = sum_g / N  # unused by RMSNorm
         ds_rows = (rows * stride_dsm)[:, None]
         dsx_rows = (rows * stride_dsxm)[:, None]
-        _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, c0, m0, x0, g0, mean_g, mean_gx, rstd, HAS_DS_EXTRA, RMS)
+        e_rows = _element_rows(rows, N, DROPOUT, OFFSETS_I64)
+        _backward_store(ds_ptr, dsx_ptr, dh_ptr, ds_rows, dsx_rows, e_rows, c0, m0, x0, g0, mean_g, mean_gx, rstd,
+                        seed_ptr, dropout_p, dropout_scale, HAS_DS_EXTRA, RMS, DROPOUT)
         if NUM_CHUNKS == 3:
-            _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, c1, m0, x1, g1, mean_g, mean_gx, rstd, HAS_DS_EXTRA,
-                            RMS)
-            _backward_store(ds_ptr, dsx_ptr, ds_rows, dsx_rows, c2, m0, x2, g2, mean_g, mean_gx, rstd, HAS_DS_EXTRA,
-                            RMS)
+            _backward_store(ds_ptr, dsx_ptr, dh_ptr, ds_rows, dsx_rows, e_rows, c1, m0, x1, g1, mean_g, mean_gx,
+                            rstd, seed_ptr, dropout_p, dropout_scale, HAS_DS_EXTRA, RMS, DROPOUT)
+            _backward_store(ds_ptr, dsx_ptr, dh_ptr, ds_rows, dsx_rows, e_rows, c2, m0, x2, g2, mean_g, mean_gx,
+                            rstd, seed_ptr, dropout_p, dropout_scale, HAS_DS_EXTRA, RMS, DROPOUT)
     part = pid * N
     if EVEN:
         col_ok = c0 < CHUNK
@@ -466,24 +550,30 @@ def layernorm_backward_kernel(
 
 
 def train_forward(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                  ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, rms: bool = False):
+                  ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, rms: bool = False,
+                  dropout_p: float = 0.0, seed: torch.Tensor | None = None):
     """The forward training runs: (s, LN(s), stats), the pre-norm form of `residual_layernorm` (validated the same
     way) with its row statistics, for either norm placement: s is what the backward needs, and a post-norm caller
     returns LN(s) alone. stats: fp32 [2, T] (mean, rstd) for LayerNorm, [1, T] (rstd) for RMSNorm. Through the
     pre-norm form the LayerNorm reads s rounded to the input dtype, as the twin's does (in fp32 the two forms are
-    one)."""
+    one). dropout_p > 0: s = dropout(y @ W^T + bias) + residual with keep bits from `seed` (utils.dropout_seed),
+    which the backward is handed again; no mask is stored."""
     stats = torch.empty((1 if rms else 2, y.shape[0] if y.dim() == 2 else 0), device=y.device, dtype=torch.float32)
     s, normed = residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=True, rms=rms,
-                                   stats=stats)
+                                   stats=stats, dropout_p=dropout_p, seed=seed)
     return s, normed, stats
 
 
 def layernorm_backward(dn: torch.Tensor, ds_extra: torch.Tensor | None, s: torch.Tensor, stats: torch.Tensor,
-                       ln_weight: torch.Tensor, has_ln_bias: bool, rms: bool = False):
-    """(dS, dgamma, dbeta) from the norm's output gradient dn [T, H] (and ds_extra [T, H], the gradient of the
-    returned stream s in the pre-norm form, or None), the saved s [T, H] and stats of `train_forward`. dS has s's
-    dtype; dgamma and dbeta (None unless has_ln_bias) are fp32 [H], reduced over programs in a fixed order. Arguments
-    come from the unit's autograd function (cheap asserts only); the row tensors need a unit-stride last dimension."""
+                       ln_weight: torch.Tensor, has_ln_bias: bool, rms: bool = False, dropout_p: float = 0.0,
+                       seed: torch.Tensor | None = None):
+    """(dS, dH, dgamma, dbeta) from the norm's output gradient dn [T, H] (and ds_extra [T, H], the gradient of the
+    returned stream s in the pre-norm form, or None), the saved s [T, H] and stats of `train_forward`. dS (the
+    residual's gradient) has s's dtype; dH is the gradient of y @ W^T + bias: dS itself without dropout, and with
+    dropout_p > 0 dS * keep / (1 - p), a second output whose keep bits the kernel regenerates from the forward's
+    `seed`. dgamma and dbeta (None unless has_ln_bias) are fp32 [H], reduced over programs in a fixed order.
+    Arguments come from the unit's autograd function (cheap asserts only); the row tensors need a unit-stride last
+    dimension."""
     T, H = s.shape
     assert dn.shape == s.shape and ln_weight.shape == (H,), (dn.shape, s.shape, ln_weight.shape)
     assert ds_extra is None or ds_extra.shape == s.shape, (ds_extra.shape, s.shape)
@@ -491,22 +581,28 @@ def layernorm_backward(dn: torch.Tensor, ds_extra: torch.Tensor | None, s: torch
     assert H <= 1 or all(t.stride(1) == 1 for t in (dn, s) + ((ds_extra,) if ds_extra is not None else ())), (
         dn.stride(), s.stride())
     ds = torch.empty_like(s)
+    dh = torch.empty_like(s) if dropout_p > 0 else ds
+    assert dh.stride() == ds.stride(), (dh.stride(), ds.stride())  # the kernel addresses dH with dS's row stride
     rows, chunk, num_chunks, num_warps = row_config(H)
     programs = triton.cdiv(T, rows * BACKWARD_BLOCKS)
     dw_part = torch.empty((programs, H), device=s.device, dtype=torch.float32)
     db_part = torch.empty((programs, H), device=s.device, dtype=torch.float32) if has_ln_bias else None
     if T == 0 or H == 0:
         zero = torch.zeros(H, device=s.device, dtype=torch.float32)
-        return ds, zero, zero.clone() if has_ln_bias else None
+        return ds, dh, zero, zero.clone() if has_ln_bias else None
     extra = ds_extra if ds_extra is not None else dn
     args = (dn, extra, s, stats, ln_weight, ds, dw_part, db_part if db_part is not None else dw_part, T, H,
             dn.stride(0), extra.stride(0), s.stride(0), ds.stride(0))
     kwargs = dict(HAS_DS_EXTRA=ds_extra is not None, HAS_LN_BIAS=bool(has_ln_bias), RMS=bool(rms), ROWS=rows,
                   CHUNK=chunk, NUM_CHUNKS=num_chunks, EVEN=chunk * num_chunks == H, BLOCKS=BACKWARD_BLOCKS,
                   num_warps=num_warps)
+    if dropout_p > 0:  # the forward's choices: the same seed, probability and element numbers
+        assert seed is not None and seed.dtype == torch.int64 and seed.numel() == 1, seed
+        kwargs.update(DROPOUT=True, OFFSETS_I64=T * H > DROPOUT_I32_ELEMENTS, dh_ptr=dh, seed_ptr=seed,
+                      dropout_p=float(dropout_p), dropout_scale=_keep_scale(dropout_p))
     with utils.device_guard(s):
         layernorm_backward_kernel[(programs,)](*args, **kwargs)
-    return ds, dw_part.sum(0), db_part.sum(0) if db_part is not None else None
+    return ds, dh, dw_part.sum(0), db_part.sum(0) if db_part is not None else None
 
 
 BERT_HIDDEN = (384, 768, 1024)  # MiniLM / BERT-base / BERT-large
@@ -531,28 +627,50 @@ NORM_VARIANTS = ((True, False, False), (True, True, False), (False, False, False
 
 
 def _spec(short: str, has_bias: bool, config: tuple, hidden: int, pre_norm: bool = False,
-          has_ln_bias: bool = True, rms: bool = False, stats: bool = False) -> dict:
+          has_ln_bias: bool = True, rms: bool = False, stats: bool = False, dropout: str = "") -> dict:
     rows, chunk, num_chunks, num_warps, even = config
     ptr = "*" + short
     hints = {"T": None}
     if hidden % 16:
         hints.update(N=None, stride_hm=None, stride_rm=None, stride_om=None, stride_sm=None)
     variant = ("" if has_bias else "-nobias") + ("-prenorm" if pre_norm else "") + (
-        "-rms" if rms else "" if has_ln_bias else "-nolnbias") + ("-stats" if stats else "")
+        "-rms" if rms else "" if has_ln_bias else "-nolnbias") + ("-stats" if stats else "") + _dropout_name(dropout)
     constexprs = {"HAS_BIAS": has_bias, "HAS_LN_BIAS": has_ln_bias, "PRE_NORM": pre_norm, "RMS": rms,
                   "ROWS": rows, "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even}
     if stats:  # inference's specs leave STATS at its default, as its launches do
         constexprs["STATS"] = True
+    signature = {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr, "out_ptr": ptr,
+                 "s_ptr": ptr, "stats_ptr": "*fp32" if stats else ptr, "T": "i32", "N": "i32", "eps": "fp32",
+                 "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_sm": "i32"}
+    _dropout_args(dropout, signature, constexprs, ("seed_ptr", "dropout_p", "dropout_scale"))
     return {
         "name": f"{OP}-{short}{variant}-H{hidden}-{rows}x{num_chunks}x{chunk}-w{num_warps}{'' if even else '-masked'}",
         "fn": bias_residual_layernorm_kernel,
-        "signature": {"h_ptr": ptr, "bias_ptr": ptr, "res_ptr": ptr, "ln_w_ptr": ptr, "ln_b_ptr": ptr,
-                      "out_ptr": ptr, "s_ptr": ptr, "stats_ptr": "*fp32" if stats else ptr,
-                      "T": "i32", "N": "i32", "eps": "fp32",
-                      "stride_hm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_sm": "i32"},
+        "signature": signature,
         "constexprs": constexprs,
         "num_warps": num_warps, "num_stages": 1, "hints": hints,
     }
+
+
+# Dropout's specialisations: "i32" (element numbers in int32, every call up to DROPOUT_I32_ELEMENTS elements) and
+# "i64" (beyond); "" without dropout.
+DROPOUT_KINDS = ("i32", "i64")
+
+
+def _dropout_name(dropout: str) -> str:
+    return {"": "", "i32": "-dropout", "i64": "-dropout-i64"}[dropout]
+
+
+def _dropout_args(dropout: str, signature: dict, constexprs: dict, names: tuple) -> None:
+    """The dropout arguments of a spec, as the launchers pass them: with dropout the seed (and dH) pointers, the
+    probability and scale, DROPOUT and OFFSETS_I64; without, DROPOUT off and the None defaults, which Triton compiles
+    as constants."""
+    if not dropout:
+        constexprs.update(dict.fromkeys(names), DROPOUT=False, OFFSETS_I64=False)
+        return
+    constexprs.update(DROPOUT=True, OFFSETS_I64=dropout == "i64")
+    types = {"seed_ptr": "*i64", "dropout_p": "fp32", "dropout_scale": "fp32", "dh_ptr": signature.get("ds_ptr")}
+    signature.update({name: types[name] for name in names})
 
 
 def aot_specs() -> list:
@@ -574,7 +692,7 @@ def aot_specs() -> list:
                     config = row_config(hidden) + (True,)
                     specs.append(_spec(short, has_bias, config, hidden, pre_norm, has_ln_bias, rms))
     # training: the forward that also writes the statistics (always the pre-norm form, see `train_forward`), and the
-    # backward, for each norm kind training runs at BERT_HIDDEN
+    # backward, for each norm kind training runs at BERT_HIDDEN (with dropout: `dropout_aot_specs`)
     for short in DTYPES.values():
         for has_ln_bias, rms, ds_extra in BACKWARD_VARIANTS:
             for hidden in BERT_HIDDEN:
@@ -584,23 +702,44 @@ def aot_specs() -> list:
     return specs
 
 
+def dropout_aot_specs() -> list:
+    """Training's row kernels with dropout ("-dropout"), the forward (with statistics) and the backward, for every
+    dtype x norm kind of BACKWARD_VARIANTS at BERT_HIDDEN; with int64 element numbers ("-dropout-i64", calls of more
+    than DROPOUT_I32_ELEMENTS elements) at BERT-base's width. Hints as in `aot_specs`."""
+    specs = []
+    for short in DTYPES.values():
+        for has_ln_bias, rms, ds_extra in BACKWARD_VARIANTS:
+            for hidden in BERT_HIDDEN:
+                config = row_config(hidden) + (True,)
+                for dropout in DROPOUT_KINDS if hidden == 768 else DROPOUT_KINDS[:1]:
+                    specs.append(_spec(short, True, config, hidden, True, has_ln_bias, rms, stats=True,
+                                       dropout=dropout))
+                    specs.append(_backward_spec(short, config, hidden, has_ln_bias, rms, ds_extra, dropout))
+    return specs
+
+
 # (has_ln_bias, rms, ds_extra): BERT's post-norm LayerNorm, ModernBERT's pre-norm LayerNorm without bias, EuroBERT's
 # pre-norm RMSNorm
 BACKWARD_VARIANTS = ((True, False, False), (False, False, True), (False, True, True))
 
 
-def _backward_spec(short: str, config: tuple, hidden: int, has_ln_bias: bool, rms: bool, ds_extra: bool) -> dict:
+def _backward_spec(short: str, config: tuple, hidden: int, has_ln_bias: bool, rms: bool, ds_extra: bool,
+                   dropout: str = "") -> dict:
     rows, chunk, num_chunks, num_warps, even = config
     ptr = "*" + short
-    variant = ("-prenorm" if ds_extra else "") + ("-rms" if rms else "" if has_ln_bias else "-nolnbias")
+    variant = ("-prenorm" if ds_extra else "") + ("-rms" if rms else "" if has_ln_bias else "-nolnbias") + (
+        _dropout_name(dropout))
+    signature = {"dn_ptr": ptr, "dsx_ptr": ptr, "s_ptr": ptr, "stats_ptr": "*fp32", "ln_w_ptr": ptr, "ds_ptr": ptr,
+                 "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "T": "i32", "N": "i32",
+                 "stride_dnm": "i32", "stride_dsxm": "i32", "stride_sm": "i32", "stride_dsm": "i32"}
+    constexprs = {"HAS_DS_EXTRA": ds_extra, "HAS_LN_BIAS": has_ln_bias, "RMS": rms, "ROWS": rows, "CHUNK": chunk,
+                  "NUM_CHUNKS": num_chunks, "EVEN": even, "BLOCKS": BACKWARD_BLOCKS}
+    _dropout_args(dropout, signature, constexprs, ("dh_ptr", "seed_ptr", "dropout_p", "dropout_scale"))
     return {
         "name": f"{OP}-backward-{short}{variant}-H{hidden}-{rows}x{num_chunks}x{chunk}-b{BACKWARD_BLOCKS}"
                 f"-w{num_warps}",
         "fn": layernorm_backward_kernel,
-        "signature": {"dn_ptr": ptr, "dsx_ptr": ptr, "s_ptr": ptr, "stats_ptr": "*fp32", "ln_w_ptr": ptr,
-                      "ds_ptr": ptr, "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "T": "i32", "N": "i32",
-                      "stride_dnm": "i32", "stride_dsxm": "i32", "stride_sm": "i32", "stride_dsm": "i32"},
-        "constexprs": {"HAS_DS_EXTRA": ds_extra, "HAS_LN_BIAS": has_ln_bias, "RMS": rms, "ROWS": rows,
-                       "CHUNK": chunk, "NUM_CHUNKS": num_chunks, "EVEN": even, "BLOCKS": BACKWARD_BLOCKS},
+        "signature": signature,
+        "constexprs": constexprs,
         "num_warps": num_warps, "num_stages": 1, "hints": {"T": None},
     }

@@ -64,11 +64,11 @@ def kernel(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, pr
 
 class TrainKernel(torch.autograd.Function):
     """residual_layernorm on the kernels with a backward: the row kernel's forward (pre-norm form, with its row
-    statistics) and the row kernel's backward (layernorm_backward), the GEMM gradients through torch (cuBLAS on a
-    GPU). Call it through `train_kernel`.
+    statistics, and dropout when dropout_p > 0) and the row kernel's backward (layernorm_backward), the GEMM
+    gradients through torch (cuBLAS on a GPU). Call it through `train_kernel`.
 
     Saved for the backward, per token (e = the dtype's bytes, K = y's width, H = the hidden size):
-        y          K·e   (dW = dS^T @ y)
+        y          K·e   (dW = dH^T @ y)
         s          H·e   (the norm's input: x_hat is recomputed from it and the statistics)
         stats      8 B   (mean and rstd, fp32) for LayerNorm, 4 B (rstd) for RMSNorm
     plus W and gamma (parameters, not per token): (K + H)·e + 8 (LayerNorm) or + 4 (RMSNorm).
@@ -76,35 +76,45 @@ class TrainKernel(torch.autograd.Function):
     its input s and fp32 mean and rstd); for RMSNorm, run as transformers' elementwise ops, y, s in fp32 (a copy in
     fp16/bf16, s itself in fp32), the normalised row in the input dtype and rstd: (K + H)·e + 4H + 4. So the
     LayerNorm saves as much as the twin (the gain there is fewer passes, not memory) and the RMSNorm 4H bytes per
-    token less (3 KB at H = 768), in every dtype. In the pre-norm form the saved s is the returned stream itself."""
+    token less (3 KB at H = 768), in every dtype. In the pre-norm form the saved s is the returned stream itself.
+
+    Dropout (dropout_p > 0) adds one 8-byte seed per call (utils.dropout_seed, drawn from torch's generator), not
+    per token: the backward regenerates the keep bits from it. The twin's dropout keeps its mask: F.dropout's bool
+    mask, H bytes per token (T·H per call: 3 MiB at T = 4096, H = 768, twice per post-norm layer, so 72 MiB per step
+    of BERT-base's 12 layers), or on CPU in float32 its float32 noise, 4H bytes per token. The two draw different
+    masks (Philox in the kernels, torch's generator in the twin): they agree in distribution, not element by
+    element."""
 
     @staticmethod
-    def forward(ctx, y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, rms):
-        s, normed, stats = kernels().train_forward(y, weight, bias, residual, ln_weight, ln_bias, eps, rms=rms)
-        ctx.save_for_backward(y, weight, s, stats, ln_weight)
-        ctx.pre_norm, ctx.rms, ctx.has_ln_bias = pre_norm, rms, ln_bias is not None
+    def forward(ctx, y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, pre_norm, rms):
+        seed = kernels().utils.dropout_seed(y.device) if dropout_p > 0 else None
+        s, normed, stats = kernels().train_forward(y, weight, bias, residual, ln_weight, ln_bias, eps, rms=rms,
+                                                   dropout_p=dropout_p, seed=seed)
+        ctx.save_for_backward(y, weight, s, stats, ln_weight, seed)
+        ctx.pre_norm, ctx.rms, ctx.has_ln_bias, ctx.dropout_p = pre_norm, rms, ln_bias is not None, dropout_p
         ctx.param_dtypes = (None if bias is None else bias.dtype, ln_weight.dtype,
                             None if ln_bias is None else ln_bias.dtype)
         return (s, normed) if pre_norm else normed
 
     @staticmethod
     def backward(ctx, *grads):
-        y, weight, s, stats, ln_weight = ctx.saved_tensors
+        y, weight, s, stats, ln_weight, seed = ctx.saved_tensors
         ds_extra, dn = grads if ctx.pre_norm else (None, grads[0])
-        needs = ctx.needs_input_grad  # y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, rms
+        needs = ctx.needs_input_grad  # y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, pre_norm, rms
         dn = dn if dn.stride(-1) == 1 else dn.contiguous()
         if ds_extra is not None and ds_extra.stride(-1) != 1:
             ds_extra = ds_extra.contiguous()
-        ds, dgamma, dbeta = kernels().layernorm_backward(dn, ds_extra, s, stats, ln_weight, ctx.has_ln_bias,
-                                                         ctx.rms)
+        # dS is the residual's gradient; dH, the GEMM output's (dS through the dropout mask; dS itself at p = 0)
+        ds, dh, dgamma, dbeta = kernels().layernorm_backward(dn, ds_extra, s, stats, ln_weight, ctx.has_ln_bias,
+                                                             ctx.rms, dropout_p=ctx.dropout_p, seed=seed)
         bias_dtype, gamma_dtype, beta_dtype = ctx.param_dtypes
-        dy = ds @ weight if needs[0] else None
-        dweight = ds.t() @ y if needs[1] else None
-        dbias = ds.sum(0).to(bias_dtype) if needs[2] else None
+        dy = dh @ weight if needs[0] else None
+        dweight = dh.t() @ y if needs[1] else None
+        dbias = dh.sum(0).to(bias_dtype) if needs[2] else None
         dresidual = ds if needs[3] else None
         dgamma = dgamma.to(gamma_dtype) if needs[4] else None
         dbeta = dbeta.to(beta_dtype) if needs[5] and dbeta is not None else None
-        return dy, dweight, dbias, dresidual, dgamma, dbeta, None, None, None
+        return dy, dweight, dbias, dresidual, dgamma, dbeta, None, None, None, None
 
 
 def train_kernel(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
@@ -112,12 +122,12 @@ def train_kernel(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  pre_norm: bool = False, rms: bool = False):
     """`twin`'s contract (2-D y and residual) on the kernels, with gradients for y, weight, bias, residual,
     ln_weight and ln_bias (None for an input that is None or does not require grad); see TrainKernel for what it
-    saves. Dropout is not drawn in the kernels yet: dropout_p > 0 raises (the twin serves dropout). The model does
-    not call this yet: its training still runs the twin (units.common.inference_only)."""
-    if dropout_p > 0:
-        raise ValueError(f"{OP}: the kernels' backward does not draw dropout yet; got dropout_p={dropout_p} "
-                         f"(the twin serves dropout: backend 'torch', or call with dropout_p=0)")
-    return TrainKernel.apply(y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm, rms)
+    saves. dropout_p > 0: dropout on y @ W^T + b before the residual joins, as the twin's, drawn inside the row
+    kernel from a seed taken from torch's generator once per call (torch.manual_seed reproduces a call); the
+    backward regenerates the same mask. Its mask is not the twin's (another generator). dropout_p = 0 draws no seed
+    and runs the kernels without dropout. The model does not call this yet: its training still runs the twin
+    (units.common.inference_only)."""
+    return TrainKernel.apply(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, pre_norm, rms)
 
 
 @torch.library.custom_op("fastbert::residual_layernorm", mutates_args=())
