@@ -49,9 +49,8 @@ def _train_step(case, benchmark, policy):
         pytest.skip(str(e))
 
     # Check before timing: the same function (dropout off) against HF eager fp32, bound 2x HF sdpa's own error.
-    reference = harness.logits_and_grads(
-        harness.train_variant(case.model, harness.reference_attention(case.model).join(("hf-", "")), torch.float32,
-                              device, master), batch, labels)
+    reference = harness.logits_and_grads(harness.train_variant(
+        case.model, f"hf-{harness.reference_attention(case.model)}", torch.float32, device, master), batch, labels)
     hf_err = harness.train_error(harness.logits_and_grads(
         harness.train_variant(case.model, "hf-sdpa", dtype, device, master), batch, labels), reference)
     err = harness.train_error(harness.logits_and_grads(model, batch, labels), reference)
