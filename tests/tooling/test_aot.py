@@ -186,7 +186,9 @@ def pytest_generate_tests(metafunc):
 
 # Backward kernels, listed apart from an op's aot_specs() (bias_gelu's is the GEMM's, which
 # tests/kernels/test_gemm.py checks tile for tile): (op, the module's specs function).
-BACKWARD_SPEC_LISTS = (("bias_gelu", "backward_aot_specs"),)
+BACKWARD_SPEC_LISTS = (("bias_gelu", "backward_aot_specs"),
+                       ("residual_layernorm", "dropout_aot_specs"),  # the training row kernels with dropout
+                       )
 
 
 def _backward_cases():
@@ -293,6 +295,9 @@ KNOWN_SPILLS = {
     ("residual_layernorm-bf16-prenorm-rms-stats-H768-4x3x256-w4", 90),
     ("residual_layernorm-backward-fp32-prenorm-nolnbias-H1024-4x1x1024-b4-w4", 80),
     ("residual_layernorm-fp32-prenorm-stats-H768-4x3x256-w4", 80),
+    # the backward with dropout (dropout_aot_specs) at REG 168: three loop-carried values parked per block of rows
+    # (three STL/LDL pairs in the loop; STACK 16), under Triton 3.9 only
+    ("residual_layernorm-backward-bf16-dropout-H384-8x3x128-b4-w4", 80),
 }
 
 
@@ -353,10 +358,13 @@ def test_aot_compile(op, name, arch):
 
 
 def test_aot_compile_backward(op, specs_fn, name, arch):
-    """test_aot_compile's checks for the backward kernels (BACKWARD_SPEC_LISTS): compiles, fits, no spills."""
+    """test_aot_compile's checks for the backward kernels (BACKWARD_SPEC_LISTS): compiles, fits, no spills (but the
+    KNOWN_SPILLS)."""
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
     bad = aot_compile.problems(_record(op, name, arch, specs_fn))
+    if (name, arch) in KNOWN_SPILLS and bad and all(p.startswith("register spills") for p in bad):
+        pytest.xfail(f"a listed spill: {bad[0]}")
     assert not bad, f"{name} for sm_{arch}:\n  " + "\n  ".join(bad)
 
 
@@ -531,6 +539,23 @@ def test_row_kernel_moves_whole_16_byte_vectors():
         for name, r in training.items():
             num_chunks = int(name.split("-H")[1].split("-")[1].split("x")[1])
             assert r["ld_global_v4"] >= 2 * num_chunks and r["st_global_v4"] >= num_chunks, (name, r)
+
+
+def test_row_kernels_with_dropout_move_whole_16_byte_vectors():
+    """residual_layernorm's training row kernels with dropout (dropout_aot_specs): the forward still reads h and the
+    residual and writes s and LN(s) as 16-byte vectors, the backward reads s and dN and writes dS and dH so."""
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    result = _compiled("residual_layernorm", "dropout_aot_specs")
+    assert result["module_error"] is None, result["module_error"]
+    records = result["records"]
+    if ONLY is None:  # dtypes x norm kinds x (3 widths + the int64 numbering at 768) x {forward, backward} x archs
+        assert len(records) == 3 * 3 * 4 * 2 * len(aot_compile.ARCHS), sorted(records)
+    assert records
+    for (name, arch), r in records.items():
+        num_chunks = int(name.split("-H")[1].split("-")[1].split("x")[1])
+        assert r["ld_global_v4"] >= 2 * num_chunks, (name, arch, r)
+        assert r["st_global_v4"] >= 2 * num_chunks, (name, arch, r)
 
 
 # --------------------------------------------------------------------------------------------------------------------
