@@ -349,7 +349,8 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg
 
 
 def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee",
-                      rotary: bool = False, disentangled: bool = False) -> list[triton.Config]:
+                      rotary: bool = False, disentangled: bool = False,
+                      dropout: bool = False) -> list[triton.Config]:
     """The tiles worth trying for one dtype / head dim / fp32 input precision. Each compiles for sm_90 and sm_80,
     masked and unmasked, without register spills on Triton 3.6 and 3.9 (cuobjdump STACK 0; tests/tooling/test_aot.py
     checks it via aot_specs()).
@@ -372,6 +373,8 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
     hd 64: 64x64 at 4 warps spilled on sm_80 (STACK 64 under Triton 3.9, 232 under 3.6), so the short-sequence tile
     is 64x32; 128x64 fits at maxnreg=255 (REG 222-250 on sm_80; in ptxas's own budget it took 128 registers at hd 32
     and spilled under Triton 3.6). At hd 128 128x64 spilled with any term (STACK 32-56, sm_90 and sm_80): 64x32 alone.
+    dropout (training, fp16/bf16): the Philox draws hold registers in the key loop; 64x64 at 4 warps spilled on sm_80
+    (REG 255, STACK 48, Triton 3.9) at hd 64, so the short-sequence tile is 64x32; 128x64 at 8 warps fits (REG 244).
     """
     if dtype == torch.float32:  # the FMA tiles at hd 64/128 need more than 255 registers' worth: ptxas's own budget
         if input_precision == "ieee" and head_dim > 64:
@@ -385,7 +388,7 @@ def attention_configs(dtype: torch.dtype, head_dim: int, input_precision: str = 
         return [_config(128, 32, 8, 2, maxnreg=None), _config(64, 32, 8, 2)]
     # 128x64 at hd 128: ptxas's own budget (~244 on sm_80) does not spill; 255 spills 8 bytes there.
     big = _config(128, 64, 8, 2, maxnreg=None if head_dim > 64 else 255)
-    narrow = head_dim > 64 or (rotary and head_dim == 64) or disentangled
+    narrow = head_dim > 64 or (rotary and head_dim == 64) or disentangled or dropout
     return [big, _config(64, 32, 4, 2) if narrow else _config(64, 64, 4, 2)]
 
 
@@ -398,8 +401,9 @@ def _all_configs() -> list[triton.Config]:
     for dtype in _DTYPES:
         for precision in ("ieee", "tf32"):
             for head_dim in TRITON_HEAD_DIMS:
-                for rotary, disentangled in ((False, False), (True, False), (False, True)):
-                    for config in attention_configs(dtype, head_dim, precision, rotary, disentangled):
+                for rotary, disentangled, dropout in ((False, False, False), (True, False, False),
+                                                      (False, True, False), (False, False, True)):
+                    for config in attention_configs(dtype, head_dim, precision, rotary, disentangled, dropout):
                         unique.setdefault(_key(config), config)
     return list(unique.values())
 
@@ -409,7 +413,8 @@ def _prune(configs, named_args, **kwargs):
     (half of such a tile would be masked-off work, and it halves the program count)."""
     dtype, head_dim, precision = named_args["qkv_ptr"].dtype, kwargs["HEAD_DIM"], kwargs["INPUT_PRECISION"]
     wanted = {_key(c) for c in attention_configs(dtype, head_dim, precision, kwargs.get("HAS_ROTARY", False),
-                                                 kwargs.get("HAS_C2P", False) or kwargs.get("HAS_P2C", False))}
+                                                 kwargs.get("HAS_C2P", False) or kwargs.get("HAS_P2C", False),
+                                                 kwargs.get("DROPOUT", False))}
     kept = [c for c in configs if _key(c) in wanted]
     short = [c for c in kept if c.kwargs["BLOCK_M"] <= max(64, named_args["seq_bucket"])]
     return short or kept
@@ -417,10 +422,11 @@ def _prune(configs, named_args, **kwargs):
 
 # The autotuner adds the tensor dtypes to the key itself. seq_bucket (a power of two) rather than seq_len, so a new
 # length re-uses the tuned config; the mask variant shares its unmasked twin's choice. A window (and its width: the
-# keys a query block visits), rotary and DeBERTa's gathers change the work per key block, so they tune apart.
+# keys a query block visits), rotary, DeBERTa's gathers and dropout's draws change the work per key block, so they tune
+# apart.
 _attention_fwd = utils.autotune(_attention_fwd_kernel, _all_configs(),
                                 ["HEAD_DIM", "INPUT_PRECISION", "seq_bucket", "HAS_WINDOW", "window", "HAS_ROTARY",
-                                 "HAS_C2P", "HAS_P2C"],
+                                 "HAS_C2P", "HAS_P2C", "DROPOUT"],
                                 _prune)
 
 # Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
@@ -571,7 +577,9 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 def train_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
                   key_valid: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                   window: int | None = None, rotary=None, kv_heads: int | None = None, dropout_p: float = 0.0,
-                  seed: torch.Tensor | None = None, config: triton.Config | None = None):
+                  seed: torch.Tensor | None = None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
+                  column: torch.Tensor | None = None, uniform_padded_queries: bool = False,
+                  config: triton.Config | None = None):
     """The forward training runs: (out [T, nh*hd], lse fp32 [T, nh]), `launch`'s output and each query's
     log-sum-exp of its scores (natural log, the scale and the bias included), which the backward reads to recompute
     the probabilities (kernels/attention_backward.py). dropout_p > 0 drops probabilities inside the kernel with keep
@@ -582,7 +590,8 @@ def train_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, 
     if dropout_p > 0 and seed is None:
         raise ValueError("train_forward: dropout_p > 0 needs a seed tensor (utils.dropout_seed)")
     out = launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, config=config, bias=bias, window=window,
-                 rotary=rotary, kv_heads=kv_heads, lse=lse, dropout_p=dropout_p, seed=seed)
+                 rotary=rotary, c2p=c2p, p2c=p2c, column=column, uniform_padded_queries=uniform_padded_queries,
+                 kv_heads=kv_heads, lse=lse, dropout_p=dropout_p, seed=seed)
     return out, lse
 
 

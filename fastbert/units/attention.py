@@ -401,12 +401,6 @@ def _launch_extras(extras: Extras) -> dict:
 
 
 # ---- training on the kernels ---------------------------------------------------------------------------------------
-# What train_kernel cannot serve yet, and why (train_unsupported names each; the dispatch reads it).
-_NOT_BUILT_DISENTANGLED = ("DeBERTa's c2p/p2c terms have no backward in the kernels yet (their gradients into the "
-                           "per-token tables are not built)")
-_NOT_BUILT_PAIRWISE = ("DeBERTa's padded-query rule (mask_i * mask_j) has no backward in the kernels yet")
-
-
 def train_unsupported(attn, dropout_p: float, return_probs: bool, extras: Extras) -> str | None:
     """Why `train_kernel` cannot serve this call (None when it can): what the kernels' backward does not build."""
     if return_probs:
@@ -414,12 +408,14 @@ def train_unsupported(attn, dropout_p: float, return_probs: bool, extras: Extras
     if not 0.0 <= dropout_p < 1.0:
         return f"dropout_p={dropout_p} is outside [0, 1) (p = 1 drops everything: the twin serves it)"
     if extras.disentangled is not None:
-        return _NOT_BUILT_DISENTANGLED
+        d = extras.disentangled
+        if extras.bias is not None or extras.window is not None or extras.rotary is not None:
+            return "DeBERTa's c2p/p2c terms combined with a bias table, a window or rotary (no family does)"
+        if d.c2p is None and d.p2c is None:
+            return "disentangled= without c2p or p2c"
     if isinstance(attn, AttentionMask):
         if attn.custom:
             return "a custom 3-D/4-D attention mask (only the twin applies those)"
-        if attn.pairwise:
-            return _NOT_BUILT_PAIRWISE
         if extras.window is not None and attn.key_valid is not None:
             return ("a window over padded rows has no backward in the kernels yet (a padded query whose window holds "
                     "only padding is HF's uniform answer, written after the kernel); unpad the batch")
@@ -432,8 +428,9 @@ class TrainKernel(torch.autograd.Function):
     """attention on the kernels with a backward: `train_forward` (the forward kernel, also storing each query's
     log-sum-exp, dropout drawn inside it from a Philox seed) and `attention_backward` (kernels/attention_backward.py:
     a dK/dV kernel and a dQ kernel recomputing the probabilities from q, k and the log-sum-exp). Call it through
-    `train_kernel`. Gradients: qkv, and the bias table (fp32 atomics in the dQ kernel: the order of the sum, so its
-    last bits, vary from run to run).
+    `train_kernel`. Gradients: qkv, the bias table and DeBERTa's c2p / p2c tables (fp32 atomics: the dQ kernel adds
+    into the bias table and c2p, the dK/dV kernel into p2c; the order of those sums, so their last bits, vary from
+    run to run; qkv's gradient has no atomics).
 
     Saved for the backward, per token (e = the dtype's bytes, H = nh * hd, G-grouped: qkv is (nh + 2 kv) * hd wide):
         qkv        3·H·e  (the QKV GEMM's output itself, not a copy; (nh + 2 kv)·hd·e grouped)
@@ -451,34 +448,42 @@ class TrainKernel(torch.autograd.Function):
     kernels do not store."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, cu_seqlens, max_seqlen, scale, key_valid, window, rotary, kv_heads, dropout_p):
+    def forward(ctx, qkv, bias, c2p, p2c, column, cu_seqlens, max_seqlen, scale, key_valid, pairwise, window, rotary,
+                kv_heads, dropout_p):
         k = kernels()
         seed = k.utils.dropout_seed(qkv.device) if dropout_p > 0 else None
         out, lse = k.train_forward(qkv, cu_seqlens, max_seqlen, scale, key_valid, bias=bias, window=window,
-                                   rotary=rotary, kv_heads=kv_heads, dropout_p=dropout_p, seed=seed)
+                                   rotary=rotary, kv_heads=kv_heads, dropout_p=dropout_p, seed=seed, c2p=c2p,
+                                   p2c=p2c, column=column, uniform_padded_queries=pairwise)
         cos, sin = (None, None) if rotary is None else (rotary.cos, rotary.sin)
-        ctx.save_for_backward(qkv, out, lse, cu_seqlens, key_valid, bias, cos, sin, seed)
-        ctx.call = (max_seqlen, scale, window, kv_heads, dropout_p)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens, key_valid, bias, cos, sin, seed, c2p, p2c, column)
+        ctx.call = (max_seqlen, scale, pairwise, window, kv_heads, dropout_p)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, out, lse, cu_seqlens, key_valid, bias, cos, sin, seed = ctx.saved_tensors
-        max_seqlen, scale, window, kv_heads, dropout_p = ctx.call
-        dqkv, dbias = backward_kernels().attention_backward(
+        qkv, out, lse, cu_seqlens, key_valid, bias, cos, sin, seed, c2p, p2c, column = ctx.saved_tensors
+        max_seqlen, scale, pairwise, window, kv_heads, dropout_p = ctx.call
+        dqkv, dbias, dc2p, dp2c = backward_kernels().attention_backward(
             dout, qkv, out, lse, cu_seqlens, max_seqlen, scale, key_valid, bias=bias, window=window,
-            rotary=None if cos is None else (cos, sin), kv_heads=kv_heads, dropout_p=dropout_p, seed=seed)
+            rotary=None if cos is None else (cos, sin), kv_heads=kv_heads, dropout_p=dropout_p, seed=seed, c2p=c2p,
+            p2c=p2c, column=column, uniform_padded_queries=pairwise)
         needs = ctx.needs_input_grad
-        return (dqkv if needs[0] else None, dbias.to(bias.dtype) if needs[1] and dbias is not None else None,
-                None, None, None, None, None, None, None, None)
+
+        def cast(grad, like, need):
+            return grad.to(like.dtype) if need and grad is not None else None
+
+        return (dqkv if needs[0] else None, cast(dbias, bias, needs[1]), cast(dc2p, c2p, needs[2]),
+                cast(dp2c, p2c, needs[3])) + (None,) * 10
 
 
 def train_kernel(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
                  extras: Extras = NONE, workspace: Workspace | None = None) -> tuple[torch.Tensor, None]:
-    """`twin`'s contract on the kernels, with gradients for qkv and the bias table (see TrainKernel for what it
-    saves): (context [T, nh*hd], None). Dropout (p < 1) is drawn inside the kernels from a seed taken from torch's
-    generator, so torch.manual_seed reproduces it (not the twin's mask: another generator). `workspace` is not read.
-    Raises ValueError with `train_unsupported`'s reason for a call the kernels' backward does not serve."""
+    """`twin`'s contract on the kernels, with gradients for qkv, the bias table and DeBERTa's c2p / p2c (see
+    TrainKernel for what it saves): (context [T, nh*hd], None). Dropout (p < 1) is drawn inside the kernels from a
+    seed taken from torch's generator, so torch.manual_seed reproduces it (not the twin's mask: another generator).
+    `workspace` is not read. Raises ValueError with `train_unsupported`'s reason for a call the kernels' backward
+    does not serve."""
     why = train_unsupported(attn, dropout_p, return_probs, extras)
     if why is None:
         why = kernels().utils.call_unsupported(OP, qkv.dtype, heads(qkv, extras.kv_heads)[3])
@@ -492,8 +497,12 @@ def train_kernel(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, 
     else:
         cu_seqlens = k.uniform_cu_seqlens(attn.batch_size, attn.seq_len, qkv.device)
         max_seqlen, key_valid = attn.seq_len, attn.key_valid
-    out = TrainKernel.apply(qkv, extras.bias, cu_seqlens, max_seqlen, scale, key_valid, extras.window,
-                            extras.rotary, extras.kv_heads, float(dropout_p))
+    dis = extras.disentangled
+    c2p, p2c, column = (None, None, None) if dis is None else (dis.c2p, dis.p2c, dis.column)
+    # DeBERTa's padded rows: HF's mask_i * mask_j (attn.pairwise, or any padded rows with its terms, as the twin)
+    pairwise = key_valid is not None and (attn.pairwise or dis is not None)
+    out = TrainKernel.apply(qkv, extras.bias, c2p, p2c, column, cu_seqlens, max_seqlen, scale, key_valid, pairwise,
+                            extras.window, extras.rotary, extras.kv_heads, float(dropout_p))
     return out, None
 
 

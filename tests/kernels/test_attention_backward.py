@@ -13,6 +13,8 @@ Tiles under the interpreter (kernels/attention_backward.py): dK/dV programs of 3
 programs of 32 queries stepping over 16 keys; lengths 1, 15-17, 31-33 and 40-70 cross both kernels' edges.
 bf16: the interpreter cannot run its tl.dot (tests/kernels/test_attention.py says why); it runs on CUDA.
 """
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -60,8 +62,10 @@ def padded(rows) -> AttentionMask:
 
 def mask_in(attn: AttentionMask, dtype) -> AttentionMask:
     """The same mask built for another compute dtype (the twin adds finfo(dtype).min)."""
-    return attn if attn.key_valid is None else AttentionMask.build(attn.key_valid, attn.batch_size, attn.seq_len,
-                                                                   dtype)
+    if attn.key_valid is None:
+        return attn
+    rebuilt = AttentionMask.build(attn.key_valid, attn.batch_size, attn.seq_len, dtype)
+    return dataclasses.replace(rebuilt, pairwise=attn.pairwise)
 
 
 def rotary_for(attn, hd):
@@ -75,21 +79,28 @@ def rotary_for(attn, hd):
 
 
 def gradients(fn, qkv, attn, scale, extras, dout, dtype, dropout_p=0.0):
-    """(out, dqkv, dbias) of sum(fn(...) * dout) with qkv (and the bias table) cast to dtype (the table stays fp32
-    unless dtype is float64)."""
+    """(out, dqkv, {name: gradient} of the tables) of sum(fn(...) * dout) with qkv cast to dtype; the side tables
+    (the bias table, DeBERTa's c2p and p2c) stay fp32 unless dtype is float64."""
     x = qkv.detach().to(dtype).requires_grad_()
-    bias = extras.bias
-    if bias is not None:
-        bias = bias.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
-    rotary = extras.rotary
+    table = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def leaf(t):
+        return None if t is None else t.detach().to(table).requires_grad_()
+
+    bias, dis, rotary = leaf(extras.bias), extras.disentangled, extras.rotary
+    tables = {"bias": bias}
+    if dis is not None:
+        dis = twins.Disentangled(leaf(dis.c2p), leaf(dis.p2c), dis.column)
+        tables.update(c2p=dis.c2p, p2c=dis.p2c)
     if rotary is not None and dtype == torch.float64:
         rotary = twins.Rotary(rotary.cos.double(), rotary.sin.double())
     call_attn = mask_in(attn, dtype) if isinstance(attn, AttentionMask) else attn
-    out, probs = fn(x, call_attn, scale, dropout_p, False, extras._replace(bias=bias, rotary=rotary))
+    out, probs = fn(x, call_attn, scale, dropout_p, False, extras._replace(bias=bias, rotary=rotary,
+                                                                          disentangled=dis))
     assert probs is None
-    leaves = [x] + ([bias] if bias is not None else [])
-    grads = torch.autograd.grad((out * dout.to(out.dtype)).sum(), leaves)
-    return out.detach(), grads[0], grads[1] if bias is not None else None
+    tables = {name: t for name, t in tables.items() if t is not None}
+    grads = torch.autograd.grad((out * dout.to(out.dtype)).sum(), [x, *tables.values()])
+    return out.detach(), grads[0], dict(zip(tables, grads[1:]))
 
 
 def check(name, dtype, got, twin, ref, stored=None):
@@ -105,12 +116,22 @@ def check(name, dtype, got, twin, ref, stored=None):
         assert err <= bound, f"{name}: {err:.3g} from fp64 > {bound:.3g} (2x the twin's + 1e-6)"
 
 
-def run_case(attn, nh, hd, dtype, kv=None, window=None, rotary=False, bias_reach=None, seed=0):
+def run_case(attn, nh, hd, dtype, kv=None, window=None, rotary=False, bias_reach=None, seed=0, terms=None):
+    """terms: DeBERTa's ("c2p", "p2c" or both) over P = 12 columns, with a column table of reach max_seqlen - 3 (the
+    longest distances clamp to its ends)."""
     T = attn.num_tokens if isinstance(attn, TokenLayout) else attn.batch_size * attn.seq_len
     qkv = make_qkv(T, nh, hd, dtype, kv, seed)
     dout = randn((T, nh * hd), seed + 1).to(dtype).to(DEVICE)
     bias = None if bias_reach is None else randn((nh, 2 * bias_reach - 1), seed + 2).float().to(DEVICE)
-    extras = Extras(bias=bias, window=window, rotary=rotary_for(attn, hd) if rotary else None, kv_heads=kv)
+    dis = None
+    if terms:
+        P, reach = 12, (attn.max_seqlen if isinstance(attn, TokenLayout) else attn.seq_len) - 3
+        column = torch.randint(0, P, (2 * reach - 1,), generator=torch.Generator().manual_seed(seed + 3),
+                               dtype=torch.int32).to(DEVICE)
+        dis = twins.Disentangled(randn((T, nh, P), seed + 4).float().to(DEVICE) if "c2p" in terms else None,
+                                 randn((T, nh, P), seed + 5).float().to(DEVICE) if "p2c" in terms else None, column)
+    extras = Extras(bias=bias, window=window, rotary=rotary_for(attn, hd) if rotary else None, disentangled=dis,
+                    kv_heads=kv)
     scale = hd ** -0.5
     out, dqkv, dbias = gradients(unit.train_kernel, qkv, attn, scale, extras, dout, dtype)
     twin_out, twin_dqkv, twin_dbias = gradients(unit.twin, qkv, attn, scale, extras, dout, dtype)
@@ -124,8 +145,9 @@ def run_case(attn, nh, hd, dtype, kv=None, window=None, rotary=False, bias_reach
     else:
         for i, name in enumerate(parts):
             check("d" + name, dtype, dqkv[:, i], twin_dqkv[:, i], ref_dqkv[:, i])
-    if bias is not None:
-        check("dbias", dtype, dbias, twin_dbias, ref_dbias, torch.float32)  # fp32 in every dtype: the table's own
+    assert set(dbias) == set(ref_dbias)
+    for name in dbias:  # fp32 in every dtype: the tables' own
+        check("d" + name, dtype, dbias[name], twin_dbias[name], ref_dbias[name], torch.float32)
     return dqkv
 
 
@@ -174,8 +196,8 @@ def test_head_dim_64_and_a_heads_major_layout():
     T, nh, hd = 75, 2, 64
     qkv = make_qkv(T, nh, hd, torch.float32).permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3)
     dout = randn((T, nh * hd), 5).float()
-    _, got, _ = gradients(unit.train_kernel, qkv, attn, hd ** -0.5, Extras(), dout, torch.float32)
-    _, ref, _ = gradients(unit.twin, qkv, attn, hd ** -0.5, Extras(), dout, torch.float64)
+    got = gradients(unit.train_kernel, qkv, attn, hd ** -0.5, Extras(), dout, torch.float32)[1]
+    ref = gradients(unit.twin, qkv, attn, hd ** -0.5, Extras(), dout, torch.float64)[1]
     check("dqkv", torch.float32, got, ref, ref)
 
 
@@ -241,7 +263,10 @@ def test_train_unsupported_names_what_is_not_built():
     assert unit.train_unsupported(mask, 0.0, False, Extras(window=2, rotary=None)) is not None
     assert "probabilities" in unit.train_unsupported(layout, 0.0, True, Extras())
     dis = twins.Disentangled(torch.zeros(4, 1, 2), None, torch.zeros(7, dtype=torch.int32))
-    assert "c2p" in unit.train_unsupported(layout, 0.0, False, Extras(disentangled=dis))
+    assert unit.train_unsupported(layout, 0.0, False, Extras(disentangled=dis)) is None
+    assert "c2p" in unit.train_unsupported(layout, 0.0, False, Extras(disentangled=dis, window=2))
+    assert "custom" in unit.train_unsupported(dataclasses.replace(mask, custom=True), 0.0, False, Extras())
+    assert "dropout_p" in unit.train_unsupported(layout, 1.0, False, Extras())
     with pytest.raises(ValueError, match="probabilities"):
         unit.train_kernel(make_qkv(4, 1, 16, torch.float32), layout, 0.25, return_probs=True)
 
@@ -382,3 +407,26 @@ def test_bias_table_gradient_matches_fp64(reach, dtype):
 def test_bias_table_gradient_padded_matches_fp64():
     """Padded rows count distances over padding (as HF); a fully padded row adds nothing to the table's gradient."""
     run_case(padded(PADDED["fully-padded-row"]), nh=2, hd=16, dtype=torch.float32, bias_reach=12)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# (e) DeBERTa's c2p / p2c terms, and its padded-query rule
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES_INTERPRETED)
+@pytest.mark.parametrize("terms", [("c2p", "p2c"), ("c2p",), ("p2c",)], ids=["both", "c2p", "p2c"])
+def test_disentangled_gradients_match_fp64(terms, dtype):
+    run_case(varlen((40, 1, 23)), nh=2, hd=16, dtype=dtype, terms=terms)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_INTERPRETED)
+def test_disentangled_padded_rows_match_fp64(dtype):
+    """HF's DeBERTa mask (mask_i * mask_j): every padded query is its row's mean value, so its gradient reaches v
+    alone (dO / S to each value), and a fully padded row's too."""
+    dqkv = run_case(padded(PADDED["left-and-holes"][:2] + PADDED["fully-padded-row"][1:2]), nh=2, hd=16, dtype=dtype,
+                    terms=("c2p", "p2c"))
+    assert torch.equal(dqkv[:10, :2], torch.zeros_like(dqkv[:10, :2]))  # row 0's left padding: no dq, no dk
+
+
+def test_uniform_padded_queries_without_terms_match_fp64():
+    attn = dataclasses.replace(padded(PADDED["right"]), pairwise=True)
+    run_case(attn, nh=4, hd=16, dtype=torch.float32, kv=2)
