@@ -98,7 +98,10 @@ def residual_layernorm(y, weight, bias, residual, ln_weight, ln_bias, eps: float
     (units.residual_layernorm.twin)."""
     twin = lambda: _residual_layernorm.twin(y, weight, bias, residual, ln_weight, ln_bias, eps,  # noqa: E731
                                             dropout_p, pre_norm)
-    if _use_kernel("residual_layernorm", backend, y, weight, bias, residual, ln_weight, ln_bias, dropout=dropout_p):
-        return _call("residual_layernorm", backend, y, lambda: _residual_layernorm.kernel(
-            y, weight, bias, residual, ln_weight, ln_bias, eps, pre_norm=pre_norm, checked=True), twin)
+    tensors = (weight, bias, residual, ln_weight, ln_bias)
+    if _use_kernel("residual_layernorm", backend, y, *tensors, dropout=dropout_p):
+        train = _needs_grad(y, *tensors) or dropout_p > 0
+        run = _residual_layernorm.train_kernel if train else _residual_layernorm.kernel
+        return _call("residual_layernorm", backend, y, lambda: run(
+            y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, pre_norm, checked=True), twin)
     return twin()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..twins import Workspace, dropout, linear_into
-from .common import inference_only, random_inputs, run_backend
+from .common import kernel_reason, random_inputs, run_backend
 
 OP = "residual_layernorm"
 
@@ -119,14 +119,15 @@ class TrainKernel(torch.autograd.Function):
 
 def train_kernel(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                  ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
-                 pre_norm: bool = False, rms: bool = False):
+                 pre_norm: bool = False, rms: bool = False, workspace: Workspace | None = None,
+                 checked: bool = True):
     """`twin`'s contract (2-D y and residual) on the kernels, with gradients for y, weight, bias, residual,
     ln_weight and ln_bias (None for an input that is None or does not require grad); see TrainKernel for what it
     saves. dropout_p > 0: dropout on y @ W^T + b before the residual joins, as the twin's, drawn inside the row
     kernel from a seed taken from torch's generator once per call (torch.manual_seed reproduces a call); the
     backward regenerates the same mask. Its mask is not the twin's (another generator). dropout_p = 0 draws no seed
-    and runs the kernels without dropout. The model does not call this yet: its training still runs the twin
-    (units.common.inference_only)."""
+    and runs the kernels without dropout. Every argument is checked by the row kernel's launcher whatever
+    `checked` says (the training launch has no unchecked form); `workspace` is not read."""
     return TrainKernel.apply(y, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, pre_norm, rms)
 
 
@@ -169,8 +170,14 @@ def traced(backend: str):
     return run
 
 
+def train_unsupported(situation) -> str | None:
+    """Why train_kernel cannot serve a training forward's situation: never (both norm placements, RMSNorm, and
+    hidden dropout drawn in the row kernels)."""
+    return None
+
+
 def reason(situation, facts) -> str | None:
-    return inference_only(OP, situation, facts, situation.hidden_dropout)
+    return kernel_reason(OP, situation, facts, train_unsupported)
 
 
 class Variant(NamedTuple):
