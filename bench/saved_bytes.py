@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on CPU
@@ -102,7 +101,10 @@ def saved_bytes(model, inputs: dict) -> int:
         storage = t.untyped_storage()
         if storage.data_ptr() not in skip:
             seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return t  # kept as it is: the storages stay alive (and distinct) until the sum is taken
+        # A view without autograd history: it keeps the storage alive (so storages stay distinct until the sum is
+        # taken), and unlike t itself it does not tie a saved output to its own grad_fn, a reference cycle through
+        # autograd's C++ nodes that no collector frees (each forward's saved tensors would then stay in memory)
+        return t.detach()
 
     with torch.inference_mode(False), torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -132,29 +134,16 @@ def per_layer(variant: str, masters: dict, batch: int, seq: int) -> dict:
             "model_bytes": totals}
 
 
-def isolated(variant: str, dropout: float, batch: int, seq: int, tiny: bool) -> dict:
-    """`per_layer` in a process of its own: memory a forward leaves behind in a process (caches of buffers sized by
-    the tokens) never adds up across the measurements of a 32 x 512 run."""
-    cmd = [sys.executable, "-m", "bench.saved_bytes", "--one", variant, str(dropout), str(batch), "--seq", str(seq)]
-    run = subprocess.run(cmd + (["--tiny"] if tiny else []), capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if run.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed (rc={run.returncode}): {run.stderr[-2000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def measure(tiny: bool, batch: int, seq: int, kernel_batches: list[int], in_process: bool = False) -> dict:
+def measure(tiny: bool, batch: int, seq: int, kernel_batches: list[int]) -> dict:
     """Every variant with and without dropout: HF and the twins at batch x seq and at each kernel batch; the
-    kernel path at the kernel batches, extrapolated to batch x seq by its bytes per token. Each measurement in its
-    own process unless `in_process`."""
+    kernel path at the kernel batches, extrapolated to batch x seq by its bytes per token."""
     rows = []
     for dropout in (0.1, 0.0):
-        masters = models(tiny, dropout) if in_process else None
+        masters = models(tiny, dropout)
         for variant in VARIANTS:
             sizes = kernel_batches if variant == "fastbert-triton" else sorted({*kernel_batches, batch})
             for b in sizes:
-                one = per_layer(variant, masters, b, seq) if in_process else isolated(variant, dropout, b, seq, tiny)
-                rows.append({"dropout": dropout, **one})
+                rows.append({"dropout": dropout, **per_layer(variant, masters, b, seq)})
                 r = rows[-1]
                 print(f"  {variant:<16} dropout {dropout}  {b:>3} x {seq}: {r['bytes_per_layer'] / 2**20:9.2f} MiB "
                       f"per layer, {r['bytes_per_token']:9.1f} B per token", flush=True)
@@ -223,22 +212,13 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-batches", default="2,4", help="sequences the interpreted kernel path runs")
     parser.add_argument("--tiny", action="store_true", help="a small BERT (hidden 64, 4 heads) instead of BERT-base")
     parser.add_argument("--json", default=None, help="write the rows and the table here")
-    parser.add_argument("--in-process", action="store_true",
-                        help="every measurement in this process (small shapes; else one process each)")
-    parser.add_argument("--one", nargs=3, default=None, metavar=("VARIANT", "DROPOUT", "BATCH"),
-                        help=argparse.SUPPRESS)  # one measurement, printed as a JSON line (`isolated`)
     args = parser.parse_args(argv)
-    if args.one:
-        variant, dropout, batch = args.one
-        print(json.dumps(per_layer(variant, models(args.tiny, float(dropout)), int(batch), args.seq)))
-        return 0
     kernel_batches = [int(b) for b in args.kernel_batches.split(",") if b]
     torch.manual_seed(0)
-    result = measure(args.tiny, args.batch, args.seq, kernel_batches, args.in_process)
+    result = measure(args.tiny, args.batch, args.seq, kernel_batches)
     result["conditions"] = {"device": "cpu", "dtype": "fp32", "model": "tiny BERT" if args.tiny else "BERT-base",
                             "batch": args.batch, "seq": args.seq, "kernel_batches": kernel_batches,
                             "one_layer": "forward of 2 layers minus forward of 1 layer, same weights",
-                            "processes": "one" if args.in_process else "one per measurement",
                             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"), "torch": torch.__version__,
                             "goal": f"kernel path <= {GOAL}x HF sdpa"}
     text = render(result, args.batch, args.seq)
