@@ -6,6 +6,7 @@ log-sum-exp, never an S x S tensor in memory.
     dP = (dO v^T) o M / (1 - p)
     dS = P o (dP - delta),   delta_i = sum_j P_ij dP_ij = rowsum(dO o O)_i
     dq = dS k * scale,   dk = dS^T q * scale,   dB[h, d] = sum over (i, j) at distance d of dS_ij
+    dc2p[tok(i), h, c] = sum over j with column c of dS_ij,   dp2c[tok(j), h, c] = sum over i with column c of dS_ij
 
 Why it pays. Autograd through HF's eager attention keeps the probabilities [B, nh, S, S] (and dropout's mask) for the
 backward, and runs ~6 passes over S x S tensors there (dP, the softmax backward's product, sum and subtraction, the
@@ -21,6 +22,11 @@ Two kernels, no atomics for q, k and v (FlashAttention-2's split):
 - dQ: one program per (query block, query head, sequence), looping over the key blocks as the forward does; it also
   reduces the bias table's gradient (MPNet), with fp32 atomics into [nh, 2L - 1]: every score of a head at one
   distance adds into one entry, so the sum's order (and its last bits) varies from run to run.
+- DeBERTa's terms (c2p per query token, p2c per key token, [T, nh, P], one column per distance): the dQ kernel adds
+  dS into c2p's gradient rows of its queries, the dK/dV kernel into p2c's rows of its keys, fp32 atomics because
+  many pairs of a tile share a column (the same caveat on the order). Its padded-query rule (mask_i * mask_j: such a
+  query is its row's mean value) runs the kernels with that query's dO zeroed, and one torch reduction gives each
+  value of the row dO / S.
 delta = rowsum(dO o O) is one small torch reduction ([T, nh] fp32) before both.
 
 The forward's rules hold here as there (kernels/attention.py): varlen sequences over cu_seqlens, or padded rows with
@@ -367,7 +373,7 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int = 1,
 
 
 def backward_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "ieee",
-                     disentangled: bool = False) -> tuple:
+                     gathers: bool = False) -> tuple:
     """(dK/dV tile, dQ tile) for one dtype / head dim / fp32 input precision. BLOCK_N is the dK/dV program's keys and
     the dQ loop's step; BLOCK_M the dK/dV loop's step and the dQ program's queries. The program's own dimension is
     the wide one (FlashAttention-2's split: 32 x 64 / 64 x 32), since its accumulators (dk and dv, or dq) stay in
@@ -375,16 +381,18 @@ def backward_configs(dtype: torch.dtype, head_dim: int, input_precision: str = "
     trial runs; one tile per key, chosen by registers (tests/tooling/test_aot.py: no spills on sm_90 and sm_80), not
     timed yet:
     - fp32: ptxas's own budget except the dK/dV tile at hd <= 64 (STACK 8 on sm_80 with a key mask there; 255 fits);
-    - hd 128: the dQ tile at 4 warps spilled on sm_80 (REG 255, STACK 88-96), at 8 warps it fits (REG 247-254);
-    - DeBERTa's terms: the dK/dV kernel gathers c2p, p2c and the column tile and adds p2c's gradient per tile; at
-      32 x 64 it spilled on sm_80 (STACK 208-288 at 4 warps, 40 at 8): 16 queries a step (REG 182-233)."""
+    - hd 128: at 4 warps the dQ tile spilled on sm_80 (REG 255, STACK 88-96, Triton 3.9) and the dK/dV tile too
+      (STACK 8-16 on sm_90 and sm_80, Triton 3.6); at 8 warps both fit (REG 172-254);
+    - `gathers` (a bias table, or DeBERTa's terms): the dK/dV kernel gathers the table (or c2p, p2c and the column
+      tile, and adds p2c's gradient) in every tile; at 32 x 64 it spilled on sm_80 (bias with a key mask: STACK 8,
+      Triton 3.6; both terms: STACK 208-288 at 4 warps, 40 at 8, Triton 3.9): 16 queries a step (REG 128-233)."""
     if dtype == torch.float32:  # FMA (ieee) or tf32 dots, the accuracy path: small tiles
         if head_dim > 64:
             return _config(16, 16, 4), _config(16, 16, 4)
         return _config(16, 32, 4, maxnreg=255), _config(32, 16, 4)
     if head_dim > 64:
-        return _config(32, 64, 4, maxnreg=255), _config(64, 32, 8, maxnreg=255)
-    if disentangled:
+        return _config(32, 64, 8), _config(64, 32, 8, maxnreg=255)
+    if gathers:
         return _config(16, 64, 4), _config(64, 32, 4)
     return _config(32, 64, 4), _config(64, 32, 4)
 
@@ -497,7 +505,7 @@ def attention_backward(do: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, l
                 HAS_C2P=has_c2p, HAS_P2C=has_p2c)
     if configs is None:
         configs = _INTERPRETER_CONFIGS if utils.INTERPRET else backward_configs(
-            qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_c2p or has_p2c)
+            qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_bias or has_c2p or has_p2c)
     dkdv_config, dq_config = configs
     kv_count = num_heads // kv_group
     with utils.device_guard(qkv):
@@ -561,7 +569,7 @@ def backward_aot_specs() -> list[dict]:
                     if dtype == torch.float32 and not plain:
                         continue
                     for fn, config in zip((_attention_bwd_dkdv_kernel, _attention_bwd_dq_kernel),
-                                          backward_configs(dtype, head_dim, precision, variant[6])):
+                                          backward_configs(dtype, head_dim, precision, variant[1] or variant[6])):
                         specs.append(_backward_spec(fn, config, tag, precision, head_dim, *variant))
     # the training forward: BERT's packed and padded layouts, with and without dropout (its own tiles), fp16/bf16 at
     # hd 64: the forward's spec of that variant, STORE_LSE (and DROPOUT) set, at each tile attention_configs() gives

@@ -436,16 +436,20 @@ class TrainKernel(torch.autograd.Function):
         qkv        3·H·e  (the QKV GEMM's output itself, not a copy; (nh + 2 kv)·hd·e grouped)
         out        H·e    (the returned context, which the output dense keeps anyway)
         lse        4·nh B (fp32 log-sum-exp per head)
-    = 4·H·e + 4·nh bytes: 6,192 B at BERT-base in fp16 (H = 768, nh = 12). Per call, not per token: cu_seqlens (or
-    the [B, S] key mask: 1 B per padded token), the rotary tables and bias table (the layer's own), and an 8-byte
-    dropout seed. Nothing S-wide: no probabilities, no dropout mask, no rotated q/k.
+    = 4·H·e + 4·nh bytes: 6,192 B at BERT-base in fp16 (H = 768, nh = 12). Besides: cu_seqlens (or the [B, S] key
+    mask: 1 B per padded token), the model's own rotary tables (4·hd B per token, shared by the layers) and bias
+    table, an 8-byte dropout seed. Nothing S-wide: no probabilities, no dropout mask, no rotated q/k.
     The twin's autograd (sdpa per sequence) saves, per token: q, k and v (views of qkv: 3·H·e), sdpa's output
     (H·e; the twin returns a [T, H] copy of it, which the output dense keeps), and, where a fused sdpa backend runs
     (CUDA flash/efficient, CPU flash), the same fp32 log-sum-exp: 4·H·e + 4·nh, as much as the kernels. It saves
-    more where sdpa runs its math backend: with a bias or mask tensor on CPU, dropout on CPU, or return_probs, the
-    probabilities (nh·S·e per token: 12,288 B at S = 512, BERT-base fp16, twice the rest) and dropout's mask (as
-    large again); with rotary, the rotated q and k copies (2·H·e: 3,072 B at BERT-base fp16). Those are what the
-    kernels do not store."""
+    more where it forms S-wide tensors: a bias table becomes a [1, nh, S, S] mask per call (nh·S²·e; at B = 4,
+    S = 128 another 768 B per token in fp16, growing with S / B), and dropout runs sdpa's math (or the written-out
+    math on CPU), which keeps the probabilities, the scores and the dropout mask: measured 27,648 B per token at
+    BERT-base, B = 4, S = 128 on CPU, against the kernels' 6,192 in fp16 (12,336 in fp32); its share grows with S.
+    Rotary adds the rotated q and k copies (2·H·e: measured 9,520 B per token against the kernels' 6,448 with the
+    tables, BERT-base fp16). None of these is stored by the kernels.
+    (Measured with torch.autograd.graph.saved_tensors_hooks, unique storages: dense, padded and bias calls in fp16
+    and fp32 save 4·H·e + 4·nh per token through the kernels, plus per-call bytes; the twin the same dense.)"""
 
     @staticmethod
     def forward(ctx, qkv, bias, c2p, p2c, column, cu_seqlens, max_seqlen, scale, key_valid, pairwise, window, rotary,

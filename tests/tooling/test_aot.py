@@ -188,6 +188,7 @@ def pytest_generate_tests(metafunc):
 # tests/kernels/test_gemm.py checks tile for tile): (op, the module's specs function).
 BACKWARD_SPEC_LISTS = (("bias_gelu", "backward_aot_specs"),
                        ("residual_layernorm", "dropout_aot_specs"),  # the training row kernels with dropout
+                       ("attention_backward", "backward_aot_specs"),  # attention's training forward and backward
                        )
 
 
