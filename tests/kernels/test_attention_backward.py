@@ -40,7 +40,8 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_
 # Inputs
 # --------------------------------------------------------------------------------------------------------------------
 def randn(shape, seed, scale=1.0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    """Seeded N(0, scale^2) values in float64 on DEVICE (drawn on the CPU: the same values on any machine)."""
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(DEVICE)
 
 
 def make_qkv(T, nh, hd, dtype, kv=None, seed=0):
@@ -346,7 +347,7 @@ def test_dropout_keeps_one_minus_p_at_the_documented_element_numbers():
 
 def dropout_gradients(qkv, attn, p, dout, kv=None, torch_seed=1234):
     """train_kernel's (out, dqkv) under torch.manual_seed(torch_seed), and the seed tensor its forward drew."""
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if DEVICE == "cuda" else []):
         torch.manual_seed(torch_seed)
         x = qkv.detach().clone().requires_grad_()
         out, _ = unit.train_kernel(x, attn, qkv.shape[-1] ** -0.5, p, extras=Extras(kv_heads=kv))
@@ -430,3 +431,23 @@ def test_disentangled_padded_rows_match_fp64(dtype):
 def test_uniform_padded_queries_without_terms_match_fp64():
     attn = dataclasses.replace(padded(PADDED["right"]), pairwise=True)
     run_case(attn, nh=4, hd=16, dtype=torch.float32, kv=2)
+
+
+def test_launcher_reads_strided_do_and_writes_a_strided_dqkv():
+    """dO as a column slice of a wider buffer and dqkv as a view into one (any strides but hd's): the same gradients
+    as with contiguous tensors, bit for bit (the kernels read and write through the strides)."""
+    attn = varlen((33, 9))
+    T, nh, hd, kv = 42, 4, 16, 2
+    qkv = make_qkv(T, nh, hd, torch.float32, kv)
+    out, lse = attention_kernels.train_forward(qkv, attn.cu_seqlens, attn.max_seqlen, 0.25, kv_heads=kv)
+    do = randn((T, nh * hd), 8).float()
+    want = backward_kernels.attention_backward(do, qkv, out, lse, attn.cu_seqlens, attn.max_seqlen, 0.25,
+                                               kv_heads=kv)[0]
+    wide = torch.zeros(T, nh * hd + 24, device=DEVICE)
+    wide[:, 8:8 + nh * hd] = do
+    buffer = torch.full((T, nh + 2 * kv + 1, hd), float("nan"), device=DEVICE)
+    dqkv = buffer[:, 1:]
+    got = backward_kernels.attention_backward(wide[:, 8:8 + nh * hd], qkv, out, lse, attn.cu_seqlens,
+                                              attn.max_seqlen, 0.25, kv_heads=kv, dqkv=dqkv)[0]
+    assert got is dqkv and torch.equal(got, want)
+    assert torch.isnan(buffer[:, 0]).all()  # nothing written outside the view
