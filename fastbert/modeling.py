@@ -293,9 +293,13 @@ class BertModel(TransformersModelMixin, nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or (batch.inputs_embeds is not None and batch.inputs_embeds.requires_grad))
-        run = self.resolve_ops(needs_grad, batch.why_padded(output_attentions), *batch.size)
+        padded = batch.why_padded(output_attentions)
+        if padded is None and self._variants[0].window is not None and isinstance(batch.attn, AttentionMask) \
+                and (needs_grad or self.training):
+            padded = "a sliding window over padded rows has no backward in the kernels (padding_free=True has one)"
+        run = self.resolve_ops(needs_grad, padded, *batch.size)
         if needs_grad and not self.training and not self._warned_autograd:
-            self._warn_autograd_in_eval(run, batch.why_padded(output_attentions), batch.size)
+            self._warn_autograd_in_eval(run, padded, batch.size)
         if not self.family.selects_hidden_states and output_hidden_states:
             output_hidden_states = True  # MPNet's forward reads a selection as a flag: every layer, as HF gives it
         keep = HiddenStates.of(output_hidden_states, len(self.layers), batch)

@@ -76,8 +76,15 @@ def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: 
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
     extras = Extras(bias, window, rotary, disentangled, kv_heads)
     twin = lambda: _attention.twin(qkv, attn, scale, dropout_p, return_probs, extras)  # noqa: E731
-    if _use_kernel("attention", backend, qkv, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
-        kernel = lambda: _attention.kernel(qkv, attn, scale, extras=extras, checked=True)  # noqa: E731
+    tables = (bias, *(rotary or ()), *(() if disentangled is None else (disentangled.c2p, disentangled.p2c)))
+    train = _needs_grad(qkv, *tables) or dropout_p > 0
+    if train and padded is None:
+        padded = _attention.train_unsupported(attn, dropout_p, return_probs, extras)
+    if _use_kernel("attention", backend, qkv, *tables, dropout=dropout_p, head_dim=qkv.shape[-1], padded=padded):
+        if train:
+            kernel = lambda: _attention.train_kernel(qkv, attn, scale, dropout_p, extras=extras)  # noqa: E731
+        else:
+            kernel = lambda: _attention.kernel(qkv, attn, scale, extras=extras, checked=True)  # noqa: E731
         return _call("attention", backend, qkv, kernel, twin)
     return twin()
 

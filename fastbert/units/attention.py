@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..layout import TokenLayout
 from ..mask import AttentionMask, tracing
 from ..twins import Disentangled, Rotary, Workspace, dropout, relative_bias, rotary_tables, rotate, window_mask
-from .common import inference_only, random_inputs, run_backend
+from .common import kernel_reason, random_inputs, run_backend
 
 OP = "attention"
 
@@ -590,7 +590,15 @@ def traced(backend: str):
 # ---- when the kernel serves a call, and what "auto" times ----------------------------------------------------------
 def reason(situation, facts) -> str | None:
     """The probabilities or a custom mask (situation.padded) leave attention on its twin, and what every op shares."""
-    return situation.padded or inference_only(OP, situation, facts, situation.attention_dropout, situation.head_dim)
+    return situation.padded or kernel_reason(OP, situation, facts, train_reason, situation.head_dim)
+
+
+def train_reason(situation) -> str | None:
+    """Why train_kernel cannot serve a training forward's situation (what `train_unsupported` says of a call that
+    the situation already shows); a window over padded rows comes as situation.padded (the model's forward)."""
+    if situation.attention_dropout >= 1.0:
+        return f"the attention dropout is {situation.attention_dropout} (p = 1 drops everything: the twin serves it)"
+    return None
 
 
 class Variant(NamedTuple):

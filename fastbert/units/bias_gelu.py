@@ -88,7 +88,7 @@ def train_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return TrainKernel.apply(x, weight, bias, activation, gated, checked)
 
 
-def train_unsupported(situation) -> str | None:
+def train_reason(situation) -> str | None:
     """Why train_kernel cannot serve a training forward's situation: never (every activation and the gated form
     have their derivative in the kernel)."""
     return None
@@ -114,7 +114,7 @@ def traced(backend: str):
 
 
 def reason(situation, facts) -> str | None:
-    return kernel_reason(OP, situation, facts, train_unsupported)
+    return kernel_reason(OP, situation, facts, train_reason)
 
 
 class Variant(NamedTuple):

@@ -22,27 +22,17 @@ def trains(op: str, situation) -> bool:
     return situation.needs_grad or op_dropout(op, situation) > 0
 
 
-def kernel_reason(op: str, situation, facts, train_unsupported, head_dim: int | None = None) -> str | None:
+def kernel_reason(op: str, situation, facts, train_reason, head_dim: int | None = None) -> str | None:
     """Why `op`'s kernel cannot serve `situation` (None when it can): in a forward that trains, why its train_kernel
-    cannot (`train_unsupported(situation)`; a traced one runs the twins), then what the kernels support (`facts`:
+    cannot (`train_reason(situation)`; a traced one runs the twins), then what the kernels support (`facts`:
     fastbert.kernels.utils)."""
     if trains(op, situation):
         if tracing():
             return "the forward is traced while it trains (the training kernels are autograd functions that " \
                    "torch.compile and export do not trace): the twins serve it"
-        why = train_unsupported(situation)
+        why = train_reason(situation)
         if why is not None:
             return why
-    return facts.call_unsupported(op, situation.dtype, head_dim)
-
-
-def inference_only(op: str, situation, facts, dropout: float = 0.0, head_dim: int | None = None) -> str | None:
-    """Why `op`'s kernel cannot serve `situation` for the reasons every op shares: autograd, dropout, and what the
-    kernels support (`facts`: fastbert.kernels.utils); None when it can."""
-    if situation.needs_grad:
-        return "autograd is needed (the kernels serve inference: wrap it in torch.no_grad())"
-    if dropout > 0:
-        return f"dropout is active (p={dropout}; the kernels serve inference: call model.eval())"
     return facts.call_unsupported(op, situation.dtype, head_dim)
 
 

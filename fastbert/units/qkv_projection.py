@@ -43,7 +43,10 @@ class TrainKernel(torch.autograd.Function):
     def forward(ctx, x, weight, bias, num_heads: int, checked: bool = False):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return kernel(x, weight, bias, num_heads, checked=checked).view(x.shape[0], weight.shape[0])
+        out = x.new_empty(x.shape[0], weight.shape[0])  # returned itself, not a view: adapters add to it in place
+        k = kernels()
+        (k.qkv_projection if checked else k.launch)(x, weight, bias, num_heads, out)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -63,7 +66,7 @@ def train_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(x.shape[0], 3, num_heads, weight.shape[0] // (3 * num_heads))
 
 
-def train_unsupported(situation) -> str | None:
+def train_reason(situation) -> str | None:
     """Why train_kernel cannot serve a training forward's situation: never (a linear has no dropout or variant)."""
     return None
 
@@ -89,7 +92,7 @@ def traced(backend: str):
 
 
 def reason(situation, facts) -> str | None:
-    return kernel_reason(OP, situation, facts, train_unsupported)
+    return kernel_reason(OP, situation, facts, train_reason)
 
 
 def key(dtype: torch.dtype, shapes) -> str:

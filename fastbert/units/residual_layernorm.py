@@ -170,14 +170,14 @@ def traced(backend: str):
     return run
 
 
-def train_unsupported(situation) -> str | None:
+def train_reason(situation) -> str | None:
     """Why train_kernel cannot serve a training forward's situation: never (both norm placements, RMSNorm, and
     hidden dropout drawn in the row kernels)."""
     return None
 
 
 def reason(situation, facts) -> str | None:
-    return kernel_reason(OP, situation, facts, train_unsupported)
+    return kernel_reason(OP, situation, facts, train_reason)
 
 
 class Variant(NamedTuple):

@@ -82,8 +82,9 @@ def test_explicit_triton_without_triton_installed_raises(hf, monkeypatch):
 
 @pytest.mark.parametrize("reason_call, words", [
     (lambda qkv, mask: ops.attention(qkv, mask, 0.25, return_probs=True, backend="triton"), "output_attentions=True"),
-    (lambda qkv, mask: ops.attention(qkv, mask, 0.25, dropout_p=0.1, backend="triton"), "dropout is active"),
-    (lambda qkv, mask: ops.attention(qkv.requires_grad_(), mask, 0.25, backend="triton"), "autograd is needed"),
+    (lambda qkv, mask: ops.attention(qkv.requires_grad_(), mask, 0.25, backend="triton", window=1),
+     "a window over padded rows has no backward"),
+    (lambda qkv, mask: ops.attention(qkv, mask, 0.25, dropout_p=1.0, backend="triton"), "dropout_p=1.0"),
     (lambda qkv, mask: ops.attention(qkv[..., :8], ops.AttentionMask(2, 5), 0.25, backend="triton"),
      "head_dim=8 is not one of (16, 32, 64, 128)"),
     (lambda qkv, mask: ops.attention(qkv, ops.AttentionMask.build(torch.ones(2, 5, 5), 2, 5, torch.float32), 0.25,
