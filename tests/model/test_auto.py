@@ -467,3 +467,81 @@ def test_auto_times_the_median(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     ran = []
     assert measure.default_timer(lambda: ran.append(1)) == 1.0 and ran == [1] and asked == ["median"]
+
+
+# ---- "auto" under autograd: forward + backward are what is timed --------------------------------------------------
+def _grads(fb):
+    out = fb(IDS, attention_mask=MASK).last_hidden_state
+    out.pow(2).sum().backward()
+    grads = {name: p.grad.clone() for name, p in fb.named_parameters() if p.grad is not None}
+    fb.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def test_auto_under_autograd_times_the_training_kernels_forward_and_backward(hf, measured_here, monkeypatch):
+    """An eval-mode forward with autograd on trains every op: each is timed as forward + backward under its own
+    "|train" key (the backward inside the timed call: it is what the timer sees), the kernels win here, and the
+    forward then runs the units' train_kernels, whose gradients are the twins'."""
+    backward_calls = []
+    for op in ("bias_gelu", "residual_layernorm"):
+        module = _kernel_module(op)
+        original = module.backward if op == "bias_gelu" else module.layernorm_backward
+        name = "backward" if op == "bias_gelu" else "layernorm_backward"
+
+        def counting(*args, _original=original, _op=op, **kwargs):
+            backward_calls.append(_op)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, name, counting)
+    timer = FakeTimer([1.0, 2.0] * 8)
+    measure.choices_for(torch.device("cpu"), timer)
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+    got, got_grads = _grads(fb)
+    # eval mode with autograd on: the inference plan is resolved too (the warning when its kernels would differ)
+    assert timer.calls == 16
+    assert {"bias_gelu", "residual_layernorm"} <= set(backward_calls)
+    table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
+    assert len(table) == 8
+    train_keys = [k for k in table if k.endswith("|train")]
+    assert sorted(k.split("|")[0] for k in train_keys) == sorted(fastbert.OPS)
+    assert all(v["choice"] == "triton" for v in table.values()), table
+    assert backward_calls.count("bias_gelu") == 2  # timed once, then the step's own backward
+
+    twin, twin_grads = _grads(fastbert.BertModel.from_hf(hf, kernels="torch").eval())
+    assert (got - twin).abs().max() <= 1e-5
+    assert sorted(got_grads) == sorted(twin_grads)
+    for name in twin_grads:
+        scale = twin_grads[name].abs().max().clamp_min(1.0)
+        assert (got_grads[name] - twin_grads[name]).abs().max() <= 1e-4 * scale, name
+
+    # inference's entries stand apart, without "|train": a no_grad forward's plan is the one already measured
+    assert fb.resolved_kernels(tokens=8, max_seqlen=5) == dict.fromkeys(fastbert.OPS, "triton")
+    assert timer.calls == 16
+
+
+@pytest.mark.parametrize("op", ["bias_gelu", "residual_layernorm"])
+def test_a_backward_failing_while_measured_leaves_auto_training_on_the_twin(hf, op, measured_here, monkeypatch,
+                                                                            no_failures_yet):
+    """A kernel whose backward raises while "auto" times forward + backward: that op trains on its twin (said once,
+    recorded under its "|train" key), the others on their kernels, and the gradients are the twins'."""
+    name = "backward" if op == "bias_gelu" else "layernorm_backward"
+    broken = Breaks(ERRORS["compile"])
+    monkeypatch.setattr(_kernel_module(op), name, broken)
+    measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0] * 6))  # the other three ops, trained and not
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
+    with pytest.warns(RuntimeWarning, match="an MLIR pass failed") as record:
+        got, got_grads = _grads(fb)
+        _grads(fb)
+    assert len(_failure_warnings(record)) == 1 and repr(op) in str(_failure_warnings(record)[0].message)
+    assert broken.calls == 1
+    table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
+    (key,) = [k for k in table if k.startswith(op + "|")]
+    assert key.endswith("|train") and table[key]["choice"] == "torch" and "CompilationError" in table[key]["error"]
+    # the failure sets the op aside for this process's inference forwards of that bucket too (not timed)
+    assert len(table) == 7 and all(v["choice"] == "triton" for k, v in table.items() if k != key)
+    assert fb.resolved_kernels(tokens=8, max_seqlen=5)[op] == "torch"
+
+    twin, twin_grads = _grads(fastbert.BertModel.from_hf(hf, kernels="torch").eval())
+    assert (got - twin).abs().max() <= 1e-5
+    for name in twin_grads:
+        scale = twin_grads[name].abs().max().clamp_min(1.0)
+        assert (got_grads[name] - twin_grads[name]).abs().max() <= 1e-4 * scale, name
