@@ -18,8 +18,13 @@ A unit module holds, under the same names in each:
                            zero-argument calls of kernel and twin on random inputs of these shapes, which "auto" times
 
 Callers outside the model reach the ops through fastbert/ops.py (a backend per call, the kernels' checked entry
-points). bias_gelu and residual_layernorm also hold `train_kernel(...)`: the kernel forward with a backward on the
-kernels, as an autograd function; the model's training does not call it yet (its ops run their twins under autograd).
+points). For a forward that trains (autograd on, or dropout drawn), each unit also holds
+
+    train_kernel(...)      the kernel forward with its backward, an autograd function (TrainKernel), twin's signature
+    train_reason(situation)
+                           why train_kernel cannot serve a training forward's situation, or None
+
+and attention `train_unsupported(...)`, for what a call asks (probabilities, a custom mask). docs/training.md.
 
 The custom ops are for traced forwards only (torch.compile, torch.export: one node each, where a tracer cannot follow a
 Triton launcher's Python), and for inference; an eager forward calls twin and kernel directly, since the dispatcher
