@@ -36,6 +36,7 @@ import json
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
@@ -200,21 +201,58 @@ def pretend_sm90(sms: int = 132):
 # --------------------------------------------------------------------------------------------------------------------
 # Jobs: what one step of bench/gpu_check.py launches
 # --------------------------------------------------------------------------------------------------------------------
-def job_keys(job: str) -> list:
+def job_keys(job: str, rows: int | None = None) -> list:
     """The keys (key_text) job `job` launches, in order:
       smoke:DTYPE              the kernel-variant smoke list at its GPU sizes (bench/gpu_check.py KernelChecks)
       smoke-backward:DTYPE     each train_kernel's forward and backward, every variant (KernelChecks.smoke_backward)
       configs:FAMILY           every autotune config of a family (KernelChecks.every_config)
       forward:MODEL:CELL:DTYPE one forward of that benchmark model on that cell on the kernels (bench/harness.py)
       train:MODEL:CELL:DTYPE   one fine-tuning step (forward in train mode, backward, AdamW) of that training model
-                               on that cell on the kernels (bench/harness.py, TRAIN_MODELS)"""
-    with Launches("record") as launches, pretend_sm90(), torch.inference_mode():
-        run_job(job)
+                               on that cell on the kernels (bench/harness.py, TRAIN_MODELS), recorded on
+                               RECORD_TRAIN_ROWS of the cell's rows
+    rows: a forward or training job on that many of its cell's rows (`fewer_rows`)."""
+    with Launches("record") as launches, pretend_sm90(), torch.inference_mode(), SkipProducts():
+        run_job(job, rows=rows if rows is not None or not job.startswith("train:") else RECORD_TRAIN_ROWS)
     return launches.keys
 
 
-def run_job(job: str, device: str = "cpu") -> None:
-    """Runs `job` on `device`: the launch sequence the GPU run makes (under `Launches`, nothing runs)."""
+class SkipProducts(TorchDispatchMode):
+    """torch's matrix products return uninitialised tensors of their result's shape, dtype and strides instead of
+    computing: what recording a training job needs (its launches depend on shapes, dtypes and alignment, never on
+    values), without a BERT-base backward's GEMMs in bf16 on a CPU, over half an hour a step on this CPU."""
+
+    PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ not in self.PRODUCTS or "out" in kwargs:
+            return func(*args, **kwargs)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        on_meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+        shaped = func(*on_meta, **kwargs)
+        return torch.empty_strided(shaped.shape, shaped.stride(), dtype=shaped.dtype, device=device)
+
+
+# A training job is recorded on this many of its cell's rows, the longest among them: its GEMMs' and attention's keys
+# depend on the token count only through buckets (the GEMMs' M_BUCKET prunes tiles taller than the tokens; attention's
+# seq_bucket, the longest row), which a few rows holding the longest already reach, while a BERT-base step in bf16 on
+# all 32 rows is over half an hour of bf16 GEMMs on this CPU (tests/kernels/test_compile_keys.py checks the keys agree).
+RECORD_TRAIN_ROWS = 4
+
+
+def fewer_rows(batch, labels, rows: int):
+    """`rows` rows of a bench batch, the longest first (so the padded width and the longest row are the cell's)."""
+    from bench import harness
+
+    order = batch.real.sum(1).argsort(descending=True, stable=True)[:rows].sort().values
+    inputs = {k: v[order] for k, v in batch.inputs.items()}
+    real = batch.real[order]
+    return harness.Batch(inputs, real, int(real.sum()), real.numel()), labels[order]
+
+
+def run_job(job: str, device: str = "cpu", rows: int | None = None) -> None:
+    """Runs `job` on `device`: the launch sequence the GPU run makes (under `Launches`, nothing runs). rows: a
+    training or forward job on that many of its cell's rows (`fewer_rows`), not all of them."""
     kind, _, rest = job.partition(":")
     if kind in ("smoke", "smoke-backward", "configs"):
         from bench.gpu_check import KernelChecks, Skipped
@@ -233,8 +271,11 @@ def run_job(job: str, device: str = "cpu") -> None:
         model, cell, dtype = rest.split(":")
         bank = harness.ModelBank()
         fast = bank.fastbert(model, harness.DTYPES[dtype], device).set_kernels("triton")
+        batch = bank.batch(model, parse_cell(cell), device)
+        if rows is not None:
+            batch = fewer_rows(batch, torch.zeros(batch.real.shape[0]), rows)[0]
         with torch.inference_mode():
-            fast(**bank.batch(model, parse_cell(cell), device).inputs)
+            fast(**batch.inputs)
     elif kind == "train":
         from bench import harness
 
@@ -242,6 +283,8 @@ def run_job(job: str, device: str = "cpu") -> None:
         with torch.inference_mode(False), torch.enable_grad():  # the callers record under inference mode
             classifier = harness.train_variant(model, "fastbert-triton", harness.DTYPES[dtype], device)
             batch, labels = harness.train_batch(model, parse_cell(cell), device)
+            if rows is not None:
+                batch, labels = fewer_rows(batch, labels, rows)
             classifier.train()
             harness.train_step(classifier, harness.train_optimizer(classifier), batch, labels)()
     else:

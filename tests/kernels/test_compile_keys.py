@@ -97,3 +97,45 @@ def test_token_counts_share_one_binary(launches):
     assert by_config
     many = {k: len(v) for k, v in by_config.items() if len(v) > 1}
     assert not many, f"one GEMM config compiles once per token count: {many}"
+
+
+ROWS_SCRIPT = r'''
+import json, sys
+from bench import compile_keys, gpu_check, harness
+from fastbert.kernels import gemm
+
+tiles = gemm.gemm_configs(2) + gemm.gemm_configs(4) + gemm.gemm_tma_configs(False) + gemm.gemm_tma_configs(True)
+out = {"tallest_tile": max(c[0] for c in tiles)}
+for job in sys.argv[1:]:
+    out[job] = {"all": compile_keys.job_keys(job, rows=32),
+                "few": compile_keys.job_keys(job, rows=compile_keys.RECORD_TRAIN_ROWS)}
+cells = {}
+for model, cell, _ in gpu_check.TRAIN:
+    batch, labels = harness.train_batch(model, compile_keys.parse_cell(cell), "cpu")
+    few, _ = compile_keys.fewer_rows(batch, labels, compile_keys.RECORD_TRAIN_ROWS)
+    cells[f"{model}/{cell}"] = {"tokens": few.real_tokens, "width": few.real.shape[1],
+                                "longest": int(few.real.sum(1).max()), "cell_longest": int(batch.real.sum(1).max())}
+out["cells"] = cells
+json.dump(out, sys.stdout)
+'''
+
+
+def test_training_jobs_are_recorded_on_fewer_rows_with_the_same_keys():
+    """bench/compile_keys.py records a training job on RECORD_TRAIN_ROWS of its cell's rows (a BERT-base step in bf16
+    on all 32 takes this CPU minutes). The keys agree with all 32 rows' wherever those rows hold as many tokens as the
+    tallest GEMM tile (below that, M_BUCKET prunes tiles) and the cell's longest row (attention's
+    seq_bucket): shown on the tiny training models at 32 x 64 (4 rows = 256 tokens), and each GPU training cell's few
+    rows are checked to hold at least that many tokens and the cell's longest row."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    jobs = ["train:tiny:32x64:bf16", "train:tiny-lora:32x64:bf16", "train:tiny-modernbert:32x64:fp16"]
+    out = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, *jobs], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout)
+    for job in jobs:
+        assert result[job]["all"] and result[job]["all"] == result[job]["few"], job
+    assert result["tallest_tile"] <= 256  # the tiny jobs' 256 tokens reach every tile
+    for cell, seen in result["cells"].items():
+        assert seen["tokens"] >= result["tallest_tile"], cell
+        assert seen["longest"] == seen["cell_longest"] == seen["width"], cell
