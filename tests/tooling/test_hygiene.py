@@ -152,3 +152,12 @@ def test_every_package_path_the_tree_names_exists():
             if outside in text and path != pathlib.Path(__file__).resolve():
                 stale.append(f"{rel}: {outside}")
     assert not stale, stale
+
+
+def test_test_modules_have_distinct_basenames():
+    """tests/ and bench/ are not packages: pytest imports each test file by its basename, so two files of one name in
+    different folders stop the whole collection ("import file mismatch")."""
+    seen: dict = {}
+    for path in sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "bench").rglob("test_*.py")]):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
