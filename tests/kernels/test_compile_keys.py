@@ -128,7 +128,8 @@ def test_training_jobs_are_recorded_on_fewer_rows_with_the_same_keys():
     rows are checked to hold at least that many tokens and the cell's longest row."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
-    jobs = ["train:tiny:32x64:bf16", "train:tiny-lora:32x64:bf16", "train:tiny-modernbert:32x64:fp16"]
+    # (not the LoRA model: this file also runs where PEFT is not installed, and its adapters are torch's own GEMMs)
+    jobs = ["train:tiny:32x64:bf16", "train:tiny-modernbert:32x64:fp16"]
     out = subprocess.run([sys.executable, "-c", ROWS_SCRIPT, *jobs], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
