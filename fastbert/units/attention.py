@@ -147,7 +147,7 @@ def _sdpa(q, k, v, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
     k and v may hold fewer heads than q (grouped-query attention), which sdpa reads for each group (enable_gqa). The
     math written out, and sdpa on CUDA with a mask (whose fused kernels take no groups there: it would run its math
     kernel, the [.., nq, nk] scores in memory; transformers repeats there too), take them repeated, for this call."""
-    group = q.shape[-3] // k.shape[-3]
+    group = int(q.shape[-3]) // int(k.shape[-3])  # model constants (torch.jit.trace hands sizes over as tensors)
     written_out = dropout_p != 0.0 and q.device.type == "cpu" and q.dtype == torch.float32
     if group > 1 and (written_out or attn_mask is not None and q.device.type == "cuda"):
         k, v, group = repeat_kv(k, group), repeat_kv(v, group), 1
