@@ -204,6 +204,20 @@ def check_deberta(config, where: str = "config") -> None:
         raise ValueError(f"{where}: field 'type_vocab_size' must be an integer >= 0, got None")
 
 
+# Fields that set a tensor's shape (BERT's names): a config.json without one gets the config class's default.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
+                "type_vocab_size", "embedding_size")
+
+
+def absent_size_fields(values: dict, config) -> list[str]:
+    """The size fields a config.json's contents (`values`) leave out that the family's config reads, as the family
+    spells them: the model got transformers' default for each."""
+    family = families.of(config)
+    return [family.raw_name(name) for name in _SIZE_FIELDS
+            if name not in family.fixed and family.raw_name(name) not in values
+            and getattr(config, family.raw_name(name), None) is not None]
+
+
 def from_dict(values: dict, where: str = "config"):
     """A config.json's contents -> the transformers config of its model_type, checked (first the raw values, so the
     error names the field as written; transformers 5 would name neither the file nor refuse the model_type)."""

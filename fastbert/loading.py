@@ -269,7 +269,17 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
         add_pooling_layer = families.of(config).pooler and any(
             k.startswith("pooler.") for k in encoder_part(raw, config.model_type))
     model = _build(cls, config, add_pooling_layer, kernels, padding_free)
-    state = hf_state_dict(raw, model, where=f"checkpoint {folder}")
+    try:
+        state = hf_state_dict(raw, model, where=f"checkpoint {folder}")
+    except ValueError as error:
+        absent = configs.absent_size_fields(values, config)
+        if absent:  # the likely cause first: a size transformers filled in with its default
+            defaults = ", ".join(f"{name}={getattr(config, name)}" for name in absent)
+            raise ValueError(f"config {os.path.join(folder, 'config.json')} has no {' and no '.join(absent)}, so the "
+                             f"model took transformers' defaults ({defaults}), which the checkpoint does not fit: add "
+                             f"the field(s) to config.json. {error}") from None
+        raise
+
     dtype = resolve_dtype(dtype, values, state)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}

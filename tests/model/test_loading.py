@@ -365,6 +365,22 @@ def test_config_json_fields_of_the_wrong_type(hf_folder, tmp_path, field, value,
     assert str(tmp_path / "config.json") in str(info.value) and words in str(info.value)
 
 
+@pytest.mark.parametrize("field", ["hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers"])
+def test_config_json_without_a_size_field_names_it(hf_folder, tmp_path, field):
+    """A config.json that leaves out a field setting a tensor's shape gets transformers' default for it; where the
+    checkpoint does not fit that default, the error names the file, the field and the default, before the shapes."""
+    import json
+    config = json.loads((hf_folder / "config.json").read_text())
+    del config[field]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((hf_folder / "model.safetensors").read_bytes())
+    default = getattr(transformers.BertConfig(), field)
+    with pytest.raises(ValueError) as info:
+        fastbert.BertModel.from_pretrained(str(tmp_path))
+    assert str(info.value).startswith(f"config {tmp_path / 'config.json'} has no {field}, so the model took "
+                                      f"transformers' defaults ({field}={default})"), str(info.value)[:300]
+
+
 @pytest.mark.parametrize("text, words", [
     ('{"hidden_size": 32,', "is not valid JSON"),
     ('[1, 2, 3]', "must hold a JSON object, got list"),
