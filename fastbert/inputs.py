@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import packing
 from .layout import TokenLayout, unpad
 from .mask import AttentionMask, not_zero_one, tracing
 
@@ -71,8 +72,10 @@ class Batch:
     position_ids: torch.Tensor
     inputs_embeds: torch.Tensor | None  # [T, H] when the caller gave embeddings
     attn: TokenLayout | AttentionMask  # what attention needs
-    output: str  # "padded" ([B, S, H] outputs), "packed" ([T, H], cu_seqlens= input) or "hf_packed" ([1, T, H])
-    shape: tuple  # (B, S): the padded shape (packed input: (n, max_seqlen))
+    # "padded": [B, S, H] outputs of padded rows; "packed": [T, H] outputs of packed input (cu_seqlens=); "rows":
+    # sequences packed inside rows (transformers' packed forms), [B, S, H] outputs and the pooler at each row's token 0
+    output: str
+    shape: tuple  # (B, S): the caller's rows (packed input: (n, max_seqlen))
     # [B, S] bool: padded rows of a padding-free model (output_attentions, tracing): finish zeroes the padded
     # positions and pools each row's first real token, so the outputs are those of packed execution
     real_tokens: torch.Tensor | None = None
@@ -204,8 +207,13 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; a custom mask must be "
                              f"[{B}, {S}, {S}] or [{B}, 1 or {cfg.num_attention_heads}, {S}, {S}]")
 
+    # Sequences packed inside rows by restarting position ids, where the installed transformers reads them so
+    # (DataCollatorWithFlattening's input; fastbert/packing.py)
+    packed_rows = attention_mask is None and position_ids is not None \
+        and packing.packs_by_position_ids(cfg.model_type)
+
     # One host read for everything: index ranges (an out-of-range id would be a device assert on CUDA), 0/1 masks,
-    # and from a 2-D mask the real-token count and each row's length.
+    # from a 2-D mask the real-token count and each row's length, and where packed rows' sequences start.
     reads = _Reads()
     reads.ranges(tables, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
     zero_one = attention_mask is not None and attention_mask.dtype != torch.bool \
@@ -223,7 +231,11 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
             keep = attention_mask != 0
             runs = (keep[:, 1:] & ~keep[:, :-1]).sum(dim=1) + keep[:, 0]
             reads.add("holes", (runs > 1).any())
+    if packed_rows:
+        reads.add("starts", packing.sequence_starts(position_ids).reshape(-1))
     values = reads.read()
+    if values is not None and packed_rows and sum(values["starts"]) == B:
+        packed_rows = False  # one sequence a row: nothing to split (transformers keeps its plain mask too)
     if values is not None and key_mask:
         values["real_tokens"] = sum(values["lengths"])
     if values is not None and zero_one and values["mask_not_zero_one"]:
@@ -236,6 +248,13 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
     # (a relative position bias counts padding inside a row as distance, as HF does: such rows run padded)
     padded_rows = output_attentions or custom or not model.padding_free or tracing() or bool(
         values is not None and values.get("holes", False))
+    if packed_rows and not padded_rows:  # every token real: packed order is row order, cut where positions restart
+        starts = [i for i, start in enumerate(values["starts"]) if start]
+        lengths = [b - a for a, b in zip(starts, starts[1:] + [B * S])]
+        cu_seqlens = torch.tensor(starts + [B * S], dtype=torch.int32, device=device)
+        return Batch(_flat(input_ids, B * S), _flat(token_type_ids, B * S), position_ids.reshape(B * S),
+                     None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1),
+                     TokenLayout.from_cu_seqlens(cu_seqlens, max(lengths), lengths), "rows", shape)
     if not padded_rows and (not key_mask or values["real_tokens"] == B * S):
         layout = TokenLayout.dense(B, S, device)  # nothing padded: packed order is batch order
     elif not padded_rows:
@@ -243,6 +262,8 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
     else:
         flags = None if values is None or not key_mask else (
             values["real_tokens"] == B * S, min(values["lengths"], default=1) > 0)
+        if packed_rows:  # (while tracing, always: transformers' own traced mask applies the rule unconditionally)
+            attention_mask = packing.same_sequence_mask(position_ids)
         mask = AttentionMask.build(attention_mask, B, S, tables.weight.dtype, flags)
         if model.family.attention_bias == "disentangled":  # HF DeBERTa's rule, mask_i * mask_j
             mask = dataclasses.replace(mask, pairwise=True)
@@ -280,7 +301,7 @@ def _prepare_packed(model, tables: Tables, input_ids, attention_mask, token_type
         inputs_embeds = None if inputs_embeds is None else inputs_embeds[0]
         token_type_ids = None if token_type_ids is None else token_type_ids.reshape(-1)
         position_ids = None if position_ids is None else position_ids.reshape(-1)
-        output = "hf_packed"
+        output = "rows"
     else:
         output = "packed"
     if attention_mask is not None:
@@ -338,7 +359,7 @@ def _prepare_packed(model, tables: Tables, input_ids, attention_mask, token_type
                                                   index_in_sequence)
     layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, values["lengths"])
     return Batch(input_ids, token_type_ids, position_ids, inputs_embeds, layout, output,
-                 (layout.num_seqs, max_seqlen))
+                 (1, T) if output == "rows" else (layout.num_seqs, max_seqlen))
 
 
 # --------------------------------------------------------------------------------------------------------------------

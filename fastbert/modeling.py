@@ -91,12 +91,12 @@ def _shapes(batch: Batch):
     layout = batch.layout
     if batch.output == "packed":  # packed in, packed out
         return _same, _same, lambda h: first_tokens(h, layout)
-    if batch.output == "hf_packed":  # transformers' packed form: one row of T tokens; its pooler reads token 0
-        return (lambda h: h[None]), (lambda h: h[0]), (lambda h: h[:1])
-    if layout is not None:
-        return (lambda h: pad(h, layout)), (lambda h: unpad(h, layout)), (lambda h: first_tokens(h, layout))
     B, S = batch.shape
     unshaped = lambda h: h.reshape(B * S, h.shape[-1])  # noqa: E731
+    if batch.output == "rows":  # sequences packed inside B rows of S real tokens: transformers pools each row's token 0
+        return (lambda h: h.view(B, S, h.shape[-1])), unshaped, (lambda h: h[::S])
+    if layout is not None:
+        return (lambda h: pad(h, layout)), (lambda h: unpad(h, layout)), (lambda h: first_tokens(h, layout))
     if batch.real_tokens is not None:  # padded rows of a padding-free model: the outputs packing would give
         keep = batch.real_tokens
         first_real = keep.to(torch.int32).argmax(dim=1)  # a row with no real token: 0, which is zeroed below
