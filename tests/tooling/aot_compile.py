@@ -322,9 +322,13 @@ def analyse(spec: dict, arch: int, kernel) -> dict:
               "st_global": len(re.findall(r"\bst\.global\.", ptx)),
               "warp_specialized": "ttg.warp_specialize" in kernel.asm["ttgir"],
               "descriptor_coordinates": descriptor_coordinate_sources(kernel.asm["ttir"])}
-    usage, elf, sass = cuobjdump(kernel.asm["cubin"], "-res-usage", "-elf", "--dump-sass")
+    # Disassembly costs ~0.45 s a kernel, a third of a compile; what reads it (the MMA and TMA paths, the epilogue's
+    # instruction count) concerns kernels with a tt.dot or TMA loads, so row kernels skip it.
+    wants_sass = bool(record["dots"]) or bool(spec.get("tma"))
+    usage, elf, *sass = cuobjdump(kernel.asm["cubin"], "-res-usage", "-elf", *(["--dump-sass"] if wants_sass else []))
     record.update(res_usage(usage, elf))
-    record.update(sass_stats(sass))
+    if wants_sass:
+        record.update(sass_stats(sass[0]))
     return record
 
 
@@ -501,7 +505,7 @@ def format_table(records: list[dict]) -> str:
             continue
         status = "ok" if not bad else "FAIL " + " | ".join(b.split(":")[0] for b in bad)
         lines.append(f"{r['name']:<58} {'sm' + str(r['arch']):>5} {r['num_warps']:>5} {r['reg']:>4} {r['stack']:>6} "
-                     f"{r['shared'] / 1024:>8.1f} {mma_kind(r):>8} {r.get('sass', 0):>6} "
+                     f"{r['shared'] / 1024:>8.1f} {mma_kind(r):>8} {r.get('sass', '-')!s:>6} "
                      f"{'yes' if r.get('utmaldg') else '-':>4} {r['seconds']:>5.1f}  {status}")
     return "\n".join(lines)
 
