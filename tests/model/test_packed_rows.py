@@ -112,7 +112,8 @@ def test_the_probe_sees_what_transformers_does():
     positions = torch.cat([torch.arange(7), torch.arange(5)])[None].to(DEVICE)
     with torch.no_grad():
         row = hf(input_ids=ids, position_ids=positions).last_hidden_state[0]
-        apart = torch.cat([hf(input_ids=ids[:, :7]).last_hidden_state[0], hf(input_ids=ids[:, 7:]).last_hidden_state[0]])
+        apart = torch.cat([hf(input_ids=ids[:, :7]).last_hidden_state[0],
+                           hf(input_ids=ids[:, 7:]).last_hidden_state[0]])
     assert ((row - apart).abs().max() <= 1e-5) == packing.packs_by_position_ids("bert")
 
 
