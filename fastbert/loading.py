@@ -80,7 +80,6 @@ def hub_layout(raw: dict, model_type: str) -> dict:
     are. Only renames and splits along dim 0 occur in the families fastbert runs; any other operation is refused."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import Chunk, WeightConverter
     except ImportError:  # transformers before 5: checkpoints load by their own names
         return raw
     rules = get_checkpoint_conversion_mapping(model_type) or []
@@ -88,21 +87,95 @@ def hub_layout(raw: dict, model_type: str) -> dict:
         return raw
     out = {}
     for key, tensor in raw.items():
-        name, split = key, None
-        for rule in rules:
-            name, matched = rule.rename_source_key(name)
-            if matched is not None and isinstance(rule, WeightConverter):
-                if not (len(rule.operations) == 1 and isinstance(rule.operations[0], Chunk)
-                        and rule.operations[0].dim == 0 and len(rule.source_patterns) == 1):
-                    raise NotImplementedError(f"checkpoint key {key!r}: transformers converts it with "
-                                              f"{rule.operations!r}, which fastbert does not implement")
-                split = rule.target_patterns
+        name, split = converted_name(key, rules)
         if split is None:
             out[name] = tensor
             continue
         for target, part in zip(split, tensor.chunk(len(split), dim=0), strict=True):
             out[name.replace(split[0], target, 1)] = part
     return out
+
+
+def converted_name(key: str, rules) -> tuple[str, list | None]:
+    """A checkpoint key through transformers' conversion list: (its new name, None), or for a tensor the list splits
+    along dim 0 (name of the first part, the parts' module names: the new name holds the first of them)."""
+    from transformers.core_model_loading import Chunk, WeightConverter
+    name, split = key, None
+    for rule in rules:
+        name, matched = rule.rename_source_key(name)
+        if matched is not None and isinstance(rule, WeightConverter):
+            if not (len(rule.operations) == 1 and isinstance(rule.operations[0], Chunk)
+                    and rule.operations[0].dim == 0 and len(rule.source_patterns) == 1):
+                raise NotImplementedError(f"checkpoint key {key!r}: transformers converts it with "
+                                          f"{rule.operations!r}, which fastbert does not implement")
+            split = rule.target_patterns
+    return name, split
+
+
+# Jina-Embeddings-v3's remote code adds its task adapters with torch.nn.utils.parametrize, so its checkpoint keeps an
+# adapted module's weight at X.parametrizations.weight.original and the adapters' stacked pairs beside it, at
+# X.parametrizations.weight.0.lora_A / lora_B (docs/model.md, "Task adapters").
+_PARAMETRIZED = re.compile(r"(?P<module>.+)\.parametrizations\.weight\.(?P<part>original|0\.lora_A|0\.lora_B)")
+
+
+def task_adapter_layout(raw: dict, config) -> tuple[dict, dict]:
+    """Jina's parametrized tensors taken apart: (the checkpoint with each X.parametrizations.weight.original at
+    X.weight, where the conversion list and the rest of loading find a plain weight; {the model's key of each
+    adapter tensor: (tensor, its checkpoint key)}). An adapter's module path goes through the same conversion list
+    as its weight (mixer.Wqkv -> the fused q/k/v of self_attn) and lands on the layer, the embeddings or the pooler
+    (adapters.TaskLoRA: `<holder>.task_adapters.<name>.lora_A`). The adapters of a head's modules stay as they are
+    (head keys, which the encoder does not read)."""
+    found = {k: m for k, m in ((k, _PARAMETRIZED.fullmatch(k)) for k in raw) if m is not None}
+    if not found:
+        return raw, {}
+    family = families.of(config)
+    if family is not families.JINA_V3:
+        key = next(iter(found))
+        raise NotImplementedError(f"checkpoint key {key!r}: a parametrized weight (torch.nn.utils.parametrize) in a "
+                                  f"{family.title} checkpoint; fastbert reads those of Jina-Embeddings-v3's task "
+                                  f"adapters only")
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        rules = get_checkpoint_conversion_mapping(config.model_type) or []
+    except ImportError:
+        rules = []
+    prefixed = any(k.startswith(family.prefix) for k in raw)
+    plain, adapters_state = {k: v for k, v in raw.items() if k not in found}, {}
+    for key, match in found.items():
+        module, part = match["module"], match["part"]
+        if part == "original":
+            plain[f"{module}.weight"] = raw[key]
+            continue
+        name, split = converted_name(f"{module}.weight", rules)
+        name = name[:-len(".weight")]
+        if prefixed and not name.startswith(family.prefix):  # a head's module: left to be skipped with the head
+            plain[key] = raw[key]
+            continue
+        path = name[len(family.prefix):] if prefixed else name
+        adapters_state[f"{_task_adapter_holder(path, split, family, key)}.{part.split('.')[-1]}"] = (raw[key], key)
+    return plain, adapters_state
+
+
+def _task_adapter_holder(path: str, split, family: families.Family, key: str) -> str:
+    """transformers' module path of an adapted module (split: the module names a fused checkpoint tensor becomes)
+    -> the model's path of its TaskLoRA: layers.<i>.task_adapters.<role> (qkv: the fused q/k/v), or
+    embeddings.task_adapters.<table>, pooler.task_adapters.dense."""
+    if path in ("embeddings.word_embeddings", "embeddings.token_type_embeddings", "pooler.dense"):
+        holder, _, name = path.rpartition(".")
+        return f"{holder}.task_adapters.{name}"
+    layer = re.fullmatch(rf"{family.layers}\.(\d+)\.(.+)", path)
+    roles = {p: r for r, p in family.layer.items()}
+    role = roles.get(layer[2]) if layer is not None else None
+    qkv = tuple(family.layer[r] for r in ("query", "key", "value"))
+    if role in ("query", "key", "value"):
+        if split is None or tuple(split) != qkv:
+            raise NotImplementedError(f"checkpoint key {key!r}: a task adapter on {path} alone; fastbert runs one "
+                                      f"adapter over the fused query/key/value projection (Jina's mixer.Wqkv)")
+        return f"{family.layers}.{layer[1]}.task_adapters.qkv"
+    if role in ("attn_out", "ffn_in", "ffn_out"):
+        return f"{family.layers}.{layer[1]}.task_adapters.{role}"
+    raise NotImplementedError(f"checkpoint key {key!r}: a task adapter on {path}, a module fastbert's "
+                              f"{family.title} runs no task adapter on")
 
 
 def split_checkpoint(raw: dict, model_type: str) -> tuple[dict, list]:
@@ -160,8 +233,9 @@ def hf_buffers(config) -> set:
     return {name for name, _ in hf.named_buffers()}
 
 
-def hf_state_dict(raw: dict, model, where: str = "checkpoint") -> dict:
-    """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch.
+def hf_state_dict(raw: dict, model, where: str = "checkpoint", task_adapters: dict | None = None) -> dict:
+    """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch. task_adapters:
+    the checkpoint's task adapters in the model's names (`task_adapter_layout`), accounted for with the rest.
 
     Skipped, as transformers' from_pretrained of the family's encoder skips them, and said in one info line of the
     `fastbert` logger: a head checkpoint's keys outside the encoder; keys transformers' classes (the encoder's and
@@ -181,6 +255,11 @@ def hf_state_dict(raw: dict, model, where: str = "checkpoint") -> dict:
             skipped.setdefault("the pooler (the model is built without one)", []).append(name)
             continue
         state[key], names[key] = raw[name], name
+    for key, (tensor, name) in (task_adapters or {}).items():
+        if key.startswith("pooler.") and model.pooler is None:
+            skipped.setdefault("the pooler (the model is built without one)", []).append(name)
+            continue
+        state[key], names[key] = tensor, name
 
     expected = {k: v.shape for k, v in model.state_dict().items()}
     unexpected = set(state) - set(expected)
@@ -262,14 +341,16 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
                     padding_free=True):
     folder = resolve_folder(name_or_path)
     config, values = read_config(folder)
-    raw = read_checkpoint(folder)
+    raw, task_adapters = task_adapter_layout(read_checkpoint(folder), config)
     if add_pooling_layer is None:
         # BERT-architecture embedding models (BGE, E5, GTE) ship no pooler: load them without one, never with a
         # random one (transformers' BertModel would initialise it randomly, with a warning)
         add_pooling_layer = families.of(config).pooler and any(
             k.startswith("pooler.") for k in encoder_part(raw, config.model_type))
     model = _build(cls, config, add_pooling_layer, kernels, padding_free)
-    state = hf_state_dict(raw, model, where=f"checkpoint {folder}")
+    if task_adapters:
+        adapters.attach_task_adapters(model, {k: t for k, (t, _) in task_adapters.items()})
+    state = hf_state_dict(raw, model, where=f"checkpoint {folder}", task_adapters=task_adapters)
     dtype = resolve_dtype(dtype, values, state)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
