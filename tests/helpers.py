@@ -696,7 +696,8 @@ def jina_reference(hf, checkpoint: dict, task) -> "torch.nn.Module":
     return ref.eval()
 
 
-def jina_hub_folder(root, hidden=32, heads=2, layers=2, intermediate=40, vocab_size=ARCH_VOCAB, seed=0, **config):
+def jina_hub_folder(root, hidden=32, heads=2, layers=2, intermediate=40, vocab_size=ARCH_VOCAB, max_len=64, seed=0,
+                    **config):
     """A folder as the Hub ships jina-embeddings-v3, shrunk: model.safetensors in the Hub's layout with random task
     adapters (jina_task_checkpoint), config.json with its adapter fields. -> (folder, the HF model, checkpoint)."""
     import json
@@ -705,10 +706,35 @@ def jina_hub_folder(root, hidden=32, heads=2, layers=2, intermediate=40, vocab_s
     from safetensors.torch import save_file
     torch.manual_seed(seed)
     hf = perturb_(transformers.JinaEmbeddingsV3Model(rotary_post_norm_config(
-        "jina_embeddings_v3", hidden=hidden, heads=heads, layers=layers, intermediate=intermediate, max_len=64,
+        "jina_embeddings_v3", hidden=hidden, heads=heads, layers=layers, intermediate=intermediate, max_len=max_len,
         vocab_size=vocab_size, **config)), weight_std=0.05).eval()
     checkpoint = jina_task_checkpoint(hf, seed=seed + 1)
     root.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in checkpoint.items()}, str(root / "model.safetensors"))
     (root / "config.json").write_text(json.dumps(jina_hub_config(hf.config), indent=2))
     return str(root), hf, checkpoint
+
+
+def jina_st_folder(root, minilm_path):
+    """jina-embeddings-v3's sentence-transformers folder as the Hub ships it, shrunk (random weights): the model in
+    the Hub's layout with its task adapters (jina_hub_folder), a tokenizer (BERT's uncased WordPiece stands in for
+    XLM-R's, which is not on this machine), modules.json naming Jina's own custom_st.Transformer, mean Pooling and
+    Normalize, and config_sentence_transformers.json with the tasks' prompts; no sentence_bert_config.json (as on
+    the Hub). -> (folder, the HF model, checkpoint, tokenizer)."""
+    import json
+    tok = _family_tokenizer("jina_embeddings_v3", minilm_path)
+    folder, hf, checkpoint = jina_hub_folder(root, hidden=32, heads=2, layers=2, intermediate=40,
+                                             vocab_size=len(tok), max_len=128, attn_implementation="sdpa")
+    tok.save_pretrained(folder)
+    modules = [{"idx": 0, "name": "transformer", "path": "", "type": "custom_st.Transformer", "kwargs": ["task"]},
+               {"idx": 1, "name": "pooler", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "normalizer", "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize"}]
+    (root / "modules.json").write_text(json.dumps(modules, indent=2))
+    (root / "1_Pooling").mkdir()
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (root / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": dict(JINA_PROMPTS), "default_prompt_name": None, "similarity_fn_name": "cosine"}))
+    return folder, hf, checkpoint, tok
