@@ -498,14 +498,36 @@ def original_layout(state: dict, config) -> dict:
     return revert_weight_conversion(types.SimpleNamespace(_weight_conversions=rules, config=config), state)
 
 
+def task_adapters_to_hub(hub: dict, task_adapters: dict, model) -> dict:
+    """The inverse of `task_adapter_layout`: a state dict in the Hub's layout (`original_layout`) with each adapted
+    module's weight moved to X.parametrizations.weight.original and its adapters ({"<holder>.task_adapters.<name>.
+    lora_A" / "lora_B": tensor}, the model's) beside it, as Jina's checkpoints hold them."""
+    family = model.family
+    for key, tensor in task_adapters.items():
+        holder, part = key.rsplit(".", 1)
+        where, name = holder.split(".task_adapters.")
+        if where in ("embeddings", "pooler"):
+            weights = [f"{where}.{name}.weight"]
+        else:  # a layer: its role's HF linear(s); qkv: the three that the Hub's one mixer.Wqkv holds
+            roles = ("query", "key", "value") if name == "qkv" else (name,)
+            weights = [f"{where}.{family.layer[r]}.weight" for r in roles]
+        # where the Hub keeps that weight: transformers' own reversal of its conversion list, on the key alone
+        module = next(iter(original_layout({w: torch.zeros(1, 1) for w in weights}, model.config)))
+        module = module[:-len(".weight")]
+        if f"{module}.weight" in hub:
+            hub[f"{module}.parametrizations.weight.original"] = hub.pop(f"{module}.weight")
+        hub[f"{module}.parametrizations.weight.0.{part}"] = tensor
+    return hub
+
+
 def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dict: dict | None = None,
                     is_main_process: bool = True, max_shard_size=None, save_original_format: bool = True,
                     **kwargs) -> None:
     """Writes config.json (transformers' own writer, so exactly what HF writes for that config) + model.safetensors
     (or pytorch_model.bin with safe_serialization=False), one file, that transformers' from_pretrained loads. The
     shards and index of a sharded checkpoint already in the folder are removed. save_original_format: as
-    transformers 5, the Hub's layout for the model types it converts on loading (`original_layout`); False keeps
-    transformers' module names.
+    transformers 5, the Hub's layout for the model types it converts on loading (`original_layout`), with Jina's task
+    adapters where its checkpoints keep them (`task_adapters_to_hub`); False keeps transformers' module names.
     transformers' other keywords that only shape how files are written (variant, token, ...) are refused by name
     rather than silently ignored, except max_shard_size (the weights go into one file)."""
     if kwargs.get("push_to_hub"):
@@ -516,6 +538,10 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
         raise TypeError(f"save_pretrained() got keyword arguments fastbert does not implement: {', '.join(kwargs)}")
     if not is_main_process:
         return
+    if not save_original_format and model.task_names:
+        raise NotImplementedError("save_original_format=False: transformers' module names have no place for "
+                                  "Jina's task adapters (one of them spans q, k and v); save in the Hub's layout "
+                                  "(the default), which holds them")
     os.makedirs(folder, exist_ok=True)
     # an older sharded checkpoint left here would be read instead of this save (loaders try an index before a single
     # file of the other format); transformers' save_pretrained removes older shards too
@@ -530,8 +556,11 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
     config.save_pretrained(folder)
     # contiguous copies: a caller's state_dict may hold views, which safetensors refuses
     state = {k: v.detach().contiguous().clone() for k, v in (state_dict or model.state_dict()).items()}
+    task_adapters = {k: state.pop(k) for k in [k for k in state if ".task_adapters." in k]}
     if save_original_format:
         state = original_layout(state, config)
+    if task_adapters:
+        state = task_adapters_to_hub(state, task_adapters, model)
     if safe_serialization:
         from safetensors.torch import save_file
         save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})

@@ -138,6 +138,23 @@ def test_a_checkpoint_without_adapters_loads_as_before(jina, tmp_path):
             model(ids, attention_mask=mask, adapter_mask=torch.zeros(len(LENGTHS), dtype=torch.long))
 
 
+def test_save_pretrained_writes_the_hub_layout_back(jina, tmp_path):
+    """What fastbert saves is the Hub's checkpoint again, key for key and tensor for tensor (a base model's: without
+    the remote code's "roberta." wrapper), and loads back with its tasks; transformers' names cannot hold an adapter
+    that spans q, k and v, so save_original_format=False refuses."""
+    from safetensors.torch import load_file
+    folder, _, checkpoint, _ = jina
+    model = fastbert.BertModel.from_pretrained(folder, kernels="torch")
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    hub = {k[len("roberta."):]: v for k, v in checkpoint.items()}
+    assert set(saved) == set(hub) and all(torch.equal(saved[k], hub[k]) for k in hub)
+    assert fastbert.BertModel.from_pretrained(tmp_path / "saved").task_names == JINA_TASKS
+    with pytest.raises(NotImplementedError, match="save_original_format=False"):
+        model.save_pretrained(tmp_path / "plain", save_original_format=False)
+    assert not (tmp_path / "plain").exists()  # refused before anything is written
+
+
 def test_sentence_encoder_loads_without_the_pooler_and_its_adapter(jina):
     folder, _, _, _ = jina
     model = fastbert.BertModel.from_pretrained(folder, kernels="torch", add_pooling_layer=False)
