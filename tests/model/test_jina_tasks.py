@@ -266,6 +266,8 @@ def test_refused_calls(jina, rows):
             copy.deepcopy(model).train()(input_ids=ids, attention_mask=mask, adapter_mask=tasks)
     with pytest.raises(ValueError, match="unknown task 'retrieval'; this model's tasks are 'retrieval.query'"):
         fastbert.adapters.adapter_mask(model, ["retrieval", None])
+    with pytest.raises(NotImplementedError, match="task adapters hold a row per token"):
+        model.resize_token_embeddings(ARCH_VOCAB + 8)
 
 
 def test_parametrized_weights_of_another_family_are_refused():
