@@ -128,7 +128,7 @@ class TaskLoRA(nn.Module):
             k = B.shape[0] * B.shape[2]
             return torch.cat([weight, B.permute(1, 0, 2).reshape(weight.shape[0], k),
                               weight.new_zeros(weight.shape[0], self._padding(weight.shape[1]))], dim=1)
-        key = (weight.data_ptr(), weight._version, B.data_ptr(), B._version, weight.dtype, weight.device)
+        key = (weight.data_ptr(), _version(weight), B.data_ptr(), _version(B), weight.dtype, weight.device)
         if self._widened is not None and self._widened[0] == key:
             return self._widened[1]
         k = B.shape[0] * B.shape[2]
@@ -151,6 +151,12 @@ class TaskLoRA(nn.Module):
     def _apply(self, fn, recurse=True):
         self._widened = None  # a move or cast: built again from the new tensors
         return super()._apply(fn, recurse)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's in-place update count; None for a tensor made under inference_mode (it keeps none, and cannot be updated
+    in place outside it)."""
+    return None if t.is_inference() else t._version
 
 
 def task_select(tasks: torch.Tensor, num_tasks: int, rank: int, scaling: float, dtype: torch.dtype) -> torch.Tensor:

@@ -219,6 +219,16 @@ def test_under_autograd_on_the_twins(jina, rows):
     assert model.layers[0].task_adapters["qkv"].lora_B.grad is not None
 
 
+def test_a_model_loaded_under_inference_mode(jina, rows):
+    """Its weights are inference tensors, which keep no version counter (the MLP's widened weight is keyed on it)."""
+    folder, _, _, refs = jina
+    ids, mask = rows
+    with torch.inference_mode():
+        model = fastbert.BertModel.from_pretrained(folder, kernels="torch")
+        for _ in range(2):  # the widened weight built, then reused
+            assert_matches(run(model, ids, mask, MIXED, "padded"), reference(refs, ids, mask, MIXED), mask)
+
+
 # ---- CUDA graphs' logic (EagerGraph: a graph's contract, run on the CPU) ---------------------------------------------
 def test_graphs_carry_each_tokens_task(jina):
     """One graph per bucket serves every mix of tasks: each token's task is a static input. A call without
