@@ -415,16 +415,13 @@ class _Reads:
                   "token_type_ids": None if tables.types is None else tables.types.num_embeddings,
                   "position_ids": None if tables.positions is None else tables.positions.num_embeddings}
         for name, t in tensors.items():
-            if t is not None and t.numel() and limits[name] is not None:
-                # (aminmax's full reduction has no ONNX translation: a trace takes two reductions)
-                low, high = (t.min(), t.max()) if self.tracing else torch.aminmax(t)
-                self.add(name + " min", low)
-                self.add(name + " max", high)
-                self.checks.append((name, 0, limits[name]))
+            if t is not None and limits[name] is not None:
+                self.bounded(name, t, 0, limits[name])
 
     def bounded(self, name: str, t: torch.Tensor, low: int, limit: int):
         """Values of t in [low, limit)."""
         if t.numel():
+            # (aminmax's full reduction has no ONNX translation: a trace takes two reductions)
             least, most = (t.min(), t.max()) if self.tracing else torch.aminmax(t)
             self.add(name + " min", least)
             self.add(name + " max", most)
