@@ -245,7 +245,14 @@ def test_graphs_carry_each_tokens_task(jina):
             out = runner(ids, attention_mask=mask, adapter_mask=None if tasks is None else torch.tensor(tasks))
         assert_matches((out.last_hidden_state, out.pooler_output),
                        reference(refs, ids, mask, tasks or [-1] * len(lengths)), mask)
-    assert runner.stats.captures == 1 and runner.stats.replays == 3 and runner.stats.eager_calls == 0
+    ids, mask = ragged_rows([4, 6, 2], seed=4)  # packed input replays the same graph
+    flat, cu = packed(ids, mask)
+    with torch.no_grad():
+        out = runner(input_ids=flat, cu_seqlens=cu, adapter_mask=torch.tensor([2, 0, -1]))
+    want = reference(refs, ids, mask, [2, 0, -1])
+    assert (out.last_hidden_state - want[0][mask.bool()]).abs().max() <= 1e-5
+    assert (out.pooler_output - want[1]).abs().max() <= 1e-5
+    assert runner.stats.captures == 1 and runner.stats.replays == 4 and runner.stats.eager_calls == 0
 
 
 # ---- what is refused, and how ----------------------------------------------------------------------------------------
