@@ -76,7 +76,7 @@ class TaskLoRA(nn.Module):
     with s = lora_alpha / rank. Nothing is merged: a token of task t gets its linear's base output plus
     s (x A_t^T) B_t^T. `down` computes x's low-rank coordinates for every task at once ([T, in] x [in, tasks * rank],
     one small GEMM whatever the tasks) and keeps each token's own task's columns (`select`, which holds s there and 0
-    elsewhere); `up` [tasks * rank, out] maps them back, so delta = down(x) @ up is the token's own task's term."""
+    elsewhere); `up` [tasks * rank, out] maps them back, so down(x) @ up is the token's own task's term."""
 
     def __init__(self, lora_A_shape: tuple, lora_B_shape: tuple, embedding: bool):
         super().__init__()
@@ -107,9 +107,12 @@ class TaskLoRA(nn.Module):
         B = self.lora_B
         return B.reshape(-1, B.shape[-1]) if self.embedding else B.transpose(1, 2).reshape(-1, B.shape[1])
 
-    def delta(self, x: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
-        """What each token's task adds to the module's output: [T, out]."""
-        return self.down(x, select) @ self.up()
+    def add_delta(self, base: torch.Tensor, x: torch.Tensor, select: torch.Tensor, in_place: bool = False):
+        """base [T, out] + what each token's task adds to the module's output for input x, down(x) @ up, as one addmm
+        (in_place: into base, where autograd records nothing)."""
+        if in_place:
+            return base.addmm_(self.down(x, select), self.up())
+        return torch.addmm(base, self.down(x, select), self.up())
 
     def widen(self, x: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
         """[x | down(x) | 0] [T, in + k]: with `widened` ([W | up^T | 0]), x @ W_t^T as one GEMM over a longer K, for

@@ -82,7 +82,7 @@ class BertPooler(nn.Module):
         selection (adapters.task_select), where the model has task adapters (Jina's pooler has one)."""
         h = host.linear(self._modules["dense"], first_token_states)
         if tasks is not None:
-            h = h + self._modules["task_adapters"]["dense"].delta(first_token_states, tasks)
+            h = self._modules["task_adapters"]["dense"].add_delta(h, first_token_states, tasks)
         return torch.tanh(h)
 
 

@@ -71,9 +71,9 @@ class BertEmbeddings(nn.Module):
             x = x + embed(positions, position_ids)
         if tasks is not None:
             lora = tables["task_adapters"]
-            x = x + lora["word_embeddings"].delta(input_ids, tasks)                                   # [T, width]
+            x = lora["word_embeddings"].add_delta(x, input_ids, tasks)                                # [T, width]
             if types is not None:
-                x = x + lora["token_type_embeddings"].delta(token_type_ids, tasks)
+                x = lora["token_type_embeddings"].add_delta(x, token_type_ids, tasks)
         return drop(tables["dropout"], norm(tables["LayerNorm"], x))           # [T, width]
 
 

@@ -102,14 +102,13 @@ class RotaryPostNormLayer(PostNormLayer):
                                       "layer's linears or norms) are not supported; merge those first")
         lora = self._modules["task_adapters"]
         qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
-        delta = lora["qkv"].delta(x, tasks).view(qkv.shape)
-        qkv = qkv + delta if run.grad else qkv.add_(delta)  # (in place where autograd records nothing)
+        qkv = lora["qkv"].add_delta(qkv.view(qkv.shape[0], -1), x, tasks, in_place=not run.grad).view(qkv.shape)
         ctx, probs = run.attention(qkv, attn, self.scale, 0.0, output_attentions, Extras(rotary=positions))  # [T, H]
-        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, x + lora["attn_out"].delta(ctx, tasks),
+        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, lora["attn_out"].add_delta(x, ctx, tasks),
                                    w.ln1, w.ln1_bias, w.ln1_eps)                                # [T, H]
         ffn_in = lora["ffn_in"]
         h = run.bias_gelu(ffn_in.widen(x, tasks), ffn_in.widened(w.ffn_in), w.ffn_in_bias, self.activation)  # [T, I]
-        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x + lora["ffn_out"].delta(h, tasks),
+        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, lora["ffn_out"].add_delta(x, h, tasks),
                                    w.ln2, w.ln2_bias, w.ln2_eps)                                # [T, H]
         return x, probs
 
