@@ -131,6 +131,10 @@ class TransformersModelMixin:
             n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
         if n == old.num_embeddings:
             return old
+        if self.task_names:
+            raise NotImplementedError(f"resize_token_embeddings({n}): the word table's task adapters hold a row per "
+                                      f"token (lora_A [tasks, {old.num_embeddings}, rank]); resizing them is not "
+                                      f"implemented")
         new = nn.Embedding(n, old.embedding_dim, padding_idx=old.padding_idx if (old.padding_idx or 0) < n else None,
                            device=old.weight.device, dtype=old.weight.dtype)
         with torch.no_grad():

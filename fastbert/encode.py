@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import adapters
 from .graphs import graphed, stats_of
 from .loading import resolve_folder
 from .modeling import BertModel
@@ -126,10 +127,17 @@ def _read_json(path: str, what: str):
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); {what}") from None
 
 
+# Transformer modules of a model's own code that tokenize and run the model as sentence-transformers' Transformer does:
+# jina-embeddings-v3's (its `task` argument is encode's task=)
+_CUSTOM_TRANSFORMERS = ("custom_st.Transformer",)
+
+
 def _module_kind(entry, index: int, path: str) -> str:
     """'Transformer', 'Pooling', 'Normalize' or the type's own name, from a modules.json entry."""
     if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
         raise ValueError(f"{path}: entry {index} has no \"type\" string (got {entry!r})")
+    if entry["type"] in _CUSTOM_TRANSFORMERS:
+        return "Transformer"
     return entry["type"].rsplit(".", 1)[-1] if entry["type"].startswith("sentence_transformers.") else entry["type"]
 
 
@@ -314,13 +322,15 @@ def padded(ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def embed(model, pipeline: Pipeline, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-          skip: int = 0) -> torch.Tensor:
+          skip: int = 0, adapter_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The one place the model runs: a right-padded batch [B, S] in, one vector per text out, pooled and normalised
     as `pipeline` says (encode's loop and the ONNX graph both run this; `model` is the model or a Graphed call of
     it). Padded positions are masked out by pooling, whatever they hold; a padding-free model (the default) gathers
     the real tokens inside and computes nothing else, so the padded call costs only the gather and the scatter back.
-    skip: the prompt's tokens at the start of every text, left out of the pooling (include_prompt=False)."""
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    skip: the prompt's tokens at the start of every text, left out of the pooling (include_prompt=False).
+    adapter_mask: each text's task adapter (Jina-Embeddings-v3: SentenceEncoder.adapter_mask), or None."""
+    tasks = {} if adapter_mask is None else {"adapter_mask": adapter_mask}
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, **tasks).last_hidden_state
     if skip:
         attention_mask = attention_mask.clone()
         attention_mask[:, :skip] = 0
@@ -347,11 +357,12 @@ class SentenceEncoder:
     """A fastbert model, its tokenizer and the pipeline that turns token vectors into one vector per text.
     Build it once with `from_pretrained` (or from a model and a tokenizer) and call `encode` as often as needed.
     cuda_graphs: on CUDA the model replays CUDA graphs over token buckets (fastbert/graphs.py, Graphed; the model
-    itself is not changed); False runs it eagerly. `graph_stats` says what ran."""
+    itself is not changed); False runs it eagerly. `graph_stats` says what ran. task: the task adapter every call
+    runs with unless it names its own (Jina-Embeddings-v3; None: the model as loaded)."""
 
     def __init__(self, model: BertModel, tokenizer, *, pooling=None, normalize=None, max_seq_length=None,
                  do_lower_case=None, include_prompt=None, pipeline: Pipeline | None = None, name: str = "the model",
-                 cuda_graphs: bool = True, truncate_dim: int | None = None):
+                 cuda_graphs: bool = True, truncate_dim: int | None = None, task: str | None = None):
         if not isinstance(model, BertModel):
             raise TypeError(f"model must be a fastbert.BertModel, got {type(model).__name__} (load a folder with "
                             f"SentenceEncoder.from_pretrained, or convert a transformers model with "
@@ -361,6 +372,9 @@ class SentenceEncoder:
                             "tokenizer=AutoTokenizer.from_pretrained(...)")
         self.model, self.tokenizer = model.eval(), tokenizer  # eval: no dropout (SentenceTransformer.encode does too)
         self.truncate_dim = check_truncate_dim(truncate_dim)  # every call's, unless the call gives its own
+        self.task = task
+        if task is not None:
+            adapters.task_index(model, task)  # a ValueError now, naming the model's tasks
         base = pipeline or Pipeline()
         defaulted = [option for option, given in (("pooling", pooling), ("normalize", normalize),
                                                   ("max_seq_length", max_seq_length)) if given is None]
@@ -393,7 +407,8 @@ class SentenceEncoder:
     @classmethod
     def from_pretrained(cls, name_or_path, *, pooling=None, normalize=None, max_seq_length=None, do_lower_case=None,
                         include_prompt=None, dtype=None, device=None, kernels="auto",
-                        cuda_graphs: bool = True, truncate_dim: int | None = None) -> "SentenceEncoder":
+                        cuda_graphs: bool = True, truncate_dim: int | None = None,
+                        task: str | None = None) -> "SentenceEncoder":
         """A sentence-transformers folder (modules.json) or a plain Hugging Face BERT folder, or a Hub id in the
         local cache. dtype: None = what the folder says (sentence_bert_config's model_kwargs, else the checkpoint's
         own, like transformers' dtype="auto"); device: None = cuda when available, else cpu. cuda_graphs: False runs
@@ -415,7 +430,7 @@ class SentenceEncoder:
             pipeline = replace(pipeline, max_seq_length=tokenizer_kwargs["model_max_length"])
         return cls(model, tokenizer, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length,
                    do_lower_case=do_lower_case, include_prompt=include_prompt, pipeline=pipeline,
-                   name=os.fspath(name_or_path), cuda_graphs=cuda_graphs, truncate_dim=truncate_dim)
+                   name=os.fspath(name_or_path), cuda_graphs=cuda_graphs, truncate_dim=truncate_dim, task=task)
 
     def _check_max_seq_length(self) -> int:
         limit = self.model.embeddings.max_length  # the position table's usable length (RoBERTa's starts after pad)
@@ -441,6 +456,20 @@ class SentenceEncoder:
     def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str:
         return resolve_prompt(self.pipeline, prompt, prompt_name)
 
+    def task_prompt(self, task: str) -> str:
+        """The text a task's inputs start with: the folder's sentence-transformers prompt of that name (what
+        `prompt_name=task` gives there), else the config's task_instructions (Jina's own encode), else none."""
+        adapters.task_index(self.model, task)
+        if task in self.pipeline.prompts:
+            return self.pipeline.prompts[task]
+        return (getattr(self.model.config, "task_instructions", None) or {}).get(task, "")
+
+    def adapter_mask(self, tasks: Sequence[str | None]) -> torch.Tensor | None:
+        """One task name per text (None: no adapter) -> the model's adapter_mask [len(tasks)] on its device (None when
+        no text names one): for callers that tokenize themselves and batch texts of different tasks together (each
+        text then starts with its task_prompt). Unknown names are a ValueError listing the model's tasks."""
+        return adapters.adapter_mask(self.model, tasks)
+
     def _prompt_length(self, prompt: str) -> int:
         """Tokens of the prompt at the start of every text, [CLS] included and a trailing special token not
         (sentence-transformers' count; the pooling mask drops them when include_prompt is False)."""
@@ -451,14 +480,19 @@ class SentenceEncoder:
 
     def encode(self, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None,
                max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH, batch_size: int | None = None,
-               progress: bool | None = None, truncate_dim: int | None = None) -> np.ndarray:
+               progress: bool | None = None, truncate_dim: int | None = None, task: str | None = None) -> np.ndarray:
         """[len(texts), dimension] float32, row i for texts[i]. progress: None = a bar on stderr when it is a
         terminal and the work takes more than a second; True / False = always / never. truncate_dim: keep the first
         this many dimensions (None: the encoder's truncate_dim), cut after the pipeline as sentence-transformers
-        cuts them (a normalised model's cut vectors are not renormalised)."""
+        cuts them (a normalised model's cut vectors are not renormalised). task: the task adapter every text runs
+        with (None: the encoder's task), and its prompt (`task_prompt`) unless prompt or prompt_name is given."""
         keep = self.truncate_dim if truncate_dim is None else check_truncate_dim(truncate_dim)
         texts = _check_texts(texts)
         check_counts(max_tokens_per_batch=max_tokens_per_batch, batch_size=batch_size)
+        task = self.task if task is None else task
+        index = None if task is None else adapters.task_index(self.model, task)
+        if task is not None and prompt is None and prompt_name is None:
+            prompt = self.task_prompt(task)
         prompt = self.resolve_prompt(prompt, prompt_name)
         skip = self._prompt_length(prompt) if prompt and not self.pipeline.include_prompt else 0
         result = np.empty((len(texts), self.dimension), dtype=np.float32)
@@ -477,7 +511,8 @@ class SentenceEncoder:
                                           count_padding=not self.model.padding_free):
                     input_ids, attention_mask = padded([ids[i] for i in batch], pad_id)
                     input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-                    vectors = embed(self._forward, self.pipeline, input_ids, attention_mask, skip)
+                    tasks = None if index is None else torch.full((len(batch),), index, device=self.device)
+                    vectors = embed(self._forward, self.pipeline, input_ids, attention_mask, skip, tasks)
                     out[torch.tensor(batch, device=self.device)] = vectors
                     if bar is not None:
                         tokens += sum(len(ids[i]) for i in batch)
@@ -529,7 +564,8 @@ def _lowercase_first(tokenizer) -> None:
 
 def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, prompt_name: str | None = None,
            max_tokens_per_batch: int = DEFAULT_MAX_TOKENS_PER_BATCH, batch_size: int | None = None,
-           progress: bool | None = None, truncate_dim: int | None = None, **options) -> np.ndarray:
+           progress: bool | None = None, truncate_dim: int | None = None, task: str | None = None,
+           **options) -> np.ndarray:
     """Sentence embeddings of `texts` as sentence-transformers computes them: [len(texts), dim] float32, in order.
 
     model_or_path: a folder or cached Hub id (sentence-transformers or plain Hugging Face BERT), a SentenceEncoder,
@@ -543,11 +579,12 @@ def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, pr
         batch_size: at most this many texts per forward (default: the token budget alone decides).
     truncate_dim: keep the first this many dimensions of each vector (Matryoshka models), cut after the pipeline as
         sentence-transformers cuts them; None: no cut.
+    task: Jina-Embeddings-v3's task adapter for every text, with the task's prompt (SentenceEncoder.encode).
     """
     unknown = sorted(set(options) - set(_LOAD_OPTIONS))
     if unknown:
         raise TypeError(f"encode() got unexpected keyword argument(s) {', '.join(unknown)}; the options are "
-                        f"prompt, prompt_name, max_tokens_per_batch, batch_size, progress, truncate_dim, "
+                        f"prompt, prompt_name, max_tokens_per_batch, batch_size, progress, truncate_dim, task, "
                         f"{', '.join(_LOAD_OPTIONS)}")
     if isinstance(model_or_path, SentenceEncoder):
         if options:
@@ -568,4 +605,4 @@ def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, pr
         raise TypeError(f"model_or_path must be a folder, a Hub id, a SentenceEncoder or a fastbert.BertModel, "
                         f"got {type(model_or_path).__name__}")
     return encoder.encode(texts, prompt=prompt, prompt_name=prompt_name, max_tokens_per_batch=max_tokens_per_batch,
-                          batch_size=batch_size, progress=progress, truncate_dim=truncate_dim)
+                          batch_size=batch_size, progress=progress, truncate_dim=truncate_dim, task=task)

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import dispatch
+from .adapters import NO_TASK, per_token
 from .inputs import prepare
 from .layout import TokenLayout
 
@@ -240,6 +241,9 @@ class GraphRunner:
             self.token_type_ids = torch.zeros(T, dtype=torch.long, device=device)
             self.position_ids = torch.zeros(T, dtype=torch.long, device=device)
             self.cu_seqlens = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
+            # each token's task where the model has task adapters: its graphs always run them (-1 selects none,
+            # which adds exact zeros), so one graph per bucket serves every mix of tasks
+            self.tasks = torch.full((T,), NO_TASK, dtype=torch.long, device=device) if model.task_names else None
         self.pool = self.graph_class.new_pool()
         self.graphs, self.outputs, self.eager_buckets = {}, {}, {}
         self.stats.pool_bytes = 0  # the old pool goes with the old graphs
@@ -267,7 +271,7 @@ class GraphRunner:
         seqs, longest = self._limits(bucket)
         layout = TokenLayout(self.cu_seqlens[:seqs + 1], longest, bucket, None, None, seqs, longest)
         x, _, _ = self.model.encode(self.input_ids[:bucket], self.token_type_ids[:bucket], self.position_ids[:bucket],
-                                    layout, self.ops[bucket])
+                                    layout, self.ops[bucket], tasks=None if self.tasks is None else self.tasks[:bucket])
         return x
 
     def _example_layout(self, bucket: int):
@@ -290,6 +294,12 @@ class GraphRunner:
         self.position_ids[:T].copy_(batch.position_ids)
         for buffer in (self.input_ids, self.token_type_ids, self.position_ids):
             buffer[T:bucket].zero_()  # spare tokens: valid ids, in no sequence
+        if self.tasks is not None:
+            if batch.adapter_mask is None:
+                self.tasks[:T].fill_(NO_TASK)
+            else:
+                self.tasks[:T].copy_(per_token(batch.adapter_mask, batch))
+            self.tasks[T:bucket].fill_(NO_TASK)
         self.cu_seqlens[:n + 1].copy_(layout.cu_seqlens)
         self.cu_seqlens[n + 1:].fill_(T)  # spare sequence slots: empty
 
@@ -379,8 +389,10 @@ class GraphRunner:
             if why is not None:
                 self.stats.eager(why)
                 # resolved as the model's own forward resolves it: a custom mask keeps attention off the kernel
+                tasks = None if batch.adapter_mask is None else per_token(batch.adapter_mask, batch)
                 x, _, _ = model.encode(batch.input_ids, batch.token_type_ids, batch.position_ids, batch.attn,
-                                       model.resolve_ops(False, padded, *batch.size), batch.inputs_embeds)
+                                       model.resolve_ops(False, padded, *batch.size), batch.inputs_embeds,
+                                       tasks=tasks)
             else:
                 self._load(batch, bucket)
                 self.graphs[bucket].replay()

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from . import packing
+from .adapters import NO_TASK, check_adapter_mask
 from .layout import TokenLayout, unpad
 from .mask import AttentionMask, not_zero_one, tracing
 
@@ -46,6 +47,11 @@ def _transformers_kwargs() -> tuple:
 IGNORED_ARGS = tuple(dict.fromkeys(
     ("num_items_in_batch", "output_router_logits", "seq_idx", "is_causal", "shift_labels", "ignore_index",
      *_transformers_kwargs())))
+
+
+# What a range names, in its error
+_RANGE_WORDS = {"input_ids": " (vocab_size)", "adapter_mask": " (task indices: 0 to the number of tasks - 1, or -1 "
+                                                              "for no adapter)"}
 
 
 class Tables(NamedTuple):
@@ -79,6 +85,7 @@ class Batch:
     # [B, S] bool: padded rows of a padding-free model (output_attentions, tracing): finish zeroes the padded
     # positions and pools each row's first real token, so the outputs are those of packed execution
     real_tokens: torch.Tensor | None = None
+    adapter_mask: torch.Tensor | None = None  # [n] each sequence's task (Jina's task adapters), range-checked
 
     @property
     def layout(self) -> TokenLayout | None:
@@ -104,7 +111,7 @@ class Batch:
 
 
 def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-            output_attentions=False, cu_seqlens=None, max_seqlen=None, **kwargs) -> Batch:
+            output_attentions=False, cu_seqlens=None, max_seqlen=None, adapter_mask=None, **kwargs) -> Batch:
     """Validate and lay out one call of BertModel.forward. Bad input is a ValueError / TypeError naming the argument
     and the value, here, never an IndexError, a device assert or NaN deep inside."""
     tables = Tables.of(model)
@@ -156,16 +163,16 @@ def prepare(model, input_ids=None, attention_mask=None, token_type_ids=None, pos
 
     if hf_packed or cu_seqlens is not None:
         return _prepare_packed(model, tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                               output_attentions, cu_seqlens, max_seqlen, hf_packed)
+                               output_attentions, cu_seqlens, max_seqlen, hf_packed, adapter_mask)
     return _prepare_padded(model, tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                           output_attentions)
+                           output_attentions, adapter_mask)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Padded input: [B, S] ids (or [B, S, H] embeddings) with an optional attention_mask
 # --------------------------------------------------------------------------------------------------------------------
 def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                    output_attentions):
+                    output_attentions, adapter_mask=None):
     cfg = model.config
     device = tables.weight.device
     if input_ids is not None:
@@ -216,6 +223,7 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
     # from a 2-D mask the real-token count and each row's length, and where packed rows' sequences start.
     reads = _Reads()
     reads.ranges(tables, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    _task_reads(reads, model, adapter_mask, B, inputs_embeds)
     zero_one = attention_mask is not None and attention_mask.dtype != torch.bool \
         and not (attention_mask.dim() == 4 and attention_mask.is_floating_point())
     if zero_one:
@@ -252,9 +260,12 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
         starts = [i for i, start in enumerate(values["starts"]) if start]
         lengths = [b - a for a, b in zip(starts, starts[1:] + [B * S])]
         cu_seqlens = torch.tensor(starts + [B * S], dtype=torch.int32, device=device)
+        if adapter_mask is not None:  # a row's task, for each sequence in it
+            adapter_mask = adapter_mask.index_select(0, torch.tensor([a // S for a in starts], device=device))
         return Batch(_flat(input_ids, B * S), _flat(token_type_ids, B * S), position_ids.reshape(B * S),
                      None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1),
-                     TokenLayout.from_cu_seqlens(cu_seqlens, max(lengths), lengths), "rows", shape)
+                     TokenLayout.from_cu_seqlens(cu_seqlens, max(lengths), lengths), "rows", shape,
+                     adapter_mask=adapter_mask)
     if not padded_rows and (not key_mask or values["real_tokens"] == B * S):
         layout = TokenLayout.dense(B, S, device)  # nothing padded: packed order is batch order
     elif not padded_rows:
@@ -270,18 +281,18 @@ def _prepare_padded(model, tables: Tables, input_ids, attention_mask, token_type
         real_tokens = mask.key_valid if model.padding_free else None
         return Batch(None if input_ids is None else input_ids.reshape(B * S), _flat(token_type_ids, B * S),
                      position_ids.reshape(B * S), None if inputs_embeds is None else inputs_embeds.reshape(B * S, -1),
-                     mask, "padded", shape, real_tokens)
+                     mask, "padded", shape, real_tokens, adapter_mask)
     return Batch(None if input_ids is None else unpad(input_ids, layout),
                  None if token_type_ids is None else unpad(token_type_ids, layout),
                  unpad(position_ids, layout), None if inputs_embeds is None else unpad(inputs_embeds, layout), layout,
-                 "padded", shape)
+                 "padded", shape, adapter_mask=adapter_mask)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Packed input: sequences back to back, cu_seqlens says where each starts
 # --------------------------------------------------------------------------------------------------------------------
 def _prepare_packed(model, tables: Tables, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                    output_attentions, cu_seqlens, max_seqlen, hf_packed):
+                    output_attentions, cu_seqlens, max_seqlen, hf_packed, adapter_mask=None):
     device = tables.weight.device
     if hf_packed:  # transformers' form: [1, T] ids, cu_seq_lens_q / max_length_q, position_ids restarting per sequence
         if cu_seqlens is not None:
@@ -331,6 +342,7 @@ def _prepare_packed(model, tables: Tables, input_ids, attention_mask, token_type
 
     reads = _Reads()
     reads.ranges(tables, input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    _task_reads(reads, model, adapter_mask, cu_seqlens.shape[0] - 1, inputs_embeds)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     reads.add("cu_first", cu_seqlens[0])
     reads.add("cu_last", cu_seqlens[-1])
@@ -359,7 +371,7 @@ def _prepare_packed(model, tables: Tables, input_ids, attention_mask, token_type
                                                   index_in_sequence)
     layout = TokenLayout.from_cu_seqlens(cu_seqlens, max_seqlen, values["lengths"])
     return Batch(input_ids, token_type_ids, position_ids, inputs_embeds, layout, output,
-                 (1, T) if output == "rows" else (layout.num_seqs, max_seqlen))
+                 (1, T) if output == "rows" else (layout.num_seqs, max_seqlen), adapter_mask=adapter_mask)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -395,6 +407,13 @@ def _fill_defaults(tables: Tables, shape: tuple, input_ids, token_type_ids, posi
     return token_type_ids, position_ids
 
 
+def _task_reads(reads, model, adapter_mask, num_seqs: int, inputs_embeds) -> None:
+    """Jina's adapter_mask (one task index per sequence) checked, its range read with the rest."""
+    if adapter_mask is not None:
+        check_adapter_mask(model, adapter_mask, num_seqs, inputs_embeds)
+        reads.bounded("adapter_mask", adapter_mask, NO_TASK, len(model.task_names))
+
+
 def _max_length_words(model) -> str:
     cfg, limit = model.config, model.embeddings.max_length
     if limit == cfg.max_position_embeddings:
@@ -408,7 +427,7 @@ class _Reads:
     checks become asynchronous asserts)."""
 
     def __init__(self):
-        self.tensors, self.checks = {}, []  # name -> tensor; (name, limit) of each range check
+        self.tensors, self.checks = {}, []  # name -> tensor; (name, low, limit) of each range check
         self.tracing = tracing()
 
     def add(self, name: str, tensor: torch.Tensor):
@@ -420,18 +439,23 @@ class _Reads:
                   "token_type_ids": None if tables.types is None else tables.types.num_embeddings,
                   "position_ids": None if tables.positions is None else tables.positions.num_embeddings}
         for name, t in tensors.items():
-            if t is not None and t.numel() and limits[name] is not None:
-                # (aminmax's full reduction has no ONNX translation: a trace takes two reductions)
-                low, high = (t.min(), t.max()) if self.tracing else torch.aminmax(t)
-                self.add(name + " min", low)
-                self.add(name + " max", high)
-                self.checks.append((name, limits[name]))
+            if t is not None and limits[name] is not None:
+                self.bounded(name, t, 0, limits[name])
+
+    def bounded(self, name: str, t: torch.Tensor, low: int, limit: int):
+        """Values of t in [low, limit)."""
+        if t.numel():
+            # (aminmax's full reduction has no ONNX translation: a trace takes two reductions)
+            least, most = (t.min(), t.max()) if self.tracing else torch.aminmax(t)
+            self.add(name + " min", least)
+            self.add(name + " max", most)
+            self.checks.append((name, low, limit))
 
     def read(self) -> dict | None:
         if self.tracing:
-            for name, limit in self.checks:
+            for name, least, limit in self.checks:
                 low, high = self.tensors[name + " min"], self.tensors[name + " max"]
-                torch._assert_async((low >= 0) & (high < limit), f"{name} out of range")
+                torch._assert_async((low >= least) & (high < limit), f"{name} out of range")
             return None
         flat = torch.cat([t.reshape(-1).long() for t in self.tensors.values()]).tolist() if self.tensors else []
         values, at = {}, 0
@@ -439,9 +463,9 @@ class _Reads:
             size = t.numel()
             values[name] = flat[at:at + size] if t.dim() else flat[at]
             at += size
-        for name, limit in self.checks:
+        for name, least, limit in self.checks:
             low, high = values[name + " min"], values[name + " max"]
-            if low < 0 or high >= limit:
-                raise ValueError(f"{name} contains {low if low < 0 else high}, outside [0, {limit})"
-                                 f"{' (vocab_size)' if name == 'input_ids' else ''}")
+            if low < least or high >= limit:
+                raise ValueError(f"{name} contains {low if low < least else high}, outside [{least}, {limit})"
+                                 f"{_RANGE_WORDS.get(name, '')}")
         return values

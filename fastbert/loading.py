@@ -80,7 +80,6 @@ def hub_layout(raw: dict, model_type: str) -> dict:
     are. Only renames and splits along dim 0 occur in the families fastbert runs; any other operation is refused."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import Chunk, WeightConverter
     except ImportError:  # transformers before 5: checkpoints load by their own names
         return raw
     rules = get_checkpoint_conversion_mapping(model_type) or []
@@ -88,21 +87,95 @@ def hub_layout(raw: dict, model_type: str) -> dict:
         return raw
     out = {}
     for key, tensor in raw.items():
-        name, split = key, None
-        for rule in rules:
-            name, matched = rule.rename_source_key(name)
-            if matched is not None and isinstance(rule, WeightConverter):
-                if not (len(rule.operations) == 1 and isinstance(rule.operations[0], Chunk)
-                        and rule.operations[0].dim == 0 and len(rule.source_patterns) == 1):
-                    raise NotImplementedError(f"checkpoint key {key!r}: transformers converts it with "
-                                              f"{rule.operations!r}, which fastbert does not implement")
-                split = rule.target_patterns
+        name, split = converted_name(key, rules)
         if split is None:
             out[name] = tensor
             continue
         for target, part in zip(split, tensor.chunk(len(split), dim=0), strict=True):
             out[name.replace(split[0], target, 1)] = part
     return out
+
+
+def converted_name(key: str, rules) -> tuple[str, list | None]:
+    """A checkpoint key through transformers' conversion list: (its new name, None), or for a tensor the list splits
+    along dim 0 (name of the first part, the parts' module names: the new name holds the first of them)."""
+    from transformers.core_model_loading import Chunk, WeightConverter
+    name, split = key, None
+    for rule in rules:
+        name, matched = rule.rename_source_key(name)
+        if matched is not None and isinstance(rule, WeightConverter):
+            if not (len(rule.operations) == 1 and isinstance(rule.operations[0], Chunk)
+                    and rule.operations[0].dim == 0 and len(rule.source_patterns) == 1):
+                raise NotImplementedError(f"checkpoint key {key!r}: transformers converts it with "
+                                          f"{rule.operations!r}, which fastbert does not implement")
+            split = rule.target_patterns
+    return name, split
+
+
+# Jina-Embeddings-v3's remote code adds its task adapters with torch.nn.utils.parametrize, so its checkpoint keeps an
+# adapted module's weight at X.parametrizations.weight.original and the adapters' stacked pairs beside it, at
+# X.parametrizations.weight.0.lora_A / lora_B (docs/model.md, "Task adapters").
+_PARAMETRIZED = re.compile(r"(?P<module>.+)\.parametrizations\.weight\.(?P<part>original|0\.lora_A|0\.lora_B)")
+
+
+def task_adapter_layout(raw: dict, config) -> tuple[dict, dict]:
+    """Jina's parametrized tensors taken apart: (the checkpoint with each X.parametrizations.weight.original at
+    X.weight, where the conversion list and the rest of loading find a plain weight; {the model's key of each
+    adapter tensor: (tensor, its checkpoint key)}). An adapter's module path goes through the same conversion list
+    as its weight (mixer.Wqkv -> the fused q/k/v of self_attn) and lands on the layer, the embeddings or the pooler
+    (adapters.TaskLoRA: `<holder>.task_adapters.<name>.lora_A`). The adapters of a head's modules stay as they are
+    (head keys, which the encoder does not read)."""
+    found = {k: m for k, m in ((k, _PARAMETRIZED.fullmatch(k)) for k in raw) if m is not None}
+    if not found:
+        return raw, {}
+    family = families.of(config)
+    if family is not families.JINA_V3:
+        key = next(iter(found))
+        raise NotImplementedError(f"checkpoint key {key!r}: a parametrized weight (torch.nn.utils.parametrize) in a "
+                                  f"{family.title} checkpoint; fastbert reads those of Jina-Embeddings-v3's task "
+                                  f"adapters only")
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        rules = get_checkpoint_conversion_mapping(config.model_type) or []
+    except ImportError:
+        rules = []
+    prefixed = any(k.startswith(family.prefix) for k in raw)
+    plain, adapters_state = {k: v for k, v in raw.items() if k not in found}, {}
+    for key, match in found.items():
+        module, part = match["module"], match["part"]
+        if part == "original":
+            plain[f"{module}.weight"] = raw[key]
+            continue
+        name, split = converted_name(f"{module}.weight", rules)
+        name = name[:-len(".weight")]
+        if prefixed and not name.startswith(family.prefix):  # a head's module: left to be skipped with the head
+            plain[key] = raw[key]
+            continue
+        path = name[len(family.prefix):] if prefixed else name
+        adapters_state[f"{_task_adapter_holder(path, split, family, key)}.{part.split('.')[-1]}"] = (raw[key], key)
+    return plain, adapters_state
+
+
+def _task_adapter_holder(path: str, split, family: families.Family, key: str) -> str:
+    """transformers' module path of an adapted module (split: the module names a fused checkpoint tensor becomes)
+    -> the model's path of its TaskLoRA: layers.<i>.task_adapters.<role> (qkv: the fused q/k/v), or
+    embeddings.task_adapters.<table>, pooler.task_adapters.dense."""
+    if path in ("embeddings.word_embeddings", "embeddings.token_type_embeddings", "pooler.dense"):
+        holder, _, name = path.rpartition(".")
+        return f"{holder}.task_adapters.{name}"
+    layer = re.fullmatch(rf"{family.layers}\.(\d+)\.(.+)", path)
+    roles = {p: r for r, p in family.layer.items()}
+    role = roles.get(layer[2]) if layer is not None else None
+    qkv = tuple(family.layer[r] for r in ("query", "key", "value"))
+    if role in ("query", "key", "value"):
+        if split is None or tuple(split) != qkv:
+            raise NotImplementedError(f"checkpoint key {key!r}: a task adapter on {path} alone; fastbert runs one "
+                                      f"adapter over the fused query/key/value projection (Jina's mixer.Wqkv)")
+        return f"{family.layers}.{layer[1]}.task_adapters.qkv"
+    if role in ("attn_out", "ffn_in", "ffn_out"):
+        return f"{family.layers}.{layer[1]}.task_adapters.{role}"
+    raise NotImplementedError(f"checkpoint key {key!r}: a task adapter on {path}, a module fastbert's "
+                              f"{family.title} runs no task adapter on")
 
 
 def split_checkpoint(raw: dict, model_type: str) -> tuple[dict, list]:
@@ -160,8 +233,9 @@ def hf_buffers(config) -> set:
     return {name for name, _ in hf.named_buffers()}
 
 
-def hf_state_dict(raw: dict, model, where: str = "checkpoint") -> dict:
-    """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch.
+def hf_state_dict(raw: dict, model, where: str = "checkpoint", task_adapters: dict | None = None) -> dict:
+    """Map a base or head checkpoint onto the model's HF key names, or raise listing every mismatch. task_adapters:
+    the checkpoint's task adapters in the model's names (`task_adapter_layout`), accounted for with the rest.
 
     Skipped, as transformers' from_pretrained of the family's encoder skips them, and said in one info line of the
     `fastbert` logger: a head checkpoint's keys outside the encoder; keys transformers' classes (the encoder's and
@@ -181,6 +255,11 @@ def hf_state_dict(raw: dict, model, where: str = "checkpoint") -> dict:
             skipped.setdefault("the pooler (the model is built without one)", []).append(name)
             continue
         state[key], names[key] = raw[name], name
+    for key, (tensor, name) in (task_adapters or {}).items():
+        if key.startswith("pooler.") and model.pooler is None:
+            skipped.setdefault("the pooler (the model is built without one)", []).append(name)
+            continue
+        state[key], names[key] = tensor, name
 
     expected = {k: v.shape for k, v in model.state_dict().items()}
     unexpected = set(state) - set(expected)
@@ -262,15 +341,17 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
                     padding_free=True):
     folder = resolve_folder(name_or_path)
     config, values = read_config(folder)
-    raw = read_checkpoint(folder)
+    raw, task_adapters = task_adapter_layout(read_checkpoint(folder), config)
     if add_pooling_layer is None:
         # BERT-architecture embedding models (BGE, E5, GTE) ship no pooler: load them without one, never with a
         # random one (transformers' BertModel would initialise it randomly, with a warning)
         add_pooling_layer = families.of(config).pooler and any(
             k.startswith("pooler.") for k in encoder_part(raw, config.model_type))
     model = _build(cls, config, add_pooling_layer, kernels, padding_free)
+    if task_adapters:
+        adapters.attach_task_adapters(model, {k: t for k, (t, _) in task_adapters.items()})
     try:
-        state = hf_state_dict(raw, model, where=f"checkpoint {folder}")
+        state = hf_state_dict(raw, model, where=f"checkpoint {folder}", task_adapters=task_adapters)
     except ValueError as error:
         absent = configs.absent_size_fields(values, config)
         if absent:  # the likely cause first: a size transformers filled in with its default
@@ -279,7 +360,6 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
                              f"model took transformers' defaults ({defaults}), which the checkpoint does not fit: add "
                              f"the field(s) to config.json. {error}") from None
         raise
-
     dtype = resolve_dtype(dtype, values, state)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
@@ -427,14 +507,36 @@ def original_layout(state: dict, config) -> dict:
     return revert_weight_conversion(types.SimpleNamespace(_weight_conversions=rules, config=config), state)
 
 
+def task_adapters_to_hub(hub: dict, task_adapters: dict, model) -> dict:
+    """The inverse of `task_adapter_layout`: a state dict in the Hub's layout (`original_layout`) with each adapted
+    module's weight moved to X.parametrizations.weight.original and its adapters ({"<holder>.task_adapters.<name>.
+    lora_A" / "lora_B": tensor}, the model's) beside it, as Jina's checkpoints hold them."""
+    family = model.family
+    for key, tensor in task_adapters.items():
+        holder, part = key.rsplit(".", 1)
+        where, name = holder.split(".task_adapters.")
+        if where in ("embeddings", "pooler"):
+            weights = [f"{where}.{name}.weight"]
+        else:  # a layer: its role's HF linear(s); qkv: the three that the Hub's one mixer.Wqkv holds
+            roles = ("query", "key", "value") if name == "qkv" else (name,)
+            weights = [f"{where}.{family.layer[r]}.weight" for r in roles]
+        # where the Hub keeps that weight: transformers' own reversal of its conversion list, on the key alone
+        module = next(iter(original_layout({w: torch.zeros(1, 1) for w in weights}, model.config)))
+        module = module[:-len(".weight")]
+        if f"{module}.weight" in hub:
+            hub[f"{module}.parametrizations.weight.original"] = hub.pop(f"{module}.weight")
+        hub[f"{module}.parametrizations.weight.0.{part}"] = tensor
+    return hub
+
+
 def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dict: dict | None = None,
                     is_main_process: bool = True, max_shard_size=None, save_original_format: bool = True,
                     **kwargs) -> None:
     """Writes config.json (transformers' own writer, so exactly what HF writes for that config) + model.safetensors
     (or pytorch_model.bin with safe_serialization=False), one file, that transformers' from_pretrained loads. The
     shards and index of a sharded checkpoint already in the folder are removed. save_original_format: as
-    transformers 5, the Hub's layout for the model types it converts on loading (`original_layout`); False keeps
-    transformers' module names.
+    transformers 5, the Hub's layout for the model types it converts on loading (`original_layout`), with Jina's task
+    adapters where its checkpoints keep them (`task_adapters_to_hub`); False keeps transformers' module names.
     transformers' other keywords that only shape how files are written (variant, token, ...) are refused by name
     rather than silently ignored, except max_shard_size (the weights go into one file)."""
     if kwargs.get("push_to_hub"):
@@ -445,6 +547,10 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
         raise TypeError(f"save_pretrained() got keyword arguments fastbert does not implement: {', '.join(kwargs)}")
     if not is_main_process:
         return
+    if not save_original_format and model.task_names:
+        raise NotImplementedError("save_original_format=False: transformers' module names have no place for "
+                                  "Jina's task adapters (one of them spans q, k and v); save in the Hub's layout "
+                                  "(the default), which holds them")
     os.makedirs(folder, exist_ok=True)
     # an older sharded checkpoint left here would be read instead of this save (loaders try an index before a single
     # file of the other format); transformers' save_pretrained removes older shards too
@@ -459,8 +565,11 @@ def save_pretrained(model, folder, *, safe_serialization: bool = True, state_dic
     config.save_pretrained(folder)
     # contiguous copies: a caller's state_dict may hold views, which safetensors refuses
     state = {k: v.detach().contiguous().clone() for k, v in (state_dict or model.state_dict()).items()}
+    task_adapters = {k: state.pop(k) for k in [k for k in state if ".task_adapters." in k]}
     if save_original_format:
         state = original_layout(state, config)
+    if task_adapters:
+        state = task_adapters_to_hub(state, task_adapters, model)
     if safe_serialization:
         from safetensors.torch import save_file
         save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})

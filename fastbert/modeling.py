@@ -36,8 +36,8 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
 )
 
+from . import adapters, dispatch, fallback, families, layers, measure, relative, rotary, twins, units
 from . import config as configs
-from . import dispatch, fallback, families, layers, measure, relative, rotary, twins, units
 from .compat import TransformersModelMixin
 from .dispatch import OPS
 from .inputs import Batch, prepare
@@ -77,8 +77,13 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, first_token_states):
-        return torch.tanh(host.linear(self._modules["dense"], first_token_states))  # [n, H] from each [CLS] token
+    def forward(self, first_token_states, tasks=None):
+        """tanh(dense(x)) [n, H] from each sequence's first token; `tasks` [n, tasks * rank]: each sequence's task
+        selection (adapters.task_select), where the model has task adapters (Jina's pooler has one)."""
+        h = host.linear(self._modules["dense"], first_token_states)
+        if tasks is not None:
+            h = self._modules["task_adapters"]["dense"].add_delta(h, first_token_states, tasks)
+        return torch.tanh(h)
 
 
 def _same(h):
@@ -210,6 +215,9 @@ class BertModel(TransformersModelMixin, nn.Module):
             units.bias_gelu.Variant(gated=family.mlp == "gated"),
             units.residual_layernorm.Variant(pre_norm=family.norm == "pre", rms=family.norm_kind == "rms"))
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        # Jina-Embeddings-v3's task adapters, where a checkpoint brings them (adapters.attach_task_adapters): the
+        # tasks' names (adapter_mask's indices), their rank and scaling
+        self.task_names, self.task_rank, self.task_scaling = (), 0, 0.0
         self.activation = twins.ACTIVATIONS[family.get(config, "hidden_act")]
         self._kernels = {op: "auto" for op in OPS}
         self.set_kernels(kernels)
@@ -278,18 +286,20 @@ class BertModel(TransformersModelMixin, nn.Module):
     # ---- forward -----------------------------------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 output_hidden_states=None, output_attentions=None, return_dict=None, use_cache=None,
-                cu_seqlens=None, max_seqlen=None, **kwargs):
+                cu_seqlens=None, max_seqlen=None, adapter_mask=None, **kwargs):
         """HF's BertModel.forward. Packed input: `input_ids` [T] with `cu_seqlens` [n + 1] (and optionally
         `max_seqlen`) returns packed outputs ([T, H], pooler [n, H]); HF's own `cu_seq_lens_q` / `max_length_q` with
         [1, T] ids are accepted as transformers takes them. Unset output flags take the config's values, as HF's do;
-        keywords a head or Trainer passes that an encoder has no use for (num_items_in_batch, ...) are ignored."""
+        keywords a head or Trainer passes that an encoder has no use for (num_items_in_batch, ...) are ignored.
+        adapter_mask: with Jina-Embeddings-v3's task adapters, one task index per sequence ([B] padded, [n] packed;
+        -1: none), as Jina's remote code takes it (docs/model.md, "Task adapters")."""
         cfg = self.config
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         output_attentions = bool(getattr(cfg, "output_attentions", False) if output_attentions is None
                                  else output_attentions)
         return_dict = getattr(cfg, "return_dict", True) if return_dict is None else return_dict
         batch = prepare(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                        output_attentions, cu_seqlens, max_seqlen, **kwargs)
+                        output_attentions, cu_seqlens, max_seqlen, adapter_mask, **kwargs)
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or (batch.inputs_embeds is not None and batch.inputs_embeds.requires_grad))
@@ -303,8 +313,10 @@ class BertModel(TransformersModelMixin, nn.Module):
         if not self.family.selects_hidden_states and output_hidden_states:
             output_hidden_states = True  # MPNet's forward reads a selection as a flag: every layer, as HF gives it
         keep = HiddenStates.of(output_hidden_states, len(self.layers), batch)
+        tasks = None if batch.adapter_mask is None else adapters.per_token(batch.adapter_mask, batch)
         x, hidden_states, attentions = self.encode(batch.input_ids, batch.token_type_ids, batch.position_ids,
-                                                   batch.attn, run, batch.inputs_embeds, keep, output_attentions)
+                                                   batch.attn, run, batch.inputs_embeds, keep, output_attentions,
+                                                   tasks)
         out = self.finish(batch, x, hidden_states, attentions, keep is not None, output_attentions)
         return out if return_dict else self.output_tuple(out)
 
@@ -343,16 +355,19 @@ class BertModel(TransformersModelMixin, nn.Module):
         return GraphRunner(self, token_buckets, max_seqs, max_seqlen)
 
     def encode(self, input_ids, token_type_ids, position_ids, attn, run, inputs_embeds=None,
-               keep_hidden_states=None, output_attentions=False):
+               keep_hidden_states=None, output_attentions=False, tasks=None):
         """The device-only part: packed tokens [T] -> final hidden states [T, H]. No host read, no branch on tensor
         values (a CUDA graph captures this). `keep_hidden_states`: a HiddenStates saying which layer inputs to return
-        and in what shape (True: all of them, packed), or None."""
+        and in what shape (True: all of them, packed), or None. `tasks`: each token's task [T] (-1: none) where the
+        model has task adapters, or None (the base weights)."""
+        select = None if tasks is None else self.task_select(tasks)                     # [T, tasks * rank]
+        with_tasks = () if select is None else (select,)
         if self.family.embeddings == "masked":  # zero at the padded positions of padded rows, as HF's DeBERTa
             mask = attn.key_valid.reshape(-1, 1) if isinstance(attn, AttentionMask) and attn.key_valid is not None \
                 else None
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, mask)  # [T, H]
         else:
-            x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)   # [T, H] (ELECTRA: [T, E])
+            x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, *with_tasks)  # [T, H]
         if self.embeddings_project is not None:
             x = self.embeddings_project(x)                                               # [T, E] -> [T, H]
         if keep_hidden_states is True:
@@ -366,7 +381,7 @@ class BertModel(TransformersModelMixin, nn.Module):
         for layer, at in zip(layers, positions):  # (a checkpointing layer recomputes itself in backward)
             if keep_hidden_states:
                 x = keep_hidden_states.record(hidden_states, x)
-            x, probs = call(layer, x, attn, run, output_attentions, at, workspace)
+            x, probs = call(layer, x, attn, run, output_attentions, at, workspace, *with_tasks)
             if output_attentions:
                 attentions.append(probs)
         if self._final_norm_name is not None:  # pre-norm: the last hidden state is normed (HF's last hidden_states)
@@ -374,6 +389,12 @@ class BertModel(TransformersModelMixin, nn.Module):
         if keep_hidden_states:
             x = keep_hidden_states.record(hidden_states, x)
         return x, hidden_states, attentions
+
+    def task_select(self, tasks: torch.Tensor) -> torch.Tensor:
+        """Each token's task [T] -> [T, tasks * rank]: the task adapters' scaling in its task's columns, 0 elsewhere
+        (adapters.task_select), in the model's dtype."""
+        dtype = self.embeddings.word_embeddings.weight.dtype
+        return adapters.task_select(tasks, len(self.task_names), self.task_rank, self.task_scaling, dtype)
 
     def attention_positions(self, position_ids, num_layers: int) -> list:
         """What each layer's attention reads of positions, built once per forward: the per-distance bias table of
@@ -440,8 +461,11 @@ class BertModel(TransformersModelMixin, nn.Module):
         if kind == "BaseModelOutputWithPastAndCrossAttentions":  # ELECTRA: no pooler either
             return BaseModelOutputWithPastAndCrossAttentions(**out, cross_attentions=cross)
         pooler = self.pooler
-        out["pooler_output"] = None if pooler is None else \
-            (pooler.forward if host.plain(pooler, BertPooler) else pooler)(first(x))
+        if pooler is not None and batch.adapter_mask is not None:  # each sequence's task adapter on the dense
+            out["pooler_output"] = pooler(first(x), self.task_select(adapters.pooled_tasks(batch.adapter_mask, batch)))
+        else:
+            out["pooler_output"] = None if pooler is None else \
+                (pooler.forward if host.plain(pooler, BertPooler) else pooler)(first(x))
         if kind == "BaseModelOutputWithPooling":  # MPNet
             return BaseModelOutputWithPooling(**out)
         return BaseModelOutputWithPoolingAndCrossAttentions(**out, cross_attentions=cross)

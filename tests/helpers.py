@@ -618,3 +618,123 @@ def hub_layout_folder(name, root, architectures=None, seed=0) -> str:
         raise ValueError(f"no Hub layout {name!r}; known: {', '.join(HUB_LAYOUTS)}")
     (folder / "config.json").write_text(json.dumps(hub, indent=2))  # the Hub's file, not transformers' rewrite
     return str(folder)
+
+
+# ---- Jina-Embeddings-v3 with its task adapters, laid out as the Hub ships it (random weights, small sizes) ----------
+JINA_TASKS = ("retrieval.query", "retrieval.passage", "separation", "classification", "text-matching")
+JINA_PROMPTS = {"retrieval.query": "Represent the query for retrieving evidence documents: ",
+                "retrieval.passage": "Represent the document for retrieval: ", "separation": "",
+                "classification": "", "text-matching": ""}
+
+
+def jina_task_checkpoint(hf, rank=4, alpha=1, seed=0, adapter_std=0.3) -> dict:
+    """Jina-Embeddings-v3's checkpoint for the HF model `hf` (a JinaEmbeddingsV3Model) and random task adapters, in
+    the Hub's layout: the encoder under "roberta." in the remote code's module names (emb_ln, encoder.layers.<i>.
+    mixer.Wqkv, ...), every linear's and embedding table's weight at X.parametrizations.weight.original and one
+    adapter per task stacked beside it at X.parametrizations.weight.0.lora_A / lora_B (linear [out, in]: A [tasks,
+    rank, in], B [tasks, out, rank]; table [rows, dim]: A [tasks, rows, rank], B [tasks, rank, dim]), A and B both
+    random and non-zero, so that every task changes every module."""
+    from fastbert.loading import original_layout
+    hub = original_layout({k: v.detach().clone() for k, v in hf.state_dict().items()}, hf.config)
+    gen = torch.Generator().manual_seed(seed)
+    tasks = len(JINA_TASKS)
+    out = {}
+    for key, tensor in hub.items():
+        module = key[:-len(".weight")]
+        table = module.startswith("embeddings.")
+        if not key.endswith(".weight") or not (table or module.split(".")[-1] in ("Wqkv", "out_proj", "fc1", "fc2",
+                                                                                  "dense")):
+            out["roberta." + key] = tensor
+            continue
+        rows, cols = tensor.shape
+        shapes = ((tasks, rows, rank), (tasks, rank, cols)) if table else ((tasks, rank, cols), (tasks, rows, rank))
+        out[f"roberta.{module}.parametrizations.weight.original"] = tensor
+        for part, shape in zip(("lora_A", "lora_B"), shapes):
+            out[f"roberta.{module}.parametrizations.weight.0.{part}"] = torch.randn(shape, generator=gen) * adapter_std
+    return out
+
+
+def jina_hub_config(hf_config, rank=4, alpha=1) -> dict:
+    """config.json as the Hub's jina-embeddings-v3 fills it for its adapters (lora_adaptations in adapter_mask's
+    order, lora_rank, lora_alpha, task_instructions, ...), over the small model's own fields."""
+    values = hf_config.to_dict()
+    values.update(lora_adaptations=list(JINA_TASKS), lora_rank=rank, lora_alpha=alpha, lora_dropout_p=0.0,
+                  lora_main_params_trainable=False, load_trained_adapters=True, task_instructions=dict(JINA_PROMPTS),
+                  matryoshka_dimensions=[8, 16, 32])
+    return values
+
+
+def jina_merged_state(checkpoint: dict, task: int, alpha=1) -> dict:
+    """The Hub checkpoint's weights with task `task`'s adapter merged (W + s B_t A_t; a table E + s A_t B_t), computed
+    in float64 and cast back, in the Hub's layout without adapters (X.weight), for transformers to load."""
+    merged = {}
+    for key, tensor in checkpoint.items():
+        if key.endswith(".parametrizations.weight.original"):
+            module = key[:-len(".parametrizations.weight.original")]
+            A = checkpoint[f"{module}.parametrizations.weight.0.lora_A"][task].double()
+            B = checkpoint[f"{module}.parametrizations.weight.0.lora_B"][task].double()
+            table = ".embeddings." in key
+            rank = A.shape[1] if table else A.shape[0]
+            low = A @ B if table else B @ A
+            merged[f"{module}.weight"] = (tensor.double() + alpha / rank * low).to(tensor.dtype)
+        elif ".parametrizations." not in key:
+            merged[key] = tensor
+    return merged
+
+
+def jina_reference(hf, checkpoint: dict, task) -> "torch.nn.Module":
+    """transformers' JinaEmbeddingsV3Model holding `hf`'s config with the checkpoint's weights, task `task`'s adapter
+    merged in (None: the base weights), loaded by transformers' own conversion of the Hub's layout."""
+    import copy
+
+    from fastbert.loading import encoder_part, hub_layout
+    merged = jina_merged_state(checkpoint, task) if task is not None else {
+        k.replace(".parametrizations.weight.original", ".weight"): v for k, v in checkpoint.items()
+        if "lora_" not in k}
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(encoder_part(hub_layout(merged, "jina_embeddings_v3"), "jina_embeddings_v3"), strict=True)
+    return ref.eval()
+
+
+def jina_hub_folder(root, hidden=32, heads=2, layers=2, intermediate=40, vocab_size=ARCH_VOCAB, max_len=64, seed=0,
+                    **config):
+    """A folder as the Hub ships jina-embeddings-v3, shrunk: model.safetensors in the Hub's layout with random task
+    adapters (jina_task_checkpoint), config.json with its adapter fields. -> (folder, the HF model, checkpoint)."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+    torch.manual_seed(seed)
+    hf = perturb_(transformers.JinaEmbeddingsV3Model(rotary_post_norm_config(
+        "jina_embeddings_v3", hidden=hidden, heads=heads, layers=layers, intermediate=intermediate, max_len=max_len,
+        vocab_size=vocab_size, **config)), weight_std=0.05).eval()
+    checkpoint = jina_task_checkpoint(hf, seed=seed + 1)
+    root.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in checkpoint.items()}, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(jina_hub_config(hf.config), indent=2))
+    return str(root), hf, checkpoint
+
+
+def jina_st_folder(root, minilm_path):
+    """jina-embeddings-v3's sentence-transformers folder as the Hub ships it, shrunk (random weights): the model in
+    the Hub's layout with its task adapters (jina_hub_folder), a tokenizer (BERT's uncased WordPiece stands in for
+    XLM-R's, which is not on this machine), modules.json naming Jina's own custom_st.Transformer, mean Pooling and
+    Normalize, and config_sentence_transformers.json with the tasks' prompts; no sentence_bert_config.json (as on
+    the Hub). -> (folder, the HF model, checkpoint, tokenizer)."""
+    import json
+    tok = _family_tokenizer("jina_embeddings_v3", minilm_path)
+    folder, hf, checkpoint = jina_hub_folder(root, hidden=32, heads=2, layers=2, intermediate=40,
+                                             vocab_size=len(tok), max_len=128, attn_implementation="sdpa")
+    tok.save_pretrained(folder)
+    modules = [{"idx": 0, "name": "transformer", "path": "", "type": "custom_st.Transformer", "kwargs": ["task"]},
+               {"idx": 1, "name": "pooler", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "normalizer", "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize"}]
+    (root / "modules.json").write_text(json.dumps(modules, indent=2))
+    (root / "1_Pooling").mkdir()
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (root / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": dict(JINA_PROMPTS), "default_prompt_name": None, "similarity_fn_name": "cosine"}))
+    return folder, hf, checkpoint, tok

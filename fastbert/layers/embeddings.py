@@ -55,7 +55,9 @@ class BertEmbeddings(nn.Module):
         or packed [T]; input_ids is None when the caller gave inputs_embeds)."""
         return index
 
-    def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds):
+    def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds, tasks=None):
+        """`tasks` [T, tasks * rank]: each token's task selection (adapters.task_select), where the tables carry
+        Jina's task adapters: each token's row of E + s A_t B_t, the low-rank part added before the LayerNorm."""
         tables = self._modules  # (read once: each nn.Module attribute lookup is Python work on the host)
         if inputs_embeds is None:
             inputs_embeds = embed(tables["word_embeddings"], input_ids)
@@ -67,6 +69,11 @@ class BertEmbeddings(nn.Module):
         positions = tables.get("position_embeddings")  # (None: rotary positions, applied in attention)
         if positions is not None:
             x = x + embed(positions, position_ids)
+        if tasks is not None:
+            lora = tables["task_adapters"]
+            x = lora["word_embeddings"].add_delta(x, input_ids, tasks)                                # [T, width]
+            if types is not None:
+                x = lora["token_type_embeddings"].add_delta(x, token_type_ids, tasks)
         return drop(tables["dropout"], norm(tables["LayerNorm"], x))           # [T, width]
 
 

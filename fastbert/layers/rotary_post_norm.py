@@ -62,9 +62,13 @@ class RotaryPostNormLayer(PostNormLayer):
     def extras(self, qkv, w_qkv, b_qkv, positions, p_pos: float) -> Extras:
         return Extras(rotary=positions)
 
-    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, positions=None, workspace=None):
+    def forward(self, x: torch.Tensor, attn, run, output_attentions: bool = False, positions=None, workspace=None,
+                tasks=None):
         """x [T, H] -> ([T, H], attention probabilities or None); `positions`: the rotary cos/sin of the packed
-        tokens (BertModel.attention_positions)."""
+        tokens (BertModel.attention_positions); `tasks`: each token's task selection where the model has Jina's task
+        adapters (`_forward_tasks`)."""
+        if tasks is not None:
+            return self._forward_tasks(x, attn, run, output_attentions, positions, tasks)
         w = self.weights(run)
         p = self.dropouts() if self.training else NO_DROPOUT
         if w is None:  # an adapter (PEFT) wraps one of the layer's linears, or another module sits at one
@@ -80,6 +84,32 @@ class RotaryPostNormLayer(PostNormLayer):
             h = twins.dropout(h, p_gated)
         x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, x, w.ln2, w.ln2_bias, w.ln2_eps,
                                    p_ffn_out)                                                   # [T, H]
+        return x, probs
+
+    def _forward_tasks(self, x, attn, run, output_attentions, positions, tasks):
+        """The layer with Jina's task adapters (eval mode): each token of task t runs W + s B_t A_t in every linear.
+        The base GEMMs stay one GEMM over all tokens whatever their tasks; each adds its tokens' low-rank terms
+        (adapters.TaskLoRA, `tasks` [T, tasks * rank] selecting each token's own), where the fused op allows:
+
+            qkv = qkv_projection(x) + down(x) @ up                          [T, 3, nh, hd]  added to the output
+            x   = residual_layernorm(ctx @ W_o + b_o + (x + down(ctx) @ up))   [T, H]  the term joins the residual
+            h   = bias_gelu([x | down(x)] @ [W_1 | up^T]^T + b_1)           [T, I]  under the activation: a longer K
+            x   = residual_layernorm(h @ W_2 + b_2 + (x + down(h) @ up))     [T, H]
+        """
+        w = self.weights(run)
+        if w is None:
+            raise NotImplementedError("task adapters together with PEFT adapters (or a module replaced at one of the "
+                                      "layer's linears or norms) are not supported; merge those first")
+        lora = self._modules["task_adapters"]
+        qkv = run.qkv_projection(x, w.qkv, w.qkv_bias, self.num_heads)                           # [T, 3, nh, hd]
+        qkv = lora["qkv"].add_delta(qkv.view(qkv.shape[0], -1), x, tasks, in_place=not run.grad).view(qkv.shape)
+        ctx, probs = run.attention(qkv, attn, self.scale, 0.0, output_attentions, Extras(rotary=positions))  # [T, H]
+        x = run.residual_layernorm(ctx, w.attn_out, w.attn_out_bias, lora["attn_out"].add_delta(x, ctx, tasks),
+                                   w.ln1, w.ln1_bias, w.ln1_eps)                                # [T, H]
+        ffn_in = lora["ffn_in"]
+        h = run.bias_gelu(ffn_in.widen(x, tasks), ffn_in.widened(w.ffn_in), w.ffn_in_bias, self.activation)  # [T, I]
+        x = run.residual_layernorm(h, w.ffn_out, w.ffn_out_bias, lora["ffn_out"].add_delta(x, h, tasks),
+                                   w.ln2, w.ln2_bias, w.ln2_eps)                                # [T, H]
         return x, probs
 
     def _ffn_hidden(self, x, run, p_gated: float) -> torch.Tensor:
