@@ -4,7 +4,10 @@ Tests import from here (`from helpers import ...`), never from each other; tests
 the guard on global state. The accuracy rule itself is fastbert.numerics.
 """
 import contextlib
+import dataclasses
+import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -277,6 +280,19 @@ def has_deberta_v2() -> bool:
     return Version(transformers.__version__) >= Version("4.48.0")
 
 
+NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
+NEEDS_DEBERTA = pytest.mark.skipif(not has_deberta_v2(), reason="fastbert follows transformers 4.48+'s DeBERTa-v2")
+NEEDS_ROTARY_POST_NORM = pytest.mark.skipif(not has_rotary_post_norm(),
+                                            reason="this transformers has no NomicBERT, GTE or Jina-v3 (5.24+)")
+
+# Every architecture random_arch_model builds, each marked with the transformers it needs
+ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
+         pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
+         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA),
+         *(pytest.param(arch, marks=NEEDS_ROTARY_POST_NORM)
+           for arch in (*ROTARY_POST_NORM, "eurobert", "eurobert-gqa")))
+
+
 def pad_id(hf):
     return hf.config.pad_token_id if hf.config.model_type in PADDING_IDX_TYPES else 0
 
@@ -371,6 +387,118 @@ def launched_precisions(monkeypatch, kernel) -> list:
     monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: (
         launched.append(kwargs["INPUT_PRECISION"]), real_run(*args, **kwargs))[1])
     return launched
+
+
+# ---- what the kernels launched ---------------------------------------------------------------------------------------
+# Each op's Triton kernels as its unit launches them: (its forward's, one of which runs; its backward's, each of
+# which runs). bias_gelu's forward is the GEMM with its activation epilogue; qkv_projection's backward is torch's
+# GEMMs (a linear's own backward, no kernel of fastbert's).
+OP_KERNELS = {
+    "qkv_projection": (("gemm_kernel", "gemm_tma_kernel"), ()),
+    "attention": (("_attention_fwd_kernel",), ("_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel")),
+    "bias_gelu": (("gemm_kernel", "gemm_tma_kernel"), ("bias_gelu_backward_kernel",)),
+    "residual_layernorm": (("bias_residual_layernorm_kernel",), ("layernorm_backward_kernel",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch of a fastbert kernel: the op whose unit (fastbert/units/<op>.py) launched it, found on the call
+    stack (None outside the units), the kernel's name, and its non-tensor arguments by name, defaults included."""
+    op: str | None
+    kernel: str
+    args: dict
+
+    @property
+    def dropout_p(self) -> float:
+        """The probability the launch drops with: its dropout_p where its DROPOUT is on, else 0."""
+        return float(self.args["dropout_p"]) if self.args.get("DROPOUT") else 0.0
+
+
+class Launches(list):
+    """The launches made inside a `launches()` block, in order."""
+
+    def ops(self) -> frozenset:
+        return frozenset(launch.op for launch in self if launch.op is not None)
+
+    def dropouts(self, op: str) -> dict:
+        """{kernel: the set of dropout probabilities it launched with} over `op`'s launches."""
+        found: dict = {}
+        for launch in self:
+            if launch.op == op:
+                found.setdefault(launch.kernel, set()).add(launch.dropout_p)
+        return found
+
+
+def _fastbert_kernels() -> tuple:
+    from fastbert.kernels import attention, attention_backward, bias_gelu, gemm, residual_layernorm
+    return (gemm.gemm_kernel, gemm.gemm_tma_kernel, attention._attention_fwd_kernel,
+            attention_backward._attention_bwd_dkdv_kernel, attention_backward._attention_bwd_dq_kernel,
+            bias_gelu.bias_gelu_backward_kernel, residual_layernorm.bias_residual_layernorm_kernel,
+            residual_layernorm.layernorm_backward_kernel)
+
+
+def _launching_op(units_by_module: dict) -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        op = units_by_module.get(frame.f_globals.get("__name__"))
+        if op is not None:
+            return op
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def launches():
+    """Records every launch of a fastbert kernel inside the block (a Launches list), on any device: each kernel's
+    `run` (what `kernel[grid](...)` and Triton's autotuner call; a JITFunction on a GPU, the interpreter's stand-in
+    on CPU) is wrapped, and the launch still runs. On a GPU an autotuner's first call launches each config it times:
+    count kinds of launches there, not launches. The autograd engine may run a backward on another thread: the
+    recording is process-wide."""
+    from fastbert import units
+
+    units_by_module = {unit.__name__: op for op, unit in units.UNITS.items()}
+    recorded, restore = Launches(), []
+    try:
+        for kernel in _fastbert_kernels():
+            signature, real = inspect.signature(kernel.fn), kernel.run
+
+            def run(*args, _name=kernel.fn.__name__, _signature=signature, _real=real, **kwargs):
+                bound = _signature.bind_partial(*args, **{k: v for k, v in kwargs.items()
+                                                          if k in _signature.parameters})
+                bound.apply_defaults()
+                recorded.append(Launch(_launching_op(units_by_module), _name,
+                                       {k: v for k, v in bound.arguments.items() if not isinstance(v, torch.Tensor)}))
+                return _real(*args, **kwargs)
+
+            restore.append((kernel, vars(kernel).get("run")))
+            kernel.run = run
+        yield recorded
+    finally:
+        for kernel, own in reversed(restore):
+            if own is None:
+                del kernel.run
+            else:
+                kernel.run = own
+
+
+def assert_trained_on_kernels(forward: Launches, backward: Launches | None = None, ops=tuple(OP_KERNELS)):
+    """Each op of `ops` launched its forward kernel in `forward` (a training forward's launches) and each of its
+    backward kernels in `backward` (that forward's backward; None: `forward` holds both, a whole training step)."""
+    backward = forward if backward is None else backward
+    missing = [f"{op}'s forward ({' or '.join(OP_KERNELS[op][0])})" for op in ops
+               if not any(launch.op == op and launch.kernel in OP_KERNELS[op][0] for launch in forward)]
+    missing += [f"{op}'s backward {kernel}" for op in ops for kernel in OP_KERNELS[op][1]
+                if not any(launch.op == op and launch.kernel == kernel for launch in backward)]
+    assert not missing, f"these kernels never launched: {'; '.join(missing)}"
+
+
+def torch_dropout_off(monkeypatch):
+    """torch's own dropout (F.dropout, which nn.Dropout and HF's modules call, and fastbert's twins.dropout) made the
+    identity for the test: all that stays random is what the Triton kernels draw."""
+    from fastbert import twins
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False: x)
+    monkeypatch.setattr(twins, "dropout", lambda x, p: x)
 
 
 # ---- kernel outputs ------------------------------------------------------------------------------------------------
@@ -618,3 +746,4 @@ def hub_layout_folder(name, root, architectures=None, seed=0) -> str:
         raise ValueError(f"no Hub layout {name!r}; known: {', '.join(HUB_LAYOUTS)}")
     (folder / "config.json").write_text(json.dumps(hub, indent=2))  # the Hub's file, not transformers' rewrite
     return str(folder)
+
