@@ -16,6 +16,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -747,3 +748,37 @@ def train_error(got: tuple, ref: tuple) -> tuple[float, float]:
             return logit_err, math.inf
         worst = max(worst, err)
     return (logit_err if math.isfinite(logit_err) else math.inf), worst
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The encode benchmarks' corpus (bench/test_bench_encode.py, bench/test_bench_distributed.py)
+# --------------------------------------------------------------------------------------------------------------------
+COSINE = 0.99999  # fp32: the cosine every text's embedding keeps with sentence-transformers'
+
+
+def corpus(n: int) -> list[str]:
+    """`n` paragraphs spread evenly over every installed distribution's description and licence files (sorted by
+    distribution name; duplicates dropped, paragraphs under 20 characters dropped)."""
+    paragraphs, seen = [], set()
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        texts = [dist.metadata.get_payload() or ""]
+        for file in dist.files or []:
+            if re.search(r"LICEN[CS]E|COPYING|NOTICE", file.name, re.IGNORECASE) and file.locate().is_file():
+                texts.append(file.read_text() or "")
+        for text in texts:
+            for paragraph in re.split(r"\n\s*\n", text):
+                paragraph = " ".join(paragraph.split())
+                if len(paragraph) >= 20 and paragraph not in seen:
+                    seen.add(paragraph)
+                    paragraphs.append(paragraph)
+    if len(paragraphs) < n:
+        raise Unavailable(f"the installed packages give {len(paragraphs)} paragraphs, {n} wanted")
+    step = len(paragraphs) / n
+    return [paragraphs[int(i * step)] for i in range(n)]
+
+
+def one_minus_cosine(a, b):
+    """1 - cosine of each row of a with the same row of b (numpy arrays [n, dim])."""
+    import numpy as np
+
+    return 1 - (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))

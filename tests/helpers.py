@@ -747,3 +747,85 @@ def hub_layout_folder(name, root, architectures=None, seed=0) -> str:
     (folder / "config.json").write_text(json.dumps(hub, indent=2))  # the Hub's file, not transformers' rewrite
     return str(folder)
 
+
+# ---- "auto" and its safety net (tests/model/test_auto.py, test_faults.py) -----------------------------------------
+AUTO_IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+AUTO_MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+
+
+class FakeTimer:
+    """Milliseconds from a script; each call also runs the function once, so both contenders are exercised."""
+
+    def __init__(self, script):
+        self.script, self.calls = list(script), 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return self.script.pop(0)
+
+
+class Breaks:
+    """Stands in for a kernel's `launch` that raises; counts how often it was tried."""
+
+    def __init__(self, error):
+        self.error, self.calls = error, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        raise self.error()
+
+
+def kernel_module(op):
+    """`op`'s kernel module (fastbert.kernels.<op>), as its unit imports it."""
+    from fastbert import units
+    return units.UNITS[op].kernels()
+
+
+def twin_for(hf, op):
+    """The answer "auto" owes when `op`'s kernel fails: that op on its twin, the others on their kernels."""
+    import fastbert
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(**{op: "torch"}).eval()
+    with torch.no_grad():
+        return fb(AUTO_IDS, attention_mask=AUTO_MASK).last_hidden_state
+
+
+def failure_warnings(record):
+    """The safety net's warnings among `record`'s (a pytest.warns or recwarn list)."""
+    return [w for w in record if "failed" in str(w.message) and "fastbert: the Triton kernel" in str(w.message)]
+
+
+# ---- residual_layernorm's gradients (tests/kernels/test_residual_layernorm_backward.py, ..._dropout.py) ----------
+RESIDUAL_LAYERNORM_INPUTS = ("y", "weight", "bias", "residual", "ln_weight", "ln_bias")
+
+
+def seeded(shape, dtype, scale=1.0, shift=0.0, seed=0):
+    """N(shift, scale^2) drawn in float64 from its own seed, rounded to dtype, on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype).to(DEVICE)
+
+
+def residual_layernorm_inputs(T, K, H, dtype, has_bias, has_ln_bias):
+    """residual_layernorm's inputs in RESIDUAL_LAYERNORM_INPUTS' order (None for an absent bias)."""
+    return [seeded((T, K), dtype), seeded((H, K), dtype, scale=K ** -0.5, seed=1),
+            seeded((H,), dtype, scale=0.5, seed=2) if has_bias else None, seeded((T, H), dtype, seed=3),
+            seeded((H,), dtype, scale=0.2, shift=1.0, seed=4),
+            seeded((H,), dtype, scale=0.2, seed=5) if has_ln_bias else None]
+
+
+def check_gradient(name, dtype, got, twin, ref):
+    """One output or gradient against the fp64 reference and the twin's: fp32 within FP32_TOL scaled by the
+    reference's size (max(1, max |ref|)) from both; fp16/bf16 within error_bound of the twin's own error. None (an
+    absent input) must be None on every side."""
+    if got is None or ref is None:
+        assert got is None and ref is None and twin is None, name
+        return
+    assert got.dtype == dtype and got.shape == ref.shape, (name, got.dtype, got.shape)
+    err = max_error(got, ref)
+    if dtype == torch.float32:
+        bar = FP32_TOL * max(1.0, float(ref.double().abs().max()))
+        assert err <= bar, f"{name}: {err:.3g} from fp64 > {bar:.3g}"
+        assert max_error(got, twin) <= bar, f"{name}: {max_error(got, twin):.3g} from the twin > {bar:.3g}"
+    else:
+        bound = error_bound(dtype, max_error(twin, ref))
+        assert err <= bound, f"{name}: {err:.3g} from fp64 > {bound:.3g} (2x the twin's + 1e-6)"
