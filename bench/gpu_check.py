@@ -44,7 +44,8 @@ rewritten after every step. The steps, the headline first, under one deadline (-
      at once)
   headline/32x128/hf-compile: torch.compile of HF, after every headline case (Inductor's cold start is unproven)
   ops (per-op figures, each fused GEMM next to cuBLAS), choices (the autotuner's picks and the "auto" table),
-     memcheck (compute-sanitizer; "skipped" where it cannot attach), tests-* (the CUDA tests in the time left);
+     memcheck (compute-sanitizer; "skipped" where it cannot attach), tests-* (the CUDA tests in the time left: the
+     kernels' in bf16, the kernels' in the other dtypes, the model's, training's);
      then summary.md (+ tokens_per_s.png)
 
 Compiles. A cold machine JIT-compiles every distinct (kernel, specialisation, constexprs, options) key once; Triton
@@ -87,6 +88,9 @@ KERNEL_TESTS = ("tests/kernels/test_attention.py", "tests/kernels/test_gemm.py",
                 "tests/kernels/test_attention_window.py", "tests/kernels/test_attention_disentangled.py")
 MODEL_TESTS = ("tests/model/test_triton_model.py", "tests/model/test_packed.py", "tests/model/test_auto.py",
                "tests/model/test_fuzz.py")
+# Training on the compiled kernels: every family's gradients against the twins' (fp32), dropout drawn in the kernels,
+# Trainer / PEFT / sentence-transformers steps
+TRAIN_TESTS = ("tests/model/test_train_kernels.py", "tests/integration/test_fine_tuning_on_kernels.py")
 FAULT_ENV = "FASTBERT_GPU_CHECK_FAULT"
 FAULT_HANG_S = 5.0
 
@@ -271,7 +275,7 @@ def plan(dry_run: bool, estimate: dict | None = None, with_estimate: bool = True
     collect = ["--collect-only"] if dry_run else []
     for name, files, extra in (("tests-bf16", KERNEL_TESTS, ["-k", "bfloat16"]),
                                ("tests-kernels", KERNEL_TESTS, ["-k", "not bfloat16"]),
-                               ("tests-model", MODEL_TESTS, [])):
+                               ("tests-model", MODEL_TESTS, []), ("tests-train", TRAIN_TESTS, [])):
         steps.append(Step("6", name, [sys.executable, "-m", "pytest", *files, *extra, "--maxfail=20", "-q", "-rfs",
                                       "-p", "no:cacheprovider", *collect], RUN_S["tests"]))
     if not with_estimate:  # bench/compile_keys.py --estimate: the jobs, before there is an estimate of them

@@ -201,7 +201,7 @@ PLAN_ORDER = ["env", "smoke-bf16",
               "train/bert-base/32x128/hf-sdpa", "train/bert-base/32x128/fastbert-triton",
               "train/modernbert-base/32xvar16-512/hf-sdpa", "train/modernbert-base/32xvar16-512/fastbert-triton",
               "smoke-forward", *(f"configs-{f}" for f in gpu_check.CONFIG_FAMILIES), "headline/32x128/hf-compile",
-              "ops", "choices", "memcheck", "tests-bf16", "tests-kernels", "tests-model"]
+              "ops", "choices", "memcheck", "tests-bf16", "tests-kernels", "tests-model", "tests-train"]
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
@@ -244,6 +244,23 @@ def test_gpu_check_plan_order(dry_run):
         assert args[args.index("--bench-models") + 1] == (tiny[model] if dry_run else model)
         assert ("--bench-tiny" in args) == dry_run
     assert len({s.bench_json for s in cases}) == len(cases)  # each case its own JSON
+
+
+def test_gpu_check_runs_the_training_tests():
+    """The tests-train step runs the model-level training tests on the GPU's compiled kernels (every family's
+    gradients against the twins', dropout in the kernels, Trainer / PEFT / sentence-transformers steps): its command
+    names both files, and the dry run's form of it collects their tests."""
+    step = next(s for s in gpu_check.plan(False) if s.name == "tests-train")
+    assert set(gpu_check.TRAIN_TESTS) == {"tests/model/test_train_kernels.py",
+                                          "tests/integration/test_fine_tuning_on_kernels.py"}
+    assert set(gpu_check.TRAIN_TESTS) <= set(step.cmd) and "--collect-only" not in step.cmd
+    dry = next(s for s in gpu_check.plan(True) if s.name == "tests-train")
+    collected = subprocess.run(dry.cmd, cwd=gpu_check.REPO, capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    for test in ("test_gradients_on_the_kernels_equal_the_twins", "test_dropout_on_the_kernels_is_reproducible",
+                 "test_trainer_step_on_the_kernels_is_the_twins_step",
+                 "test_a_dropout_step_on_the_kernels_is_reproducible"):
+        assert test in collected.stdout, test
 
 
 def test_gpu_check_caps_follow_the_compile_estimate():
