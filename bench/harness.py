@@ -9,6 +9,7 @@ No result is timed before it is checked against Hugging Face (see `accuracy_boun
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import importlib
@@ -691,6 +692,41 @@ def train_kernels(model, batch: Batch) -> list | None:
         return sorted(ops)
     finally:
         encoder.train(was)
+
+
+# What a training step on the kernels launches (fastbert.kernels): each op's forward kernel (the GEMMs: one of the
+# pair) and every backward kernel (qkv_projection's backward is torch's GEMMs)
+TRAIN_STEP_KERNELS = (("gemm_kernel", "gemm_tma_kernel"), ("_attention_fwd_kernel",), ("_attention_bwd_dkdv_kernel",),
+                      ("_attention_bwd_dq_kernel",), ("bias_gelu_backward_kernel",),
+                      ("bias_residual_layernorm_kernel",), ("layernorm_backward_kernel",))
+
+
+@contextlib.contextmanager
+def kernel_launches():
+    """The set of fastbert kernels (by name) launched inside the block: each kernel's `run`, which `kernel[grid]`
+    and Triton's autotuner call, is wrapped for the block, and every launch still runs."""
+    from fastbert.kernels import attention, attention_backward, bias_gelu, gemm, residual_layernorm
+
+    launched: set = set()
+    kernels = (gemm.gemm_kernel, gemm.gemm_tma_kernel, attention._attention_fwd_kernel,
+               attention_backward._attention_bwd_dkdv_kernel, attention_backward._attention_bwd_dq_kernel,
+               bias_gelu.bias_gelu_backward_kernel, residual_layernorm.bias_residual_layernorm_kernel,
+               residual_layernorm.layernorm_backward_kernel)
+    restore = []
+    try:
+        for kernel in kernels:
+            def run(*args, _name=kernel.fn.__name__, _real=kernel.run, **kwargs):
+                launched.add(_name)
+                return _real(*args, **kwargs)
+            restore.append((kernel, vars(kernel).get("run")))
+            kernel.run = run
+        yield launched
+    finally:
+        for kernel, own in reversed(restore):
+            if own is None:
+                del kernel.run
+            else:
+                kernel.run = own
 
 
 def train_batch(model: str, cell: Cell, device: str) -> tuple[Batch, torch.Tensor]:
