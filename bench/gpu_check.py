@@ -31,8 +31,9 @@ rewritten after every step. The steps, the headline first, under one deadline (-
      and every gradient against the twin's and an fp64 reference, bound 2x the twin's own error per tensor:
      bias_gelu (GELU, tanh GELU, ReLU, GeGLU, SwiGLU), residual_layernorm (post-norm, pre-norm, RMS pre-norm, dropout:
      the kernel's mask read off its output), attention (plain varlen, padded rows, grouped k/v heads, window + rotary,
-     MPNet's bias, DeBERTa's terms, dropout: one-hot values expose the kernel's mask); a variant the units do not
-     build yet is a skip saying "not built". The dry run runs them in fp16 (the interpreter has no bf16 tl.dot)
+     MPNet's bias, DeBERTa's terms, dropout: one-hot values expose the kernel's mask); a variant listed in NOT_BUILT
+     is a skip saying "not built", a refusal of any other variant a failure. The dry run runs them in fp16 (the
+     interpreter has no bf16 tl.dot)
   training, bf16, one process per case, HF sdpa first: one AdamW fine-tuning step (forward in train mode with
      dropout, loss, backward, optimizer step, zero_grad; bench/test_bench_train.py) of BERT-base on 32 ragged rows of
      16..512 (full fine-tuning, then PEFT LoRA r=8 on query+value), on 32x128 (full), and of ModernBERT-base on the
@@ -44,7 +45,8 @@ rewritten after every step. The steps, the headline first, under one deadline (-
      at once)
   headline/32x128/hf-compile: torch.compile of HF, after every headline case (Inductor's cold start is unproven)
   ops (per-op figures, each fused GEMM next to cuBLAS), choices (the autotuner's picks and the "auto" table),
-     memcheck (compute-sanitizer; "skipped" where it cannot attach), tests-* (the CUDA tests in the time left);
+     memcheck (compute-sanitizer; "skipped" where it cannot attach), tests-* (the CUDA tests in the time left: the
+     kernels' in bf16, the kernels' in the other dtypes, the model's, training's);
      then summary.md (+ tokens_per_s.png)
 
 Compiles. A cold machine JIT-compiles every distinct (kernel, specialisation, constexprs, options) key once; Triton
@@ -87,6 +89,9 @@ KERNEL_TESTS = ("tests/kernels/test_attention.py", "tests/kernels/test_gemm.py",
                 "tests/kernels/test_attention_window.py", "tests/kernels/test_attention_disentangled.py")
 MODEL_TESTS = ("tests/model/test_triton_model.py", "tests/model/test_packed.py", "tests/model/test_auto.py",
                "tests/model/test_fuzz.py")
+# Training on the compiled kernels: every family's gradients against the twins' (fp32), dropout drawn in the kernels,
+# Trainer / PEFT / sentence-transformers steps
+TRAIN_TESTS = ("tests/model/test_train_kernels.py", "tests/integration/test_fine_tuning_on_kernels.py")
 FAULT_ENV = "FASTBERT_GPU_CHECK_FAULT"
 FAULT_HANG_S = 5.0
 
@@ -145,8 +150,12 @@ TINY_CELL = {"32x128": "4x32", "32xvar16-512": "4xvar3-32", "1x128": "1x16", "8x
 TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-base": "tiny-mpnet",
               "modernbert-base": "tiny-modernbert", "nomic-embed-base": "tiny-nomic"}
 CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
-# smoke-backward's attention variants, in order (each "not built" until the unit trains on its kernel)
+# smoke-backward's attention variants, in order
 BACKWARD_ATTENTION = ("varlen", "padded", "gqa", "window-rotary", "bias", "disentangled", "dropout")
+# smoke-backward's variants the units do not build yet, by check name without its dtype ("attention-dropout"): a
+# train_kernel that refuses one of these is a skip saying "not built"; one that refuses any other variant fails its
+# check. Every variant is built today.
+NOT_BUILT: tuple = ()
 # The training cells (bench/test_bench_train.py), after the families: one step of bf16 AdamW fine-tuning (forward in
 # train mode, loss, backward, optimizer step, zero_grad), HF sdpa first, then fastbert on the kernels. The models are
 # the test file's: "bert-base-lora" is BERT-base with PEFT LoRA r=8 on query and value. The goals: GOALS.
@@ -271,7 +280,7 @@ def plan(dry_run: bool, estimate: dict | None = None, with_estimate: bool = True
     collect = ["--collect-only"] if dry_run else []
     for name, files, extra in (("tests-bf16", KERNEL_TESTS, ["-k", "bfloat16"]),
                                ("tests-kernels", KERNEL_TESTS, ["-k", "not bfloat16"]),
-                               ("tests-model", MODEL_TESTS, [])):
+                               ("tests-model", MODEL_TESTS, []), ("tests-train", TRAIN_TESTS, [])):
         steps.append(Step("6", name, [sys.executable, "-m", "pytest", *files, *extra, "--maxfail=20", "-q", "-rfs",
                                       "-p", "no:cacheprovider", *collect], RUN_S["tests"]))
     if not with_estimate:  # bench/compile_keys.py --estimate: the jobs, before there is an estimate of them
@@ -948,6 +957,15 @@ class KernelChecks:
         return {**self.compare(out, twin, ref64), **facts}
 
     # ---- backward: train_kernel's gradients against the twin's and fp64 ---------------------------------------------
+    @staticmethod
+    def refused(variant: str, why: str):
+        """A train_kernel refused `variant` (the backward smoke's check name without its dtype) saying `why`: a skip
+        that says "not built" where NOT_BUILT declares the variant, a failure of the check anywhere else (a
+        regression that makes a kernel refuse what it builds must not pass as a skip)."""
+        if variant in NOT_BUILT:
+            raise Skipped(f"not built: {why}")
+        raise RuntimeError(f"{variant}: the kernels refused a variant NOT_BUILT does not list: {why}")
+
     def autograd(self, check):
         """`check` run outside inference mode, with grad on, whatever its caller's mode (bench/compile_keys.py
         records a job under inference mode): every tensor it makes, the layouts and tables too, may be saved for
@@ -1056,14 +1074,13 @@ class KernelChecks:
         def kernel_fn(**t):
             return unit.train_kernel(**t, eps=eps, dropout_p=dropout_p, pre_norm=pre_norm, rms=rms)
 
-        if dropout_p:  # the kernels refuse dropout until they draw it: not built, not failed
-            try:
-                with torch.no_grad():
-                    kernel_fn(**inputs)
-            except ValueError as e:
-                raise Skipped(f"not built: {e}") from None
+        variant = "residual_layernorm-" + ("dropout" if dropout_p else "prenorm-rms" if rms else
+                                           "prenorm" if pre_norm else "postnorm")
         torch.manual_seed(1234)
-        kernel = self.grads(kernel_fn, inputs, up)
+        try:
+            kernel = self.grads(kernel_fn, inputs, up)
+        except ValueError as e:  # train_kernel's refusal: a skip only where NOT_BUILT declares the variant
+            self.refused(variant, str(e))
         if self.launch_only:
             return facts
         torch.manual_seed(1234)
@@ -1094,8 +1111,8 @@ class KernelChecks:
         (MPNet's table, its gradient too), "disentangled" (DeBERTa's c2p/p2c, their gradients too), "dropout" (the
         value rows one-hot in their position, lengths <= head_dim: each output row is then the kept, rescaled
         probabilities of that query, so the kernel's own mask can be read off its output and applied to the fp64
-        reference, whose gradients then prove the backward regenerated the forward's mask). Not built (the unit has
-        no train_kernel, or refuses the call): skipped, saying so."""
+        reference, whose gradients then prove the backward regenerated the forward's mask). The unit without a
+        train_kernel, or refusing the call: `refused`."""
         from fastbert import twins
         from fastbert.layout import TokenLayout
         from fastbert.mask import AttentionMask
@@ -1150,12 +1167,12 @@ class KernelChecks:
                  "kv_heads": kv_heads, "dropout_p": p}
         train = getattr(unit, "train_kernel", None)
         if train is None:
-            raise Skipped("not built: fastbert.units.attention has no train_kernel yet")
+            self.refused(f"attention-{variant}", "fastbert.units.attention has no train_kernel")
         unsupported = getattr(unit, "train_unsupported", None)
         why = unsupported(attn, p, False, extras_for(self.device, inputs["bias"], inputs["c2p"], inputs["p2c"])) \
             if unsupported else None
         if why:
-            raise Skipped(f"not built: {why}")
+            self.refused(f"attention-{variant}", why)
         T_out = num_heads * head_dim
         up = self.upstream([(T, T_out)], dtype)
         if mask2d is not None:  # padded queries: their rows of the output are HF's convention, not trained on
@@ -1167,7 +1184,10 @@ class KernelChecks:
             return run
 
         torch.manual_seed(1234)
-        kernel = self.grads(call(train, self.device, dtype), inputs, up)
+        try:
+            kernel = self.grads(call(train, self.device, dtype), inputs, up)
+        except ValueError as e:  # train_kernel's refusal
+            self.refused(f"attention-{variant}", str(e))
         if self.launch_only:
             return facts
         torch.manual_seed(1234)
@@ -1249,9 +1269,10 @@ class KernelChecks:
         """Each op unit's train_kernel once per variant in dtype `short`: its output and every gradient against the
         twin's and an fp64 reference (bias_gelu: GELU, tanh GELU, ReLU, GeGLU, SwiGLU; residual_layernorm: post-norm,
         pre-norm, pre-norm RMSNorm, dropout; attention: plain varlen, padded rows, grouped k/v heads, window + rotary,
-        MPNet's bias table, DeBERTa's terms, dropout). What the units do not build yet (attention's train_kernel,
-        dropout in the kernels) is a skip that says "not built". Under the interpreter (the dry run), which has no
-        bf16 tl.dot, the checks run in fp16 and are named so. BERT-base widths on the GPU, tiny ones in the dry run."""
+        MPNet's bias table, DeBERTa's terms, dropout). A variant NOT_BUILT lists is a skip that says "not built" where
+        its train_kernel refuses it; a refusal of any other variant fails its check. Under the interpreter (the dry
+        run), which has no bf16 tl.dot, the checks run in fp16 and are named so. BERT-base widths on the GPU, tiny
+        ones in the dry run."""
         if self.interpret and short == "bf16":
             short = "fp16"
         dtype = self.dtypes[short]

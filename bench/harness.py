@@ -9,6 +9,7 @@ No result is timed before it is checked against Hugging Face (see `accuracy_boun
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import importlib
@@ -16,6 +17,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -692,6 +694,41 @@ def train_kernels(model, batch: Batch) -> list | None:
         encoder.train(was)
 
 
+# What a training step on the kernels launches (fastbert.kernels): each op's forward kernel (the GEMMs: one of the
+# pair) and every backward kernel (qkv_projection's backward is torch's GEMMs)
+TRAIN_STEP_KERNELS = (("gemm_kernel", "gemm_tma_kernel"), ("_attention_fwd_kernel",), ("_attention_bwd_dkdv_kernel",),
+                      ("_attention_bwd_dq_kernel",), ("bias_gelu_backward_kernel",),
+                      ("bias_residual_layernorm_kernel",), ("layernorm_backward_kernel",))
+
+
+@contextlib.contextmanager
+def kernel_launches():
+    """The set of fastbert kernels (by name) launched inside the block: each kernel's `run`, which `kernel[grid]`
+    and Triton's autotuner call, is wrapped for the block, and every launch still runs."""
+    from fastbert.kernels import attention, attention_backward, bias_gelu, gemm, residual_layernorm
+
+    launched: set = set()
+    kernels = (gemm.gemm_kernel, gemm.gemm_tma_kernel, attention._attention_fwd_kernel,
+               attention_backward._attention_bwd_dkdv_kernel, attention_backward._attention_bwd_dq_kernel,
+               bias_gelu.bias_gelu_backward_kernel, residual_layernorm.bias_residual_layernorm_kernel,
+               residual_layernorm.layernorm_backward_kernel)
+    restore = []
+    try:
+        for kernel in kernels:
+            def run(*args, _name=kernel.fn.__name__, _real=kernel.run, **kwargs):
+                launched.add(_name)
+                return _real(*args, **kwargs)
+            restore.append((kernel, vars(kernel).get("run")))
+            kernel.run = run
+        yield launched
+    finally:
+        for kernel, own in reversed(restore):
+            if own is None:
+                del kernel.run
+            else:
+                kernel.run = own
+
+
 def train_batch(model: str, cell: Cell, device: str) -> tuple[Batch, torch.Tensor]:
     """The cell's batch (make_batch) and its labels (alternating classes)."""
     batch = make_batch(hf_config(TRAIN_MODELS[model][0]), cell, device)
@@ -747,3 +784,37 @@ def train_error(got: tuple, ref: tuple) -> tuple[float, float]:
             return logit_err, math.inf
         worst = max(worst, err)
     return (logit_err if math.isfinite(logit_err) else math.inf), worst
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The encode benchmarks' corpus (bench/test_bench_encode.py, bench/test_bench_distributed.py)
+# --------------------------------------------------------------------------------------------------------------------
+COSINE = 0.99999  # fp32: the cosine every text's embedding keeps with sentence-transformers'
+
+
+def corpus(n: int) -> list[str]:
+    """`n` paragraphs spread evenly over every installed distribution's description and licence files (sorted by
+    distribution name; duplicates dropped, paragraphs under 20 characters dropped)."""
+    paragraphs, seen = [], set()
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        texts = [dist.metadata.get_payload() or ""]
+        for file in dist.files or []:
+            if re.search(r"LICEN[CS]E|COPYING|NOTICE", file.name, re.IGNORECASE) and file.locate().is_file():
+                texts.append(file.read_text() or "")
+        for text in texts:
+            for paragraph in re.split(r"\n\s*\n", text):
+                paragraph = " ".join(paragraph.split())
+                if len(paragraph) >= 20 and paragraph not in seen:
+                    seen.add(paragraph)
+                    paragraphs.append(paragraph)
+    if len(paragraphs) < n:
+        raise Unavailable(f"the installed packages give {len(paragraphs)} paragraphs, {n} wanted")
+    step = len(paragraphs) / n
+    return [paragraphs[int(i * step)] for i in range(n)]
+
+
+def one_minus_cosine(a, b):
+    """1 - cosine of each row of a with the same row of b (numpy arrays [n, dim])."""
+    import numpy as np
+
+    return 1 - (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))

@@ -2,7 +2,7 @@
 its first row (start-up and model load), next to single-process fastbert.encode on the same texts, in one run.
 
 The cluster is local (ray.init(num_cpus=2), no dashboard), started once for the module; the time it took is in
-every case's extra_info. The corpus is the encode benchmark's (bench/test_bench_encode.py): paragraphs of the
+every case's extra_info. The corpus is the encode benchmark's (bench/harness.py: corpus): paragraphs of the
 descriptions and licence files of the installed distributions, real text no one here wrote, one a line in a .txt
 file. Every variant's output is checked against single-process fastbert.encode (same ids in the same order,
 cosine >= 0.99999 row by row) before anything is timed.
@@ -24,7 +24,6 @@ import time
 import pytest
 
 from bench import harness
-from bench.test_bench_encode import COSINE, corpus, one_minus_cosine
 
 ray = pytest.importorskip("ray", reason="Ray Data is an optional extra (pip install -e '.[ray]')")
 
@@ -54,7 +53,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def texts_file(tmp_path_factory, benchmark_disabled):
     try:
-        texts = corpus(CI_TEXTS if benchmark_disabled else TEXTS)
+        texts = harness.corpus(CI_TEXTS if benchmark_disabled else TEXTS)
     except harness.Unavailable as e:
         pytest.skip(str(e))
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
@@ -108,8 +107,8 @@ def test_encode_dataset_cpu(name, actors, cpus, cluster, texts_file, reference, 
             ids, _ = fastbert.load_embeddings(out)
             assert ids == [f"corpus.txt:{i}" for i in range(1, rows + 1)]
             assert results[-1].written == results[-1].shards == -(-rows // ROWS_PER_SHARD)
-        error = float(one_minus_cosine(emb, expected).max())
-        assert emb.shape == expected.shape and error <= 1 - COSINE, f"1 - cosine = {error:.3g}; not timed"
+        error = float(harness.one_minus_cosine(emb, expected).max())
+        assert emb.shape == expected.shape and error <= 1 - harness.COSINE, f"1 - cosine = {error:.3g}; not timed"
         return error
 
     benchmark.group = "encode a corpus on Ray: minilm fp32 cpu"

@@ -16,8 +16,6 @@ With --benchmark-disable (CI) a small slice of the corpus is checked and encoded
 """
 from __future__ import annotations
 
-import importlib.metadata
-import re
 import statistics
 import time
 
@@ -34,29 +32,7 @@ CASES = [("cpu", "fp32", 512, "minilm"), ("cuda", "fp16", 8192, "minilm"), ("cud
          ("cpu", "fp32", 256, "nomic-embed-base")]
 CI_TEXTS = 48
 ROUNDS = {"cpu": 5, "cuda": 10}
-COSINE = 0.99999
 ST_BATCH_SIZE = 32  # SentenceTransformer.encode's default
-
-
-def corpus(n: int) -> list[str]:
-    """`n` paragraphs spread evenly over every installed distribution's description and licence files (sorted by
-    distribution name; duplicates dropped, paragraphs under 20 characters dropped)."""
-    paragraphs, seen = [], set()
-    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
-        texts = [dist.metadata.get_payload() or ""]
-        for file in dist.files or []:
-            if re.search(r"LICEN[CS]E|COPYING|NOTICE", file.name, re.IGNORECASE) and file.locate().is_file():
-                texts.append(file.read_text() or "")
-        for text in texts:
-            for paragraph in re.split(r"\n\s*\n", text):
-                paragraph = " ".join(paragraph.split())
-                if len(paragraph) >= 20 and paragraph not in seen:
-                    seen.add(paragraph)
-                    paragraphs.append(paragraph)
-    if len(paragraphs) < n:
-        raise harness.Unavailable(f"the installed packages give {len(paragraphs)} paragraphs, {n} wanted")
-    step = len(paragraphs) / n
-    return [paragraphs[int(i * step)] for i in range(n)]
 
 
 def computed_tokens(lengths: list[int], batches: list[list[int]], padding: bool = True) -> int:
@@ -65,10 +41,6 @@ def computed_tokens(lengths: list[int], batches: list[list[int]], padding: bool 
     if not padding:
         return sum(lengths[i] for b in batches for i in b)
     return sum(len(b) * max(lengths[i] for i in b) for b in batches)
-
-
-def one_minus_cosine(a, b):
-    return 1 - (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.mark.parametrize("device, dtype, size, model", CASES,
@@ -85,7 +57,7 @@ def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_
     try:
         path = str(harness.minilm_path()) if model == "minilm" else \
             harness.nomic_st_folder(tmp_path_factory.getbasetemp())
-        texts = corpus(CI_TEXTS if benchmark.disabled else size)
+        texts = harness.corpus(CI_TEXTS if benchmark.disabled else size)
     except harness.Unavailable as e:
         pytest.skip(str(e))
     prompt = {} if model == "minilm" else {"prompt_name": "document"}
@@ -103,12 +75,12 @@ def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_
     first_call_s = time.perf_counter() - started
     theirs = variants["sentence-transformers"]().astype(np.float32)
     if torch_dtype == torch.float32:
-        error = float(one_minus_cosine(ours, theirs).max())
-        bound = 1 - COSINE
+        error = float(harness.one_minus_cosine(ours, theirs).max())
+        bound = 1 - harness.COSINE
     else:
         reference = sentence_transformers.SentenceTransformer(path, device=device).encode(texts, **prompt)
-        error = float(one_minus_cosine(ours, reference).max())
-        bound = 2 * float(one_minus_cosine(theirs, reference).max()) + 1e-6
+        error = float(harness.one_minus_cosine(ours, reference).max())
+        bound = 2 * float(harness.one_minus_cosine(theirs, reference).max()) + 1e-6
     assert error <= bound, f"fastbert vs sentence-transformers: 1 - cosine = {error:.3g} > {bound:.3g}; not timed"
 
     times = {name: [] for name in variants}

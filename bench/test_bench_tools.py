@@ -201,7 +201,7 @@ PLAN_ORDER = ["env", "smoke-bf16",
               "train/bert-base/32x128/hf-sdpa", "train/bert-base/32x128/fastbert-triton",
               "train/modernbert-base/32xvar16-512/hf-sdpa", "train/modernbert-base/32xvar16-512/fastbert-triton",
               "smoke-forward", *(f"configs-{f}" for f in gpu_check.CONFIG_FAMILIES), "headline/32x128/hf-compile",
-              "ops", "choices", "memcheck", "tests-bf16", "tests-kernels", "tests-model"]
+              "ops", "choices", "memcheck", "tests-bf16", "tests-kernels", "tests-model", "tests-train"]
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
@@ -244,6 +244,23 @@ def test_gpu_check_plan_order(dry_run):
         assert args[args.index("--bench-models") + 1] == (tiny[model] if dry_run else model)
         assert ("--bench-tiny" in args) == dry_run
     assert len({s.bench_json for s in cases}) == len(cases)  # each case its own JSON
+
+
+def test_gpu_check_runs_the_training_tests():
+    """The tests-train step runs the model-level training tests on the GPU's compiled kernels (every family's
+    gradients against the twins', dropout in the kernels, Trainer / PEFT / sentence-transformers steps): its command
+    names both files, and the dry run's form of it collects their tests."""
+    step = next(s for s in gpu_check.plan(False) if s.name == "tests-train")
+    assert set(gpu_check.TRAIN_TESTS) == {"tests/model/test_train_kernels.py",
+                                          "tests/integration/test_fine_tuning_on_kernels.py"}
+    assert set(gpu_check.TRAIN_TESTS) <= set(step.cmd) and "--collect-only" not in step.cmd
+    dry = next(s for s in gpu_check.plan(True) if s.name == "tests-train")
+    collected = subprocess.run(dry.cmd, cwd=gpu_check.REPO, capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    for test in ("test_gradients_on_the_kernels_equal_the_twins", "test_dropout_on_the_kernels_is_reproducible",
+                 "test_trainer_step_on_the_kernels_is_the_twins_step",
+                 "test_a_dropout_step_on_the_kernels_is_reproducible"):
+        assert test in collected.stdout, test
 
 
 def test_gpu_check_caps_follow_the_compile_estimate():
@@ -340,8 +357,8 @@ def test_smoke_backward_covers_every_train_kernel_variant():
 
 
 def test_smoke_backward_keeps_each_check_and_says_what_is_not_built(tmp_path, monkeypatch):
-    """The backward smoke records each check as it comes: an abort at one check keeps every one before it; a
-    variant the units do not build yet is a skip whose reason starts with "not built", never a failure."""
+    """The backward smoke records each check as it comes: an abort at one check keeps every one before it. Each
+    check passes, or is a skip saying "not built" for a variant NOT_BUILT declares (none today)."""
     out = tmp_path / "out"
     monkeypatch.setenv(gpu_check.FAULT_ENV, "smoke-backward-bf16:attention-window-rotary-fp16=crash")
     assert gpu_check.main([str(out), "--dry-run", "--only", "smoke-backward-bf16"]) == 1
@@ -349,10 +366,56 @@ def test_smoke_backward_keeps_each_check_and_says_what_is_not_built(tmp_path, mo
     checks = [r for r in records if "check" in r]
     assert [r["check"] for r in checks] == [f"{v}-fp16" for v in BACKWARD_VARIANTS[:12]]
     for r in checks:
-        assert r["status"] == "ok" or r["status"] == "skipped" and r["why"].startswith("not built"), r
+        declared = r["check"].removesuffix("-fp16") in gpu_check.NOT_BUILT
+        assert r["status"] == "ok" or declared and r["status"] == "skipped" and r["why"].startswith("not built"), r
         if r["status"] == "ok":
             assert all(t["err"] <= t["bound"] and t["finite"] for t in r["tensors"].values()), r
     assert records[-1]["step"] == "smoke-backward-bf16" and records[-1]["status"] == "crashed"
+
+
+def test_not_built_is_only_for_declared_variants():
+    """NOT_BUILT names backward smoke variants (check names without their dtype)."""
+    assert set(gpu_check.NOT_BUILT) <= set(BACKWARD_VARIANTS)
+
+
+def _refusing(monkeypatch, unit, name):
+    """`unit`'s `name` replaced by one that refuses every call, as a train_kernel refuses a variant it lacks."""
+    def refuse(*args, **kwargs):
+        raise ValueError(f"{unit.OP}: train_kernel cannot serve this call: a regression")
+    monkeypatch.setattr(unit, name, refuse)
+
+
+@pytest.mark.parametrize("variant", ["attention-varlen", "attention-dropout", "residual_layernorm-dropout",
+                                     "residual_layernorm-postnorm"])
+@pytest.mark.parametrize("declared", [False, True], ids=["undeclared", "declared"])
+def test_a_refused_backward_variant_fails_unless_declared_not_built(monkeypatch, variant, declared):
+    """A train_kernel that refuses a variant (a ValueError, or attention's train_unsupported giving a reason) fails
+    that backward smoke check; only a variant NOT_BUILT lists is a skip saying "not built"."""
+    import torch
+
+    from fastbert.units import attention, residual_layernorm
+
+    if declared:
+        monkeypatch.setattr(gpu_check, "NOT_BUILT", (variant,))
+    checks = gpu_check.KernelChecks("cpu", dry_run=True)
+    if variant.startswith("attention-"):
+        if variant == "attention-dropout":
+            monkeypatch.setattr(attention, "train_unsupported", lambda *args: "dropout is not drawn here")
+        else:
+            _refusing(monkeypatch, attention, "train_kernel")
+        check = checks.autograd(lambda: checks.attention_backward(torch.float16, [1, 7, 16], 2, 16,
+                                                                  variant.removeprefix("attention-")))
+    else:
+        _refusing(monkeypatch, residual_layernorm, "train_kernel")
+        p = 0.1 if variant.endswith("dropout") else 0.0
+        check = checks.autograd(lambda: checks.residual_layernorm_backward(torch.float16, 13, 48, 32, pre_norm=p > 0,
+                                                                           dropout_p=p))
+    if declared:
+        with pytest.raises(gpu_check.Skipped, match="^not built: "):
+            check()
+    else:
+        with pytest.raises(RuntimeError, match=f"^{variant}: the kernels refused a variant NOT_BUILT does not list"):
+            check()
 
 
 def test_backward_check_fails_a_wrong_gradient(monkeypatch):

@@ -4,7 +4,10 @@ Tests import from here (`from helpers import ...`), never from each other; tests
 the guard on global state. The accuracy rule itself is fastbert.numerics.
 """
 import contextlib
+import dataclasses
+import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -277,6 +280,19 @@ def has_deberta_v2() -> bool:
     return Version(transformers.__version__) >= Version("4.48.0")
 
 
+NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
+NEEDS_DEBERTA = pytest.mark.skipif(not has_deberta_v2(), reason="fastbert follows transformers 4.48+'s DeBERTa-v2")
+NEEDS_ROTARY_POST_NORM = pytest.mark.skipif(not has_rotary_post_norm(),
+                                            reason="this transformers has no NomicBERT, GTE or Jina-v3 (5.24+)")
+
+# Every architecture random_arch_model builds, each marked with the transformers it needs
+ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
+         pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
+         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA),
+         *(pytest.param(arch, marks=NEEDS_ROTARY_POST_NORM)
+           for arch in (*ROTARY_POST_NORM, "eurobert", "eurobert-gqa")))
+
+
 def pad_id(hf):
     return hf.config.pad_token_id if hf.config.model_type in PADDING_IDX_TYPES else 0
 
@@ -371,6 +387,118 @@ def launched_precisions(monkeypatch, kernel) -> list:
     monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: (
         launched.append(kwargs["INPUT_PRECISION"]), real_run(*args, **kwargs))[1])
     return launched
+
+
+# ---- what the kernels launched ---------------------------------------------------------------------------------------
+# Each op's Triton kernels as its unit launches them: (its forward's, one of which runs; its backward's, each of
+# which runs). bias_gelu's forward is the GEMM with its activation epilogue; qkv_projection's backward is torch's
+# GEMMs (a linear's own backward, no kernel of fastbert's).
+OP_KERNELS = {
+    "qkv_projection": (("gemm_kernel", "gemm_tma_kernel"), ()),
+    "attention": (("_attention_fwd_kernel",), ("_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel")),
+    "bias_gelu": (("gemm_kernel", "gemm_tma_kernel"), ("bias_gelu_backward_kernel",)),
+    "residual_layernorm": (("bias_residual_layernorm_kernel",), ("layernorm_backward_kernel",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch of a fastbert kernel: the op whose unit (fastbert/units/<op>.py) launched it, found on the call
+    stack (None outside the units), the kernel's name, and its non-tensor arguments by name, defaults included."""
+    op: str | None
+    kernel: str
+    args: dict
+
+    @property
+    def dropout_p(self) -> float:
+        """The probability the launch drops with: its dropout_p where its DROPOUT is on, else 0."""
+        return float(self.args["dropout_p"]) if self.args.get("DROPOUT") else 0.0
+
+
+class Launches(list):
+    """The launches made inside a `launches()` block, in order."""
+
+    def ops(self) -> frozenset:
+        return frozenset(launch.op for launch in self if launch.op is not None)
+
+    def dropouts(self, op: str) -> dict:
+        """{kernel: the set of dropout probabilities it launched with} over `op`'s launches."""
+        found: dict = {}
+        for launch in self:
+            if launch.op == op:
+                found.setdefault(launch.kernel, set()).add(launch.dropout_p)
+        return found
+
+
+def _fastbert_kernels() -> tuple:
+    from fastbert.kernels import attention, attention_backward, bias_gelu, gemm, residual_layernorm
+    return (gemm.gemm_kernel, gemm.gemm_tma_kernel, attention._attention_fwd_kernel,
+            attention_backward._attention_bwd_dkdv_kernel, attention_backward._attention_bwd_dq_kernel,
+            bias_gelu.bias_gelu_backward_kernel, residual_layernorm.bias_residual_layernorm_kernel,
+            residual_layernorm.layernorm_backward_kernel)
+
+
+def _launching_op(units_by_module: dict) -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        op = units_by_module.get(frame.f_globals.get("__name__"))
+        if op is not None:
+            return op
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def launches():
+    """Records every launch of a fastbert kernel inside the block (a Launches list), on any device: each kernel's
+    `run` (what `kernel[grid](...)` and Triton's autotuner call; a JITFunction on a GPU, the interpreter's stand-in
+    on CPU) is wrapped, and the launch still runs. On a GPU an autotuner's first call launches each config it times:
+    count kinds of launches there, not launches. The autograd engine may run a backward on another thread: the
+    recording is process-wide."""
+    from fastbert import units
+
+    units_by_module = {unit.__name__: op for op, unit in units.UNITS.items()}
+    recorded, restore = Launches(), []
+    try:
+        for kernel in _fastbert_kernels():
+            signature, real = inspect.signature(kernel.fn), kernel.run
+
+            def run(*args, _name=kernel.fn.__name__, _signature=signature, _real=real, **kwargs):
+                bound = _signature.bind_partial(*args, **{k: v for k, v in kwargs.items()
+                                                          if k in _signature.parameters})
+                bound.apply_defaults()
+                recorded.append(Launch(_launching_op(units_by_module), _name,
+                                       {k: v for k, v in bound.arguments.items() if not isinstance(v, torch.Tensor)}))
+                return _real(*args, **kwargs)
+
+            restore.append((kernel, vars(kernel).get("run")))
+            kernel.run = run
+        yield recorded
+    finally:
+        for kernel, own in reversed(restore):
+            if own is None:
+                del kernel.run
+            else:
+                kernel.run = own
+
+
+def assert_trained_on_kernels(forward: Launches, backward: Launches | None = None, ops=tuple(OP_KERNELS)):
+    """Each op of `ops` launched its forward kernel in `forward` (a training forward's launches) and each of its
+    backward kernels in `backward` (that forward's backward; None: `forward` holds both, a whole training step)."""
+    backward = forward if backward is None else backward
+    missing = [f"{op}'s forward ({' or '.join(OP_KERNELS[op][0])})" for op in ops
+               if not any(launch.op == op and launch.kernel in OP_KERNELS[op][0] for launch in forward)]
+    missing += [f"{op}'s backward {kernel}" for op in ops for kernel in OP_KERNELS[op][1]
+                if not any(launch.op == op and launch.kernel == kernel for launch in backward)]
+    assert not missing, f"these kernels never launched: {'; '.join(missing)}"
+
+
+def torch_dropout_off(monkeypatch):
+    """torch's own dropout (F.dropout, which nn.Dropout and HF's modules call, and fastbert's twins.dropout) made the
+    identity for the test: all that stays random is what the Triton kernels draw."""
+    from fastbert import twins
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False: x)
+    monkeypatch.setattr(twins, "dropout", lambda x, p: x)
 
 
 # ---- kernel outputs ------------------------------------------------------------------------------------------------
@@ -738,3 +866,86 @@ def jina_st_folder(root, minilm_path):
     (root / "config_sentence_transformers.json").write_text(json.dumps(
         {"prompts": dict(JINA_PROMPTS), "default_prompt_name": None, "similarity_fn_name": "cosine"}))
     return folder, hf, checkpoint, tok
+
+
+# ---- "auto" and its safety net (tests/model/test_auto.py, test_faults.py) -----------------------------------------
+AUTO_IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+AUTO_MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+
+
+class FakeTimer:
+    """Milliseconds from a script; each call also runs the function once, so both contenders are exercised."""
+
+    def __init__(self, script):
+        self.script, self.calls = list(script), 0
+
+    def __call__(self, fn):
+        fn()
+        self.calls += 1
+        return self.script.pop(0)
+
+
+class Breaks:
+    """Stands in for a kernel's `launch` that raises; counts how often it was tried."""
+
+    def __init__(self, error):
+        self.error, self.calls = error, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        raise self.error()
+
+
+def kernel_module(op):
+    """`op`'s kernel module (fastbert.kernels.<op>), as its unit imports it."""
+    from fastbert import units
+    return units.UNITS[op].kernels()
+
+
+def twin_for(hf, op):
+    """The answer "auto" owes when `op`'s kernel fails: that op on its twin, the others on their kernels."""
+    import fastbert
+    fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(**{op: "torch"}).eval()
+    with torch.no_grad():
+        return fb(AUTO_IDS, attention_mask=AUTO_MASK).last_hidden_state
+
+
+def failure_warnings(record):
+    """The safety net's warnings among `record`'s (a pytest.warns or recwarn list)."""
+    return [w for w in record if "failed" in str(w.message) and "fastbert: the Triton kernel" in str(w.message)]
+
+
+# ---- residual_layernorm's gradients (tests/kernels/test_residual_layernorm_backward.py, ..._dropout.py) ----------
+RESIDUAL_LAYERNORM_INPUTS = ("y", "weight", "bias", "residual", "ln_weight", "ln_bias")
+
+
+def seeded(shape, dtype, scale=1.0, shift=0.0, seed=0):
+    """N(shift, scale^2) drawn in float64 from its own seed, rounded to dtype, on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype).to(DEVICE)
+
+
+def residual_layernorm_inputs(T, K, H, dtype, has_bias, has_ln_bias):
+    """residual_layernorm's inputs in RESIDUAL_LAYERNORM_INPUTS' order (None for an absent bias)."""
+    return [seeded((T, K), dtype), seeded((H, K), dtype, scale=K ** -0.5, seed=1),
+            seeded((H,), dtype, scale=0.5, seed=2) if has_bias else None, seeded((T, H), dtype, seed=3),
+            seeded((H,), dtype, scale=0.2, shift=1.0, seed=4),
+            seeded((H,), dtype, scale=0.2, seed=5) if has_ln_bias else None]
+
+
+def check_gradient(name, dtype, got, twin, ref):
+    """One output or gradient against the fp64 reference and the twin's: fp32 within FP32_TOL scaled by the
+    reference's size (max(1, max |ref|)) from both; fp16/bf16 within error_bound of the twin's own error. None (an
+    absent input) must be None on every side."""
+    if got is None or ref is None:
+        assert got is None and ref is None and twin is None, name
+        return
+    assert got.dtype == dtype and got.shape == ref.shape, (name, got.dtype, got.shape)
+    err = max_error(got, ref)
+    if dtype == torch.float32:
+        bar = FP32_TOL * max(1.0, float(ref.double().abs().max()))
+        assert err <= bar, f"{name}: {err:.3g} from fp64 > {bar:.3g}"
+        assert max_error(got, twin) <= bar, f"{name}: {max_error(got, twin):.3g} from the twin > {bar:.3g}"
+    else:
+        bound = error_bound(dtype, max_error(twin, ref))
+        assert err <= bound, f"{name}: {err:.3g} from fp64 > {bound:.3g} (2x the twin's + 1e-6)"

@@ -3,9 +3,10 @@
 The cold-start budget of the first GPU run (bench/gpu_check.py) counts compiles by that model: if it drifted from
 Triton (a new specialisation rule, an argument fastbert adds), the budget would count the wrong thing. Each kernel
 fastbert launches is recorded at the shapes the GPU run uses (and at awkward ones: 1 token, a prime count, an
-unaligned view) and its modelled key compared with Triton's, here in Triton 3.9 and, in CI's Triton 3.6 virtualenv,
-in the GPU image's Triton. The recording needs the compiled kernels (not the interpreter this test session runs),
-so it runs in a subprocess.
+unaligned view), the training kernels too (every train_kernel variant's forward and backward, dropout included, as
+the backward smoke runs them), and its modelled key compared with Triton's, here in Triton 3.9 and, in CI's Triton
+3.6 virtualenv, in the GPU image's Triton. The recording needs the compiled kernels (not the interpreter this test
+session runs), so it runs in a subprocess.
 """
 import json
 import os
@@ -17,10 +18,12 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r'''
-import json, sys
+import importlib, json, pkgutil, sys
 import torch
+from triton.runtime.jit import JITFunction
 from bench import compile_keys
 from bench.gpu_check import KernelChecks
+import fastbert.kernels
 
 def gemm_calls(checks):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -49,17 +52,26 @@ with compile_keys.Launches("record", keep_calls=True) as launches, compile_keys.
     w = torch.randn(32, 48, dtype=torch.float16)
     rl.residual_layernorm(y[1:], w, None, torch.randn(10, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16),
                           torch.zeros(32, dtype=torch.float16), 1e-5)
+    # training, in the GPU run's dtype: torch's GEMMs of the backward need not compute (keys only)
+    with compile_keys.SkipProducts():
+        for _, check in checks.smoke_backward("bf16"):
+            check()
 for fn, args, kwargs in launches.calls:
     name, spec, options = compile_keys.launch_key(fn, args, kwargs)
     t_spec, t_options = compile_keys.triton_key(fn, args, kwargs)
-    results.append({"kernel": name, "model": [list(s) for s in spec], "triton": [list(s) for s in t_spec],
-                    "model_options": [list(o) for o in options], "triton_options": [list(o) for o in t_options]})
-json.dump(results, sys.stdout, default=str)
+    results.append({"kernel": name, "params": [p.name for p in fn.params], "model": [list(s) for s in spec],
+                    "triton": [list(s) for s in t_spec], "model_options": [list(o) for o in options],
+                    "triton_options": [list(o) for o in t_options]})
+# every kernel of fastbert.kernels: a @triton.jit function that reads its program id (the others are device functions)
+kernels = sorted({v.__name__ for m in pkgutil.iter_modules(fastbert.kernels.__path__)
+                  for v in vars(importlib.import_module(f"fastbert.kernels.{m.name}")).values()
+                  if isinstance(v, JITFunction) and "tl.program_id(" in v.src})
+json.dump({"kernels": kernels, "launches": results}, sys.stdout, default=str)
 '''
 
 
 @pytest.fixture(scope="module")
-def launches():
+def recording():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
@@ -68,10 +80,29 @@ def launches():
     return json.loads(out.stdout)
 
 
-def test_every_kernel_is_recorded(launches):
-    """The recording reaches each kernel fastbert launches, so the comparisons below cover them all."""
-    assert {r["kernel"] for r in launches} == {"gemm_kernel", "gemm_tma_kernel", "_attention_fwd_kernel",
-                                               "bias_residual_layernorm_kernel"}
+@pytest.fixture(scope="module")
+def launches(recording):
+    return recording["launches"]
+
+
+def dropout_on(record) -> bool:
+    """Whether a recorded launch is a kernel's dropout form (its DROPOUT constexpr set)."""
+    return dict(zip(record["params"], record["model"])).get("DROPOUT") == ["constexpr", True]
+
+
+def test_every_kernel_is_recorded(recording, launches):
+    """The recording reaches each kernel fastbert launches (each @triton.jit function of fastbert.kernels that
+    reads its program id: a kernel, not a device function), the training kernels' backward included, and the
+    dropout form of every kernel that has one, so the comparisons below cover them all."""
+    assert {r["kernel"] for r in launches} == set(recording["kernels"])
+    assert set(recording["kernels"]) >= {"gemm_kernel", "gemm_tma_kernel", "_attention_fwd_kernel",
+                                         "bias_residual_layernorm_kernel", "_attention_bwd_dkdv_kernel",
+                                         "_attention_bwd_dq_kernel", "bias_gelu_backward_kernel",
+                                         "layernorm_backward_kernel"}
+    with_dropout = {r["kernel"] for r in launches if dropout_on(r)}
+    assert with_dropout == {r["kernel"] for r in launches if "DROPOUT" in r["params"]} == {
+        "_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_attention_bwd_dq_kernel",
+        "bias_residual_layernorm_kernel", "layernorm_backward_kernel"}
 
 
 def test_modelled_key_is_tritons_key(launches):

@@ -1,6 +1,6 @@
 """How the launchers launch, checked without running a kernel: which arguments Triton specialises (one binary for
-every token count), the refusal to compile or load a binary inside a CUDA-graph capture, and the TMA GEMM's scratch
-buffers.
+every token count, inference's kernels and training's: the forwards' dropout forms and the backward kernels), the
+refusal to compile or load a binary inside a CUDA-graph capture, and the TMA GEMM's scratch buffers.
 
 Here the kernels are Triton's InterpretedFunctions (tests/conftest.py), which keep the decorator's arguments; a GPU
 builds a JITFunction from the same function and arguments. `jit_of` builds that JITFunction here, and its binder is
@@ -20,6 +20,8 @@ from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from fastbert.kernels import attention as attention_mod
+from fastbert.kernels import attention_backward as attention_bwd
+from fastbert.kernels import bias_gelu as bias_gelu_mod
 from fastbert.kernels import gemm as gemm_core
 from fastbert.kernels import residual_layernorm as rln_mod
 from fastbert.kernels import utils as kernel_utils
@@ -27,12 +29,17 @@ from fastbert.kernels import utils as kernel_utils
 TOKENS = (1, 203, 4096)  # a single token (Triton's ==1 constant), an odd count, a multiple of 16
 SM90 = GPUTarget("cuda", 90, 32)
 
-# kernel -> the arguments that follow the batch and must not be specialised
+# kernel -> the arguments that follow the batch and must not be specialised (bias_gelu's derivative kernel takes the
+# token count in its grid alone)
 TOKEN_ARGUMENTS = {
     gemm_core.gemm_kernel: {"M"},
     gemm_core.gemm_tma_kernel: {"M", "NUM_PROGRAMS"},
     attention_mod._attention_fwd_kernel: {"max_seqlen", "seq_bucket", "stride_mask_b"},
     rln_mod.bias_residual_layernorm_kernel: {"T"},
+    attention_bwd._attention_bwd_dkdv_kernel: {"max_seqlen", "seq_bucket", "stride_mask_b"},
+    attention_bwd._attention_bwd_dq_kernel: {"max_seqlen", "seq_bucket", "stride_mask_b"},
+    rln_mod.layernorm_backward_kernel: {"T"},
+    bias_gelu_mod.bias_gelu_backward_kernel: set(),
 }
 
 
@@ -82,20 +89,44 @@ def _gemm_launches(monkeypatch, kind):
         a = torch.randn(m, 64, dtype=torch.float16)
         gemm_core.gemm(a, w, torch.randn(96, dtype=torch.float16), torch.empty(m, 96, dtype=torch.float16), "gelu",
                        kernel=kind)
-    return kernel, calls
+    return {kernel: calls}
 
 
-def _attention_launches(monkeypatch, padded):
+def _attention_layout(t, padded):
+    """(cu_seqlens, key_valid) of t tokens: one sequence, or one padded row of S = t keys whose last is padding (S
+    is the mask's row stride)."""
+    if not padded:
+        return torch.tensor([0, t], dtype=torch.int32), None
+    keep = torch.ones(1, t, dtype=torch.bool)
+    keep[0, -1] = t == 1
+    return attention_mod.uniform_cu_seqlens(1, t, "cpu"), keep
+
+
+def _attention_launches(monkeypatch, padded, dropout=0.0):
+    """The forward; with dropout, training's form (the log-sum-exp stored, probabilities dropped)."""
     calls = record(monkeypatch, attention_mod._attention_fwd_kernel)
     for t in TOKENS:
         qkv = torch.randn(t, 3, 2, 16, dtype=torch.float16)
-        if padded:  # one row of S = t keys, the last one padding (S is the mask's row stride)
-            keep = torch.ones(1, t, dtype=torch.bool)
-            keep[0, -1] = t == 1
-            attention_mod.launch(qkv, attention_mod.uniform_cu_seqlens(1, t, "cpu"), t, 0.25, key_valid=keep)
+        cu, keep = _attention_layout(t, padded)
+        if dropout:
+            attention_mod.train_forward(qkv, cu, t, 0.25, keep, dropout_p=dropout, seed=kernel_utils.dropout_seed(
+                qkv.device))
         else:
-            attention_mod.launch(qkv, torch.tensor([0, t], dtype=torch.int32), t, 0.25)
-    return attention_mod._attention_fwd_kernel, calls
+            attention_mod.launch(qkv, cu, t, 0.25, key_valid=keep)
+    return {attention_mod._attention_fwd_kernel: calls}
+
+
+def _attention_backward_launches(monkeypatch, padded, dropout=0.0):
+    """Both backward kernels (dK/dV, dQ) of training's forward."""
+    calls = {kernel: record(monkeypatch, kernel)
+             for kernel in (attention_bwd._attention_bwd_dkdv_kernel, attention_bwd._attention_bwd_dq_kernel)}
+    for t in TOKENS:
+        qkv, out = torch.randn(t, 3, 2, 16, dtype=torch.float16), torch.randn(t, 32, dtype=torch.float16)
+        cu, keep = _attention_layout(t, padded)
+        seed = kernel_utils.dropout_seed(qkv.device) if dropout else None
+        attention_bwd.attention_backward(torch.randn(t, 32, dtype=torch.float16), qkv, out, torch.randn(t, 2), cu,
+                                         t, 0.25, keep, dropout_p=dropout, seed=seed)
+    return calls
 
 
 def _row_launches(monkeypatch):
@@ -103,7 +134,29 @@ def _row_launches(monkeypatch):
     for t in TOKENS:
         h, r = torch.randn(t, 64), torch.randn(t, 64)
         rln_mod.bias_residual_layernorm(h, torch.randn(64), r, torch.ones(64), torch.zeros(64), 1e-12)
-    return rln_mod.bias_residual_layernorm_kernel, calls
+    return {rln_mod.bias_residual_layernorm_kernel: calls}
+
+
+def _row_training_launches(monkeypatch, dropout):
+    """Training's row kernels: the forward with its statistics and dropout, and the backward."""
+    calls = {kernel: record(monkeypatch, kernel)
+             for kernel in (rln_mod.bias_residual_layernorm_kernel, rln_mod.layernorm_backward_kernel)}
+    for t in TOKENS:
+        y, w, r = torch.randn(t, 48), torch.randn(64, 48), torch.randn(t, 64)
+        seed = kernel_utils.dropout_seed(y.device) if dropout else None
+        s, _, stats = rln_mod.train_forward(y, w, torch.randn(64), r, torch.ones(64), torch.zeros(64), 1e-12,
+                                            dropout_p=dropout, seed=seed)
+        rln_mod.layernorm_backward(torch.randn(t, 64), None, s, stats, torch.ones(64), True, dropout_p=dropout,
+                                   seed=seed)
+    return calls
+
+
+def _bias_gelu_backward_launches(monkeypatch):
+    calls = record(monkeypatch, bias_gelu_mod.bias_gelu_backward_kernel)
+    for t in TOKENS:
+        bias_gelu_mod.pre_activation_grad(torch.randn(t, 96, dtype=torch.float16),
+                                          torch.randn(t, 96, dtype=torch.float16), "gelu")
+    return {bias_gelu_mod.bias_gelu_backward_kernel: calls}
 
 
 LAUNCHES = {
@@ -112,22 +165,34 @@ LAUNCHES = {
     "attention-varlen": lambda mp: _attention_launches(mp, False),
     "attention-padded": lambda mp: _attention_launches(mp, True),
     "residual_layernorm": _row_launches,
+    "attention-dropout-varlen": lambda mp: _attention_launches(mp, False, dropout=0.1),
+    "attention-dropout-padded": lambda mp: _attention_launches(mp, True, dropout=0.1),
+    "attention-backward-varlen": lambda mp: _attention_backward_launches(mp, False),
+    "attention-backward-padded": lambda mp: _attention_backward_launches(mp, True),
+    "attention-backward-dropout": lambda mp: _attention_backward_launches(mp, False, dropout=0.1),
+    "residual_layernorm-training": lambda mp: _row_training_launches(mp, 0.0),
+    "residual_layernorm-training-dropout": lambda mp: _row_training_launches(mp, 0.1),
+    "bias_gelu-backward": _bias_gelu_backward_launches,
 }
 
 
 @pytest.mark.parametrize("case", list(LAUNCHES))
 def test_one_binary_serves_every_token_count(case, monkeypatch):
     """The launcher's own arguments at 1, 203 and 4096 tokens get one JIT key from Triton's binder: one compile
-    on a cold GPU, not three. Without the do_not_specialize lists they would get three (checked too, so the launches
-    really do differ in those arguments)."""
-    kernel, calls = LAUNCHES[case](monkeypatch)
-    assert len(calls) == len(TOKENS)
-    keys = {jit_key(kernel, args, kwargs) for args, kwargs in calls}
-    assert len(keys) == 1, keys
-    plain = jit_of(kernel)
-    plain = JITFunction(plain.fn)  # the same kernel, everything specialised
-    binder = create_function_from_signature(plain.signature, plain.params, make_backend(SM90))
-    assert len({str(binder(*args, **kwargs)[1]) for args, kwargs in calls}) == len(TOKENS)
+    on a cold GPU, not three, for inference's kernels and training's (the forwards' dropout forms, the backward
+    kernels). Without the do_not_specialize lists they would get three (checked too, so the launches really do
+    differ in those arguments), except for a kernel that takes the token count in its grid alone."""
+    launched = LAUNCHES[case](monkeypatch)
+    for kernel, calls in launched.items():
+        name = kernel.fn.__name__
+        assert len(calls) == len(TOKENS), name
+        keys = {jit_key(kernel, args, kwargs) for args, kwargs in calls}
+        assert len(keys) == 1, (name, keys)
+        plain = jit_of(kernel)
+        plain = JITFunction(plain.fn)  # the same kernel, everything specialised
+        binder = create_function_from_signature(plain.signature, plain.params, make_backend(SM90))
+        specialised = {str(binder(*args, **kwargs)[1]) for args, kwargs in calls}
+        assert len(specialised) == (len(TOKENS) if TOKEN_ARGUMENTS[kernel] else 1), name
 
 
 def test_the_gemm_autotuner_still_keys_on_the_token_bucket(monkeypatch):
@@ -330,12 +395,15 @@ def test_one_scratch_buffer_per_device_stream_and_size(monkeypatch):
 
 def test_aot_specs_compile_the_unspecialised_arguments_unhinted():
     """tests/tooling/test_aot.py compiles what the JIT compiles: an argument in do_not_specialize is a plain i32
-    there too (in the signature, hint None, never a constant)."""
-    from fastbert.kernels import bias_gelu, qkv_projection
+    there too (in the signature, hint None, never a constant), in every list it compiles: each op's aot_specs() and
+    training's (the row kernels with dropout, attention's training forward and backward, bias_gelu's derivative)."""
+    from fastbert.kernels import qkv_projection
 
     checked = 0
-    for module in (qkv_projection, bias_gelu, attention_mod, rln_mod):
-        for spec in module.aot_specs():
+    lists = [module.aot_specs for module in (qkv_projection, bias_gelu_mod, attention_mod, rln_mod)]
+    lists += [rln_mod.dropout_aot_specs, attention_bwd.backward_aot_specs, bias_gelu_mod.backward_aot_specs]
+    for specs in lists:
+        for spec in specs():
             for name in jit_of(spec["fn"]).do_not_specialize:
                 assert spec["signature"].get(name) == "i32" and name not in spec["constexprs"], (spec["name"], name)
                 assert name in spec.get("hints", {}) and spec["hints"][name] is None, (spec["name"], name)

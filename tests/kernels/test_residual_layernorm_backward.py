@@ -11,9 +11,12 @@ no yardstick at these sizes).
 import pytest
 import torch
 from helpers import DEVICE, FP32_TOL, max_error
+from helpers import RESIDUAL_LAYERNORM_INPUTS as NAMES
+from helpers import check_gradient as check
+from helpers import residual_layernorm_inputs as inputs
+from helpers import seeded as make
 
 from fastbert.kernels import residual_layernorm as rln_mod
-from fastbert.numerics import error_bound
 from fastbert.units import residual_layernorm as unit
 
 # (pre_norm, rms, has_bias, has_ln_bias): the forms the models run
@@ -26,20 +29,6 @@ VARIANTS = {
 }
 WIDTHS = [32, 200, 384, 768]  # 200: one masked chunk of 256
 ROWS = [1, 7, 37]
-NAMES = ("y", "weight", "bias", "residual", "ln_weight", "ln_bias")
-
-
-def make(shape, dtype, scale=1.0, shift=0.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype).to(DEVICE)
-
-
-def inputs(T, K, H, dtype, has_bias, has_ln_bias):
-    return [make((T, K), dtype), make((H, K), dtype, scale=K ** -0.5, seed=1),
-            make((H,), dtype, scale=0.5, seed=2) if has_bias else None, make((T, H), dtype, seed=3),
-            make((H,), dtype, scale=0.2, shift=1.0, seed=4),
-            make((H,), dtype, scale=0.2, seed=5) if has_ln_bias else None]
-
 
 def grads(fn, tensors, cotangents, pre_norm, rms, eps=1e-5, dtype=None):
     """Every input's gradient of sum(output * cotangent), computed by fn on the tensors cast to dtype."""
@@ -55,21 +44,6 @@ def grads(fn, tensors, cotangents, pre_norm, rms, eps=1e-5, dtype=None):
 def cotangents(T, H, dtype, pre_norm, zero=False):
     dn = torch.zeros((T, H), dtype=dtype, device=DEVICE) if zero else make((T, H), dtype, seed=6)
     return (make((T, H), dtype, seed=7), dn) if pre_norm else (dn,)
-
-
-def check(name, dtype, got, twin, ref):
-    if got is None or ref is None:
-        assert got is None and ref is None and twin is None, name
-        return
-    assert got.dtype == dtype and got.shape == ref.shape, (name, got.dtype, got.shape)
-    err = max_error(got, ref)
-    if dtype == torch.float32:
-        bar = FP32_TOL * max(1.0, float(ref.double().abs().max()))
-        assert err <= bar, f"{name}: {err:.3g} from fp64 > {bar:.3g}"
-        assert max_error(got, twin) <= bar, f"{name}: {max_error(got, twin):.3g} from the twin > {bar:.3g}"
-    else:
-        bound = error_bound(dtype, max_error(twin, ref))
-        assert err <= bound, f"{name}: {err:.3g} from fp64 > {bound:.3g} (2x the twin's + 1e-6)"
 
 
 def run_case(T, K, H, dtype, variant, zero_dn=False):

@@ -5,7 +5,7 @@ row * H + col with a seed taken from torch's generator; the backward regenerates
 The kernels' mask is not the twin's (torch draws its own), so the reference here is the twin's math with the
 kernel's own mask, recovered from a forward: a call whose GEMM output is all ones and whose residual is zero
 returns s = keep / (1 - p), the mask itself. Gradients are checked against that reference in float64 with
-test_residual_layernorm_backward's bars (fp32: 1e-5 scaled by the gradient's size; fp16: 2x the same reference's
+tests/helpers.py's check_gradient bars (fp32: 1e-5 scaled by the gradient's size; fp16: 2x the same reference's
 own fp16 error, + 1e-6).
 """
 import math
@@ -14,7 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import DEVICE, max_error
-from test_residual_layernorm_backward import NAMES, check, inputs, make
+from helpers import RESIDUAL_LAYERNORM_INPUTS as NAMES
+from helpers import check_gradient as check
+from helpers import residual_layernorm_inputs as inputs
+from helpers import seeded as make
 
 from fastbert.kernels import residual_layernorm as rln_mod
 from fastbert.kernels import utils

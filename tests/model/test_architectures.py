@@ -14,12 +14,9 @@ import torch
 import transformers
 from helpers import ARCH_VOCAB as VOCAB
 from helpers import (
+    ARCHS,
     DEVICE,
-    ROTARY_POST_NORM,
     assert_close_on,
-    has_deberta_v2,
-    has_modernbert,
-    has_rotary_post_norm,
     type_kwargs,
 )
 from helpers import arch_inputs as inputs
@@ -28,17 +25,6 @@ from safetensors.torch import load_file
 
 import fastbert
 
-NEEDS_MODERNBERT = pytest.mark.skipif(not has_modernbert(), reason="this transformers has no ModernBERT (4.48+)")
-NEEDS_DEBERTA = pytest.mark.skipif(not has_deberta_v2(), reason="fastbert follows transformers 4.48+'s DeBERTa-v2")
-
-NEEDS_ROTARY_POST_NORM = pytest.mark.skipif(not has_rotary_post_norm(),
-                                            reason="this transformers has no NomicBERT, GTE or Jina-v3 (5.24+)")
-
-ARCHS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "bert-no-pooler", "distilbert", "mpnet",
-         pytest.param("modernbert", marks=NEEDS_MODERNBERT), pytest.param("modernbert-bias", marks=NEEDS_MODERNBERT),
-         pytest.param("deberta-v2", marks=NEEDS_DEBERTA), pytest.param("deberta-v2-v2style", marks=NEEDS_DEBERTA),
-         *(pytest.param(arch, marks=NEEDS_ROTARY_POST_NORM)
-           for arch in (*ROTARY_POST_NORM, "eurobert", "eurobert-gqa")))
 BACKENDS = ("torch", "triton")
 
 

@@ -9,27 +9,14 @@ import json
 
 import pytest
 import torch
-from helpers import random_hf_bert
+from helpers import AUTO_IDS as IDS
+from helpers import AUTO_MASK as MASK
+from helpers import Breaks, FakeTimer, failure_warnings, kernel_module, random_hf_bert, twin_for
 
 import fastbert
 from fastbert import dispatch, fallback, measure, ops, units
 from fastbert.graphs import EagerGraph, GraphRunner
 from fastbert.kernels import utils as kernel_utils
-
-IDS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
-MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-
-
-class FakeTimer:
-    """Milliseconds from a script; each call also runs the function once, so both contenders are exercised."""
-
-    def __init__(self, script):
-        self.script, self.calls = list(script), 0
-
-    def __call__(self, fn):
-        fn()
-        self.calls += 1
-        return self.script.pop(0)
 
 
 @pytest.fixture
@@ -185,50 +172,24 @@ ERRORS = {"compile": _compile_error, "resources": _out_of_resources,
           "launch": lambda: RuntimeError("CUDA driver: invalid argument at launch")}
 
 
-class Breaks:
-    """Stands in for a kernel's `launch` that raises; counts how often it was tried."""
-
-    def __init__(self, error):
-        self.error, self.calls = error, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        raise self.error()
-
-
 @pytest.fixture
 def no_failures_yet(monkeypatch):
     monkeypatch.setattr(fallback, "_FAILED", {})
 
 
-def _kernel_module(op):
-    return units.UNITS[op].kernels()
-
-
-def _twin_for(hf, op):
-    """The answer "auto" owes when `op`'s kernel fails: that op on its twin, the others on their kernels."""
-    fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(**{op: "torch"}).eval()
-    with torch.no_grad():
-        return fb(IDS, attention_mask=MASK).last_hidden_state
-
-
-def _failure_warnings(record):
-    return [w for w in record if "failed" in str(w.message) and "fastbert: the Triton kernel" in str(w.message)]
-
-
 @pytest.mark.parametrize("error", sorted(ERRORS))
 @pytest.mark.parametrize("op", fastbert.OPS)
 def test_a_failing_kernel_leaves_auto_on_the_twin(hf, op, error, monkeypatch, no_failures_yet):
-    want = _twin_for(hf, op)
+    want = twin_for(hf, op)
     broken = Breaks(ERRORS[error])
-    monkeypatch.setattr(_kernel_module(op), "launch", broken)
+    monkeypatch.setattr(kernel_module(op), "launch", broken)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     assert fb.resolved_kernels(tokens=8, max_seqlen=5)[op] == "triton"
     with pytest.warns(RuntimeWarning) as record, torch.no_grad():
         first = fb(IDS, attention_mask=MASK).last_hidden_state  # the forward that met the error
         second = fb(IDS, attention_mask=MASK).last_hidden_state
-    assert len(_failure_warnings(record)) == 1, [str(w.message) for w in record]
-    message = str(_failure_warnings(record)[0].message)
+    assert len(failure_warnings(record)) == 1, [str(w.message) for w in record]
+    message = str(failure_warnings(record)[0].message)
     assert repr(op) in message and "16-token bucket" in message and type(ERRORS[error]()).__name__ in message
     assert broken.calls == 1  # not retried
     assert torch.equal(first, want) and torch.equal(second, want)
@@ -237,7 +198,7 @@ def test_a_failing_kernel_leaves_auto_on_the_twin(hf, op, error, monkeypatch, no
 
 @pytest.mark.parametrize("op", fastbert.OPS)
 def test_a_failing_kernel_raises_its_own_error_under_triton(hf, op, monkeypatch, no_failures_yet):
-    monkeypatch.setattr(_kernel_module(op), "launch", Breaks(ERRORS["launch"]))
+    monkeypatch.setattr(kernel_module(op), "launch", Breaks(ERRORS["launch"]))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").set_kernels(**{op: "triton"}).eval()
     with pytest.raises(RuntimeError, match="invalid argument at launch"), torch.no_grad():
         fb(IDS, attention_mask=MASK)
@@ -257,13 +218,13 @@ def test_the_net_records_nothing_when_the_input_is_at_fault(no_failures_yet):
 
 @pytest.mark.parametrize("op", fastbert.OPS)
 def test_a_failing_kernel_inside_cuda_graphs_replays_the_twin(hf, op, monkeypatch, no_failures_yet):
-    want = _twin_for(hf, op)
-    monkeypatch.setattr(_kernel_module(op), "launch", Breaks(ERRORS["launch"]))
+    want = twin_for(hf, op)
+    monkeypatch.setattr(kernel_module(op), "launch", Breaks(ERRORS["launch"]))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning) as record:
         runner = GraphRunner(fb, token_buckets=(16, 32), max_seqs=4, graph_class=EagerGraph)
         out = runner(IDS, attention_mask=MASK).last_hidden_state
-    buckets = [str(w.message).split("-token bucket")[0].rsplit(" ", 1)[1] for w in _failure_warnings(record)]
+    buckets = [str(w.message).split("-token bucket")[0].rsplit(" ", 1)[1] for w in failure_warnings(record)]
     assert buckets and len(buckets) == len(set(buckets))  # said once per bucket the runner ran
     assert (out - want).abs().max() <= 1e-6
 
@@ -272,8 +233,8 @@ def test_the_per_op_functions_and_the_traced_ops_have_the_net(monkeypatch, no_fa
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(5, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(12, generator=g)
     want = ops.bias_gelu_torch(x, w, b)
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "bias_gelu", Breaks(ERRORS["launch"]))
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", Breaks(ERRORS["launch"]))
+    monkeypatch.setattr(kernel_module("bias_gelu"), "bias_gelu", Breaks(ERRORS["launch"]))
+    monkeypatch.setattr(kernel_module("bias_gelu"), "launch", Breaks(ERRORS["launch"]))
     with pytest.warns(RuntimeWarning, match="bias_gelu"):
         assert torch.equal(ops.bias_gelu(x, w, b, backend="auto"), want)
     with pytest.raises(RuntimeError, match="invalid argument"):
@@ -287,7 +248,7 @@ def test_the_per_op_functions_and_the_traced_ops_have_the_net(monkeypatch, no_fa
 
 def test_a_kernel_failing_while_measured_is_recorded_for_the_next_process(hf, measured_here, monkeypatch,
                                                                             no_failures_yet):
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", Breaks(ERRORS["compile"]))
+    monkeypatch.setattr(kernel_module("bias_gelu"), "launch", Breaks(ERRORS["compile"]))
     # qkv, attention, residual_layernorm are timed (kernel then twin); bias_gelu's kernel raises in the timer
     measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0, 1.0, 2.0, 1.0, 2.0]))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
@@ -302,13 +263,13 @@ def test_a_kernel_failing_while_measured_is_recorded_for_the_next_process(hf, me
     monkeypatch.setattr(fallback, "_FAILED", {})
     timer = measure.choices_for(torch.device("cpu"), FakeTimer([]))
     again = Breaks(ERRORS["compile"])
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", again)
+    monkeypatch.setattr(kernel_module("bias_gelu"), "launch", again)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning, match="in an earlier process") as record, torch.no_grad():
         got = fb(IDS, attention_mask=MASK).last_hidden_state
         fb(IDS, attention_mask=MASK)
-    assert len(_failure_warnings(record)) == 1 and again.calls == 0 and timer.timer.calls == 0
-    assert torch.equal(got, _twin_for(hf, "bias_gelu"))
+    assert len(failure_warnings(record)) == 1 and again.calls == 0 and timer.timer.calls == 0
+    assert torch.equal(got, twin_for(hf, "bias_gelu"))
 
 
 # ---- attention is measured on the layout it will run on ------------------------------------------------------------
@@ -484,7 +445,7 @@ def test_auto_under_autograd_times_the_training_kernels_forward_and_backward(hf,
     forward then runs the units' train_kernels, whose gradients are the twins'."""
     backward_calls = []
     for op in ("bias_gelu", "residual_layernorm"):
-        module = _kernel_module(op)
+        module = kernel_module(op)
         original = module.backward if op == "bias_gelu" else module.layernorm_backward
         name = "backward" if op == "bias_gelu" else "layernorm_backward"
 
@@ -525,13 +486,13 @@ def test_a_backward_failing_while_measured_leaves_auto_training_on_the_twin(hf, 
     recorded under its "|train" key), the others on their kernels, and the gradients are the twins'."""
     name = "backward" if op == "bias_gelu" else "layernorm_backward"
     broken = Breaks(ERRORS["compile"])
-    monkeypatch.setattr(_kernel_module(op), name, broken)
+    monkeypatch.setattr(kernel_module(op), name, broken)
     measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0] * 6))  # the other three ops, trained and not
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning, match="an MLIR pass failed") as record:
         got, got_grads = _grads(fb)
         _grads(fb)
-    assert len(_failure_warnings(record)) == 1 and repr(op) in str(_failure_warnings(record)[0].message)
+    assert len(failure_warnings(record)) == 1 and repr(op) in str(failure_warnings(record)[0].message)
     assert broken.calls == 1
     table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
     (key,) = [k for k in table if k.startswith(op + "|")]

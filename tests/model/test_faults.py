@@ -13,8 +13,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import random_hf_bert
-from test_auto import IDS, MASK, Breaks, FakeTimer, _failure_warnings, _kernel_module, _twin_for
+from helpers import AUTO_IDS as IDS
+from helpers import AUTO_MASK as MASK
+from helpers import Breaks, FakeTimer, failure_warnings, kernel_module, random_hf_bert, twin_for
 
 import fastbert
 from fastbert import dispatch, fallback, measure, units
@@ -171,7 +172,7 @@ def test_the_net_records_a_sticky_fault_before_raising_it(measured_here):
             pytest.raises(torch.AcceleratorError, match="illegal memory access") as info:
         fallback.with_net("bias_gelu", x, x.device, dead.kernel, dead.twin(lambda: None), table_key=key)
     assert info.value.error_code == 700  # the kernel's error, not the twin's
-    assert len(_failure_warnings(record)) == 1
+    assert len(failure_warnings(record)) == 1
     assert "illegal memory access" in fallback._FAILED[("bias_gelu", torch.float32, 16)]
     table = json.loads(open(measure.choices_for(torch.device("cpu")).path).read())
     assert table[key]["choice"] == "torch" and "AcceleratorError" in table[key]["error"]
@@ -196,7 +197,7 @@ def test_a_sticky_fault_in_a_forward_puts_the_next_process_on_the_twin(hf, measu
     once, without launching the kernel."""
     dead = DeadContext()
     measured = []
-    real_launch = _kernel_module("bias_gelu").launch
+    real_launch = kernel_module("bias_gelu").launch
 
     def launch(*args, **kwargs):
         if not measured:  # the measurement's launch works
@@ -204,7 +205,7 @@ def test_a_sticky_fault_in_a_forward_puts_the_next_process_on_the_twin(hf, measu
             return real_launch(*args, **kwargs)
         return dead.kernel(*args, **kwargs)
 
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", launch)
+    monkeypatch.setattr(kernel_module("bias_gelu"), "launch", launch)
     for unit in units.UNITS.values():
         monkeypatch.setattr(unit, "twin", dead.twin(unit.twin))
     measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0] * 4))  # the kernels measured faster
@@ -221,19 +222,19 @@ def test_a_sticky_fault_in_a_forward_puts_the_next_process_on_the_twin(hf, measu
     monkeypatch.undo()
     _measure_on_cpu(monkeypatch, measured_here)
     again = Breaks(illegal_address)
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", again)
+    monkeypatch.setattr(kernel_module("bias_gelu"), "launch", again)
     timer = measure.choices_for(torch.device("cpu"), FakeTimer([]))
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning, match="in an earlier process") as record, torch.no_grad():
         got = fb(IDS, attention_mask=MASK).last_hidden_state
-    assert len(_failure_warnings(record)) == 1 and again.calls == 0 and timer.timer.calls == 0
-    assert torch.equal(got, _twin_for(hf, "bias_gelu"))
+    assert len(failure_warnings(record)) == 1 and again.calls == 0 and timer.timer.calls == 0
+    assert torch.equal(got, twin_for(hf, "bias_gelu"))
 
 
 def test_a_sticky_fault_while_measured_is_recorded_and_raised(measured_here, monkeypatch):
     """The kernel's timing meets an illegal address: recorded against the kernel, then raised (running the twin in a
     lost context would only fail later, elsewhere)."""
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", Breaks(illegal_address))
+    monkeypatch.setattr(kernel_module("bias_gelu"), "launch", Breaks(illegal_address))
     measure.choices_for(torch.device("cpu"), FakeTimer([1.0, 2.0]))
     shapes = measure.Shapes(16, 32, 40, 2, 16, 16, "gelu")
     situation = dispatch.Situation(("auto",) * 4, torch.device("cpu"), torch.float32, 16, False, 0.0, 0.0, None,
@@ -284,14 +285,14 @@ def test_a_process_that_dies_in_the_kernel_launch_puts_the_next_on_the_twin(hf, 
     timer = FakeTimer([1.0, 2.0] * 3)  # qkv, attention, residual_layernorm: measured; bias_gelu: not
     measure.choices_for(torch.device("cpu"), timer)
     kernel = Breaks(illegal_address)
-    monkeypatch.setattr(_kernel_module("bias_gelu"), "launch", kernel)
+    monkeypatch.setattr(kernel_module("bias_gelu"), "launch", kernel)
     fb = fastbert.BertModel.from_hf(hf, kernels="auto").eval()
     with pytest.warns(RuntimeWarning, match="ended during the kernel's first launch") as record, torch.no_grad():
         assert fb.resolved_kernels(tokens=8, max_seqlen=5)["bias_gelu"] == "torch"
         got = fb(IDS, attention_mask=MASK).last_hidden_state
         fb(IDS, attention_mask=MASK)
-    assert len(_failure_warnings(record)) == 1 and "in an earlier process" in str(_failure_warnings(record)[0].message)
+    assert len(failure_warnings(record)) == 1 and "in an earlier process" in str(failure_warnings(record)[0].message)
     assert kernel.calls == 0 and timer.calls == 6
-    assert torch.equal(got, _twin_for(hf, "bias_gelu"))
+    assert torch.equal(got, twin_for(hf, "bias_gelu"))
     entry = json.loads(open(path).read())[key]
     assert entry["choice"] == "torch" and "ended during the kernel's first launch" in entry["error"]

@@ -161,3 +161,47 @@ def test_test_modules_have_distinct_basenames():
     for path in sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "bench").rglob("test_*.py")]):
         seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def imports_of_test_modules(root: pathlib.Path) -> list:
+    """'<file>: <module>' for each import, in a test module under root/tests or root/bench, of another test module
+    (a module named like one of those test_*.py files)."""
+    import ast
+    files = sorted([*(root / "tests").rglob("test_*.py"), *(root / "bench").rglob("test_*.py")])
+    test_modules = {path.stem for path in files}
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.ImportFrom):  # `from . import test_x`, `from .test_x import y`
+                names = [node.module or "", *(alias.name for alias in node.names)]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}: {name}" for name in names
+                      if set(name.split(".")) & test_modules]
+    return found
+
+
+def test_no_test_module_imports_another():
+    """A test module that imports another runs that module's top level (its marks, fixtures and whatever it sets up)
+    inside its own, and breaks when that file is renamed or split: what tests share lives in tests/helpers.py (the
+    benchmarks': bench/harness.py)."""
+    found = imports_of_test_modules(ROOT)
+    assert not found, f"test modules importing test modules (move what they share to tests/helpers.py): {found}"
+
+
+def test_an_import_of_a_test_module_is_found(tmp_path):
+    """The check above on a tree of its own: each form of import of a test module is named (plain, from, inside a
+    function, dotted, relative), the helpers and the libraries are not."""
+    (tmp_path / "tests" / "model").mkdir(parents=True)
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "tests" / "model" / "test_a.py").write_text("import torch\nfrom helpers import DEVICE\n")
+    (tmp_path / "tests" / "model" / "test_b.py").write_text(
+        "from test_a import X\n\n\ndef test_b():\n    import test_c\n")
+    (tmp_path / "tests" / "test_c.py").write_text("import bench.test_d as d\nfrom . import test_a\n")
+    (tmp_path / "bench" / "test_d.py").write_text("from bench import harness\nimport pytest_benchmark\n")
+    assert imports_of_test_modules(tmp_path) == ["tests/model/test_b.py: test_a", "tests/model/test_b.py: test_c",
+                                                 "tests/test_c.py: bench.test_d", "tests/test_c.py: test_a"]
