@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import adapters, families, rotary, twins
 from ..units.attention import Extras
@@ -62,11 +61,9 @@ class RMSPreNormLayer(EncoderLayer):
         plain = all(adapters.is_plain_linear(sa._modules[name]) for name in sa.names)
         if plain:
             weight, bias = sa.fused(sa.parts(), run.traced, run.grad)
-            if kv == nh:
-                return run.qkv_projection(h, weight, bias, nh)                                  # one GEMM
-            qkv = F.linear(h, weight, bias)                                                     # one GEMM
-        else:  # adapters on some of q/k/v: each module as it is, in the fused GEMM's column order
-            qkv = torch.cat([sa._modules[name](h) for name in sa.names], dim=-1)
+            return run.qkv_projection(h, weight, bias, nh, kv_heads=kv if kv < nh else None)   # one GEMM
+        # adapters on some of q/k/v: each module as it is, in the fused GEMM's column order
+        qkv = torch.cat([sa._modules[name](h) for name in sa.names], dim=-1)
         return qkv.view(T, 3, nh, hd) if kv == nh else qkv.view(T, nh + 2 * kv, hd)
 
     def forward(self, x, attn, run, output_attentions: bool = False, rotary=None, workspace=None):

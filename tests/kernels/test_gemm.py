@@ -118,6 +118,22 @@ def test_qkv_projection_no_bias_and_flat_out(dtype):
     assert fresh.is_contiguous() and torch.equal(fresh, qkv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_qkv_projection_grouped_heads(dtype):
+    """Grouped key/value heads (EuroBERT): W [(nh + 2 kv) hd, H] -> [T, nh + 2 kv, hd], the q heads then the k and v
+    heads, one GEMM; a width that does not split into those heads is refused by name."""
+    T, H, nh, kv, hd = 13, 256, 4, 2, 64
+    x, w = make((T, H), dtype), make(((nh + 2 * kv) * hd, H), dtype, scale=H ** -0.5, seed=1)
+    b = make(((nh + 2 * kv) * hd,), dtype, scale=0.5, seed=2)
+    out = poisoned((T, nh + 2 * kv, hd), dtype)
+    qkv = qkv_projection(x, w, b, nh, out=out, kv_heads=kv)
+    assert qkv.data_ptr() == out.data_ptr() and qkv.shape == (T, nh + 2 * kv, hd)
+    assert_kernel_matches(qkv, ops.qkv_projection_torch(x, w, b, nh, kv_heads=kv),
+                          F.linear(x.double(), w.double(), b.double()).view(T, nh + 2 * kv, hd), dtype)
+    with pytest.raises(ValueError, match=r"divisible by num_heads \+ 2 \* kv_heads = 7"):
+        qkv_projection(x, w, b, 3, kv_heads=2)
+
+
 def test_qkv_projection_through_dispatch():
     """ops.qkv_projection(backend="triton") reaches this launcher and matches backend="torch"."""
     T, H, nh = 7, 384, 6
