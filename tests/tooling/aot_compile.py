@@ -12,6 +12,15 @@ This module compiles every spec with `triton.compile(ASTSource(...), target=GPUT
 shared memory (metadata.shared), tensor-core instructions in the PTX (wgmma / mma.sync), and the cubin's registers
 and spill stack (`cuobjdump -res-usage`, also shipped in the wheel) and target architecture (`cuobjdump -elf`).
 
+Recorded evidence. A compile is a pure function of its inputs, and Triton names them itself: the key of its own
+compile cache (its version and sources, ptxas's version, the kernel's source and the functions it calls, the
+signature, constexprs, hints and options, the target). aot_records/triton-<version>.jsonl holds, per key (and the
+version of this file's measuring code), the record a compile gave. A child compiles every (spec, arch) whose key has
+no record (a kernel or a spec that changed, another Triton) and, of the others, a sample (FASTBERT_AOT_VERIFY, a
+fraction, default 0.05, drawn afresh each day; FASTBERT_AOT_VERIFY_SALT fixes the draw), whose fresh record must equal
+the stored one, field for field; the rest take their stored record. FASTBERT_AOT_FRESH=1 compiles everything.
+`python tests/tooling/aot_compile.py --record` rewrites the store for this Triton (every kernel list test_aot checks).
+
 Why a subprocess. tests/conftest.py sets TRITON_INTERPRET=1 on a machine without CUDA, and then @triton.jit builds
 InterpretedFunctions, which the compiler cannot take. So the compile runs in a child process with TRITON_INTERPRET
 unset (`compile_module`), which imports the op module afresh, compiles its specs and streams one JSON line per
@@ -21,6 +30,8 @@ unset (`compile_module`), which imports the op module afresh, compiles its specs
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import importlib
 import inspect
 import json
@@ -168,11 +179,15 @@ def compile_spec(spec: dict, arch: int):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    return triton.compile(make_source(spec), target=GPUTarget("cuda", arch, 32), options=_options(spec))
+
+
+def _options(spec: dict) -> dict:
     options = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
     for key in ("maxnreg", "num_ctas"):
         if key in spec:
             options[key] = spec[key]
-    return triton.compile(make_source(spec), target=GPUTarget("cuda", arch, 32), options=options)
+    return options
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -377,6 +392,84 @@ def mma_kind(record: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Recorded evidence: records keyed by Triton's own compile-cache key
+# --------------------------------------------------------------------------------------------------------------------
+RECORDS_DIR = os.environ.get("FASTBERT_AOT_RECORDS") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                     "aot_records")
+# The kernel lists the store holds: every list tests/tooling/test_aot.py checks but its own toy kernels, which it
+# compiles every time (they test this harness).
+RECORDED_LISTS = (("fastbert.kernels.qkv_projection", "aot_specs"), ("fastbert.kernels.attention", "aot_specs"),
+                  ("fastbert.kernels.bias_gelu", "aot_specs"), ("fastbert.kernels.residual_layernorm", "aot_specs"),
+                  ("fastbert.kernels.bias_gelu", "backward_aot_specs"),
+                  ("fastbert.kernels.residual_layernorm", "dropout_aot_specs"),
+                  ("fastbert.kernels.attention_backward", "backward_aot_specs"))
+# What a record is made of: the code that compiles a spec and measures the result. A change to it makes every
+# record stale (compiled afresh until recorded again); a change to `problems` (the verdict) does not.
+_MEASURING = ("_hints", "make_source", "compile_spec", "_options", "cuobjdump", "res_usage", "dots",
+              "descriptor_coordinate_sources", "sass_stats", "analyse")
+_VOLATILE = ("seconds", "source", "key", "recorded")  # not part of what a compile gives
+
+
+def harness_version() -> str:
+    module = sys.modules[__name__]
+    code = [inspect.getsource(getattr(module, name)) for name in _MEASURING]
+    code += [pattern.pattern for pattern in (_DOT_TYPES_RE, _SASS_RE, _DESC_OP_RE, _FOR_RE)] + list(SASS_OPS)
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
+
+
+def cache_key(spec: dict, arch: int) -> str | None:
+    """Triton's compile-cache key of (spec, arch) with this harness's version, or None where this Triton does not
+    expose it (then nothing is taken from the store)."""
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.cache import get_cache_key
+        source = make_source(spec)
+        backend = make_backend(GPUTarget("cuda", arch, 32))
+        options = backend.parse_options(dict(_options(spec), **source.parse_options()))
+        key = get_cache_key(source, backend, options, get_cache_invalidating_env_vars())
+    except Exception:  # noqa: BLE001 - any change in Triton's internals: compile instead
+        return None
+    return hashlib.sha256(f"{key}-{harness_version()}".encode()).hexdigest()
+
+
+def store_path(triton_version: str) -> str:
+    return os.path.join(RECORDS_DIR, f"triton-{triton_version}.jsonl")
+
+
+def read_store(triton_version: str) -> dict:
+    """key -> record, from this Triton's store (empty when there is none)."""
+    path = store_path(triton_version)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {entry["key"]: entry["record"] for entry in map(json.loads, f) if entry}
+
+
+def measured(record: dict) -> dict:
+    """What a compile gave: the record without the fields of one particular run."""
+    return {k: v for k, v in record.items() if k not in _VOLATILE}
+
+
+def verify_fraction() -> float:
+    return float(os.environ.get("FASTBERT_AOT_VERIFY", "0.05"))
+
+
+def verify_salt() -> str:
+    return os.environ.get("FASTBERT_AOT_VERIFY_SALT") or datetime.date.today().isoformat()
+
+
+def sampled(key: str, fraction: float, salt: str) -> bool:
+    """Whether a recorded (spec, arch) is compiled again to check its record: a draw by key, fixed for a salt."""
+    return int(hashlib.sha256(f"{salt}:{key}".encode()).hexdigest()[:8], 16) < fraction * 16 ** 8
+
+
+def use_store() -> bool:
+    return os.environ.get("FASTBERT_AOT_FRESH", "") in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Driving it: the child process (compiles) and the parent side (starts it, reads its JSON lines)
 # --------------------------------------------------------------------------------------------------------------------
 def _child(module_name: str, specs_fn: str, archs: list[int], out_path: str, only: list[str] | None,
@@ -394,10 +487,11 @@ def _child(module_name: str, specs_fn: str, archs: list[int], out_path: str, onl
         except Exception:  # noqa: BLE001 - reported to the parent verbatim
             emit({"module_error": traceback.format_exc(limit=8)})
             return 0
+        import triton
         if shard[0] == 0:
-            import triton
-
             emit({"specs": [s.get("name") for s in specs], "triton": triton.__version__})
+        store = read_store(triton.__version__) if use_store() else {}
+        fraction, salt = verify_fraction(), verify_salt()
         for index, spec in enumerate(specs):
             if index % shard[1] != shard[0] or (only is not None and spec.get("name") not in only):
                 continue
@@ -409,6 +503,11 @@ def _child(module_name: str, specs_fn: str, archs: list[int], out_path: str, onl
                           "num_stages": spec.get("num_stages"), "tma": bool(spec.get("tma")),
                           "warp_specialize": bool(spec.get("warp_specialize"))}
                 start = time.perf_counter()
+                key = None if spec_errors else cache_key(spec, arch)
+                stored = store.get(key) if key is not None else None
+                if stored is not None and not sampled(key, fraction, salt):
+                    emit({**stored, "source": "record", "key": key, "seconds": 0.0})
+                    continue
                 if spec_errors:
                     record["error"] = "bad spec: " + "; ".join(spec_errors)
                 else:
@@ -418,7 +517,10 @@ def _child(module_name: str, specs_fn: str, archs: list[int], out_path: str, onl
                     except Exception as exc:  # noqa: BLE001 - a compile error is a result to report
                         text = str(exc).strip() or repr(exc)
                         record["error"] = f"compile failed: {type(exc).__name__}: {text[-3000:]}"
-                record["seconds"] = round(time.perf_counter() - start, 2)
+                record.update(seconds=round(time.perf_counter() - start, 2), key=key,
+                              source="compiled" if stored is None else "verified")
+                if stored is not None:
+                    record["recorded"] = stored
                 emit(record)
     return 0
 
@@ -435,15 +537,19 @@ def default_jobs() -> int:
 
 
 def compile_module(module_name: str, specs_fn: str = "aot_specs", archs=ARCHS, only=None,
-                   timeout: float = CHILD_TIMEOUT_S, jobs: int | None = None) -> dict:
-    """Compile every spec of `module_name` in child processes without TRITON_INTERPRET.
+                   timeout: float = CHILD_TIMEOUT_S, jobs: int | None = None, fresh: bool = False) -> dict:
+    """Compile every spec of `module_name` in child processes without TRITON_INTERPRET (taking recorded evidence
+    where it applies, unless `fresh`).
 
     Returns {"module_error": str | None, "specs": [names], "records": {(name, arch): record}, "seconds": float,
-    "crash": str | None}.
+    "crash": str | None}; each record's "source" says "compiled", "verified" (compiled, with the stored record it
+    must equal in "recorded") or "record" (taken from the store).
     """
     jobs = default_jobs() if jobs is None else jobs
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    if fresh:
+        env["FASTBERT_AOT_FRESH"] = "1"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
@@ -510,6 +616,31 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def record_store(jobs: int | None = None) -> int:
+    """Compile every list of RECORDED_LISTS afresh and write the store of this Triton: one JSON line per (spec,
+    arch) that compiled, in the lists' order. A spec that fails to compile is left out (it is compiled, and fails,
+    every run)."""
+    import triton
+    lines, failed = [], 0
+    for module_name, specs_fn in RECORDED_LISTS:
+        result = compile_module(module_name, specs_fn, jobs=jobs, fresh=True)
+        if result["module_error"] or result["crash"]:
+            print(f"{module_name}.{specs_fn}(): {result['module_error'] or result['crash']}")
+            return 1
+        for record in result["records"].values():
+            if record.get("error") or record["key"] is None:
+                failed += 1
+                continue
+            lines.append(json.dumps({"key": record["key"], "record": measured(record)}, sort_keys=True))
+        print(f"{module_name}.{specs_fn}(): {len(result['records'])} compiles in {result['seconds']:.0f} s")
+    os.makedirs(RECORDS_DIR, exist_ok=True)
+    path = store_path(triton.__version__)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"{path}: {len(lines)} records ({failed} compiles failed or had no key: not recorded)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("modules", nargs="*", help="modules with aot_specs(), e.g. fastbert.kernels.bias_gelu")
@@ -520,6 +651,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--shard", nargs=2, type=int, default=(0, 1), help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=None, help="child processes (default: FASTBERT_AOT_JOBS or CPUs)")
+    parser.add_argument("--record", action="store_true",
+                        help="compile every list the store holds afresh and rewrite aot_records/ for this Triton")
     args = parser.parse_args(argv)
     if args.child:
         return _child(args.child, args.specs_fn, args.arch, args.json, args.only, tuple(args.shard))
@@ -527,6 +660,8 @@ def main(argv=None) -> int:
     if reason:
         print(f"cannot compile ahead of time: {reason}")
         return 2
+    if args.record:
+        return record_store(args.jobs)
     status = 0
     for name in args.modules:
         result = compile_module(name, args.specs_fn, tuple(args.arch), args.only, jobs=args.jobs)

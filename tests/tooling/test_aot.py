@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import re
 import tempfile
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every kernel x dtype x config through ptxas, twice
+# every kernel x dtype x config through ptxas, twice; one worker compiles each list once (its results are per process)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("aot")]
 triton = pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux only): nothing to compile")
 import aot_compile  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -239,7 +241,10 @@ def _table():
         if result["module_error"]:
             parts.append(title + "UNAVAILABLE\n" + result["module_error"])
             continue
-        title += (f"{len(result['specs'])} specs, {len(result['records'])} compiles, {result['seconds']:.0f} s wall, "
+        sources = [r.get("source") for r in result["records"].values()]
+        title += (f"{len(result['specs'])} specs, {len(result['records'])} (spec, arch): "
+                  f"{sources.count('compiled')} compiled, {sources.count('verified')} compiled to check their record, "
+                  f"{sources.count('record')} from the record; {result['seconds']:.0f} s wall, "
                   f"triton {result['triton']}, {aot_compile.default_jobs()} compile processes")
         if specs_fn == "bad_specs":
             title += " (harness self-test: every line must FAIL)"
@@ -340,15 +345,26 @@ KNOWN_SPILL_BYTES = {
 }
 
 
+def check_recorded(record: dict) -> None:
+    """A (spec, arch) drawn to check its stored record was compiled again: the two must agree, field for field."""
+    if record.get("source") == "verified":
+        fresh, stored = aot_compile.measured(record), record["recorded"]
+        differ = {k: (stored.get(k), fresh.get(k)) for k in set(fresh) | set(stored) if fresh.get(k) != stored.get(k)}
+        assert not differ, (f"{record['name']} sm_{record['arch']}: the stored record differs from a fresh compile "
+                            f"(stored, compiled): {differ}; record again: python tests/tooling/aot_compile.py --record")
+
+
 def test_aot_compile(op, name, arch):
     """Compiles for sm_{arch}; shared memory fits; no spills; tensor cores where the dtype allows (HGMMA in the
     sm_90 SASS where wgmma applies); UTMALDG where the spec loads through TMA; producer/consumer warps where the
-    spec asks for warp specialization."""
+    spec asks for warp specialization. (A stored record stands for the compile where its key matches; the ones drawn
+    to be compiled again must reproduce theirs.)"""
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
     if name is None:
         pytest.fail(_collected(op)[1] or f"{_module_name(op)}.aot_specs() returned no specs")
     record = _record(op, name, arch)
+    check_recorded(record)
     bad = aot_compile.problems(record)
     if (name, arch) in KNOWN_SPILLS and bad and all(p.startswith("register spills") for p in bad):
         pytest.xfail(f"a listed spill: {bad[0]}")
@@ -363,7 +379,9 @@ def test_aot_compile_backward(op, specs_fn, name, arch):
     KNOWN_SPILLS)."""
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
-    bad = aot_compile.problems(_record(op, name, arch, specs_fn))
+    record = _record(op, name, arch, specs_fn)
+    check_recorded(record)
+    bad = aot_compile.problems(record)
     if (name, arch) in KNOWN_SPILLS and bad and all(p.startswith("register spills") for p in bad):
         pytest.xfail(f"a listed spill: {bad[0]}")
     assert not bad, f"{name} for sm_{arch}:\n  " + "\n  ".join(bad)
@@ -404,6 +422,51 @@ def test_harness_reports_compile_errors():
 def test_harness_reports_malformed_specs():
     record = _bad("-BADSPEC", 90)
     assert record["error"] == "bad spec: tl.constexpr argument 'BLOCK_K' has no value in constexprs", record
+
+
+@pytest.fixture(scope="module")
+def toy_store(tmp_path_factory):
+    """A store holding the records of two toy specs, the second one falsified (its register count), and the fresh
+    records it was made from."""
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    names = [s["name"] for s in aot_specs()][:2]
+    fresh = aot_compile.compile_module(TOY_MODULE, "aot_specs", archs=(90,), only=names, fresh=True)["records"]
+    assert all(r["source"] == "compiled" and r["key"] for r in fresh.values()), fresh
+    folder = tmp_path_factory.mktemp("aot_records")
+    with open(os.path.join(folder, f"triton-{triton.__version__}.jsonl"), "w") as f:
+        for i, r in enumerate(fresh.values()):
+            stored = aot_compile.measured(r)
+            if i == 1:
+                stored["reg"] += 1
+            f.write(json.dumps({"key": r["key"], "record": stored}) + "\n")
+    return str(folder), names, fresh
+
+
+def test_harness_takes_stored_records_by_their_key(toy_store, monkeypatch):
+    """With no draw, a (spec, arch) whose key is in the store is not compiled: its stored record stands for it (the
+    falsified one included, which is what the draws are for)."""
+    folder, names, fresh = toy_store
+    monkeypatch.setenv("FASTBERT_AOT_RECORDS", folder)
+    monkeypatch.setenv("FASTBERT_AOT_VERIFY", "0")
+    got = aot_compile.compile_module(TOY_MODULE, "aot_specs", archs=(90,), only=names)["records"]
+    assert [r["source"] for r in got.values()] == ["record", "record"]
+    first, second = (aot_compile.measured(r) for r in fresh.values())
+    assert aot_compile.measured(got[(names[0], 90)]) == first
+    assert aot_compile.measured(got[(names[1], 90)])["reg"] == second["reg"] + 1
+
+
+def test_harness_catches_a_false_record(toy_store, monkeypatch):
+    """Drawn for a check, a stored record is compiled again and compared: the true one passes, the falsified one
+    fails naming the field."""
+    folder, names, _ = toy_store
+    monkeypatch.setenv("FASTBERT_AOT_RECORDS", folder)
+    monkeypatch.setenv("FASTBERT_AOT_VERIFY", "1")
+    got = aot_compile.compile_module(TOY_MODULE, "aot_specs", archs=(90,), only=names)["records"]
+    assert [r["source"] for r in got.values()] == ["verified", "verified"]
+    check_recorded(got[(names[0], 90)])
+    with pytest.raises(AssertionError, match=r"'reg': \("):
+        check_recorded(got[(names[1], 90)])
 
 
 def test_harness_sees_tensor_cores():
