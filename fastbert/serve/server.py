@@ -142,7 +142,8 @@ class Service:
                 logger.info("fastbert serve: %s model %s ready (%s, %s, max %d tokens per input)", model.kind,
                             self.name, model.device, model.dtype, model.limit)
         except Exception as e:  # noqa: BLE001 - reported on /health and to the CLI, which exits
-            self.state, self.error = "failed", f"{type(e).__name__}: {' '.join(str(e).split())}"
+            where = f"{self.kind.folder}: " if self.kind.folder else ""
+            self.state, self.error = "failed", f"{where}{type(e).__name__}: {' '.join(str(e).split())}"
             logger.error("fastbert serve: the model failed to load: %s", self.error)
             if self.on_failure is not None:
                 self.on_failure(self.error)
