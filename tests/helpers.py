@@ -652,9 +652,9 @@ def real_texts(n: int, min_chars: int = 20) -> list:
 
 class LiveServer:
     """A server in a process of its own on 127.0.0.1, on a port the system picks (read from the line it prints),
-    ready when GET /health answers 200. Stopped by its pid (SIGTERM, then SIGKILL if it hangs)."""
+    ready when GET `ready_path` answers 200. Stopped by its pid (SIGTERM, then SIGKILL if it hangs)."""
 
-    def __init__(self, command: list, log_path, timeout: float = 120.0, headers=None):
+    def __init__(self, command: list, log_path, timeout: float = 120.0, headers=None, ready_path="/health"):
         import re
         import subprocess
         import sys
@@ -675,7 +675,7 @@ class LiveServer:
                 self.url = found.group(1) if found else None
             if self.url is not None:
                 try:
-                    code = httpx.get(self.url + "/health", headers=headers, timeout=5).status_code
+                    code = httpx.get(self.url + ready_path, headers=headers, timeout=5).status_code
                     self.health_codes.append(code)
                     if code == 200:
                         return
@@ -686,7 +686,8 @@ class LiveServer:
         raise RuntimeError(f"the server was not ready within {timeout:.0f} s:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log_path) as f:
             return f.read()
 

@@ -60,6 +60,9 @@ def serve_parser() -> Parser:
                         help="requests in flight; the next one is refused at once with 429 (default: 512)")
     limits.add_argument("--max-client-batch-size", type=count(1), default=32, metavar="N",
                         help="inputs per request; more is a 413 (default: 32)")
+    limits.add_argument("--auto-truncate", action="store_true",
+                        help="cut an input past the model's limit (at the end a request's truncation_direction names) "
+                        "when the request does not say (/v1/embeddings has no say); without it, such an input is a 413")
     limits.add_argument("--payload-limit", type=count(1), default=2_000_000, metavar="BYTES",
                         help="request body size; more is a 413 (default: 2000000)")
     limits.add_argument("--tokenization-workers", type=count(1), default=None, metavar="N",
@@ -96,7 +99,8 @@ def serve(args) -> int:
     device = device_of(args)
     asgi = app(args.model or args.model_option, device=str(device), dtype=args.dtype, kernels=args.kernels,
                max_batch_tokens=args.max_batch_tokens, max_concurrent_requests=args.max_concurrent_requests,
-               max_client_batch_size=args.max_client_batch_size, payload_limit=args.payload_limit,
+               max_client_batch_size=args.max_client_batch_size, auto_truncate=args.auto_truncate,
+               payload_limit=args.payload_limit,
                api_key=args.api_key, served_model_name=args.served_model_name, cuda_graphs=not args.no_cuda_graphs,
                tokenization_workers=args.tokenization_workers)
     service = asgi.state.service

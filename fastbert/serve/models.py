@@ -106,7 +106,7 @@ def _tokenize(tokenizer, first: list, second: Optional[list], limit: int, trunca
         i = long[0]
         where = f"{field}[{positions[i]}]" if total > 1 else field
         raise ServeError(413, f"{where} has {len(rows[i]['ids'])} tokens, more than the model's limit of {limit} "
-                              f"(send truncate: true to cut it at the limit)", param=field)
+                              f"(truncate: true cuts it at the limit)", param=field)
     if long:
         side = tokenizer.truncation_side
         tokenizer.truncation_side = direction.lower()

@@ -51,6 +51,7 @@ class Options:
     max_batch_tokens: int = 16384             # real tokens per batch (no padding is computed)
     max_concurrent_requests: int = 512        # POSTs in flight; past it, 429 at once
     max_client_batch_size: int = 32           # inputs per request; past it, 413
+    auto_truncate: bool = False               # cut inputs past the model's limit when a request does not say
     payload_limit: int = 2_000_000            # request body bytes; past it, 413
     api_key: Optional[str] = field(default=None, repr=False)   # never printed
     served_model_name: Optional[str] = None   # /v1's model name (default: the folder's name)
@@ -67,8 +68,9 @@ class Options:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string (or None: no key)")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "auto_truncate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 class ClientGone(Exception):
@@ -174,6 +176,10 @@ class Service:
         """fn(*args) on a tokenizer thread (tokenizing holds the event loop for no one)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
+    def truncating(self, truncate: Optional[bool]) -> bool:
+        """A request's truncate, or the server's auto_truncate when it does not say (TEI's rule)."""
+        return self.options.auto_truncate if truncate is None else truncate
+
     def check_count(self, count: int, field: str) -> None:
         limit = self.options.max_client_batch_size
         if count > limit:
@@ -212,14 +218,15 @@ class Service:
                              param="dimensions")
         model.check_task(task)
         prompt = model.prompt(prompt_name, task)
-        payloads = await self.off_loop(model.prepare, inputs, prompt, task, bool(truncate), direction, field)
+        payloads = await self.off_loop(model.prepare, inputs, prompt, task, self.truncating(truncate), direction,
+                                       field)
         vectors = await self.compute(request, payloads)
         return np.stack(vectors), sum(len(p[0]) for p in payloads)
 
     async def score(self, request: Request, inputs: list, *, truncate, direction, field) -> np.ndarray:
         """Logits [inputs, labels] of texts and pairs."""
         self.check_count(len(inputs), field)
-        payloads = await self.off_loop(self.model.prepare, inputs, bool(truncate), direction, field)
+        payloads = await self.off_loop(self.model.prepare, inputs, self.truncating(truncate), direction, field)
         return np.stack(await self.compute(request, payloads))
 
 
@@ -269,7 +276,8 @@ def app(model=None, **options) -> FastAPI:
         with one label (a reranker) or several (a classifier)), a cached Hub id, or a fastbert.SentenceEncoder
         already loaded; None: the bundled all-MiniLM-L6-v2.
     options: Options' fields (device, dtype, kernels, max_batch_tokens, max_concurrent_requests,
-        max_client_batch_size, payload_limit, api_key, served_model_name, cuda_graphs, tokenization_workers).
+        max_client_batch_size, auto_truncate, payload_limit, api_key, served_model_name, cuda_graphs,
+        tokenization_workers).
     The folder's kind is read now (a bad folder raises here); the weights load when the lifespan starts."""
     known = {f.name for f in fields(Options)}
     unknown = sorted(set(options) - known)
@@ -361,7 +369,7 @@ def _add_routes(api: FastAPI, service: Service) -> None:
                 raise ServeError(404, f"model: {body.model!r} is not served here (this server serves "
                                       f"{service.name!r})", param="model", code="model_not_found")
             vectors, tokens = await service.embed(request, body.input, prompt_name=body.prompt_name,
-                                                  task=body.task, truncate=False, direction="right", field="input",
+                                                  task=body.task, truncate=None, direction="right", field="input",
                                                   dimensions=body.dimensions)
             vectors = _finish(vectors, body.dimensions, service.model.normalize)
             if body.encoding_format == "base64":
@@ -434,7 +442,7 @@ def _add_routes(api: FastAPI, service: Service) -> None:
             "model_type": model_type, "max_concurrent_requests": service.options.max_concurrent_requests,
             "max_input_length": model.limit if model else None, "max_batch_tokens": service.options.max_batch_tokens,
             "max_batch_requests": None, "max_client_batch_size": service.options.max_client_batch_size,
-            "auto_truncate": False, "tokenization_workers": service.tokenization_workers,
+            "auto_truncate": service.options.auto_truncate, "tokenization_workers": service.tokenization_workers,
             "version": __version__, "sha": None, "docker_label": None, "state": service.state,
             "device": model.device if model else None,
             "prompts": dict(model.encoder.pipeline.prompts) if model is not None and kind == "embedding" else None,
