@@ -88,6 +88,9 @@ class _Tokenizers(threading.local):
 
     def __init__(self, tokenizer):
         self.tokenizer = copy.deepcopy(tokenizer)
+        # the server counts every input's tokens untruncated (a 413 says how many) and cuts with an explicit
+        # max_length: transformers' warning about sequences past model_max_length would only repeat that
+        self.tokenizer.model_max_length = int(1e30)
 
 
 def _tokenize(tokenizer, first: list, second: Optional[list], limit: int, truncate: bool, direction: str,
