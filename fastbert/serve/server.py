@@ -36,7 +36,7 @@ from .errors import FAILURE_LABELS, ServeError, error_response
 from .gate import Gate
 from .metrics import CONTENT_TYPE, Metrics
 from .models import Embedder, Kind, Scorer, default_model, read_kind, sigmoid, softmax
-from .scheduler import BackendError, Scheduler, Text, Ticket
+from .scheduler import BackendError, Scheduler, StoppedError, Text, Ticket
 
 logger = logging.getLogger("fastbert.serve")
 DEFAULT_NAME = "all-MiniLM-L6-v2"  # the bundled model's name on /v1 (its package keeps it in a folder named "model")
@@ -137,18 +137,21 @@ class Service:
                                  f"{model.limit} tokens per input: an input at the limit would not fit a batch")
             scheduler = Scheduler(model.run, options.max_batch_tokens, self.metrics)
             model.run(model.prepare(*self._warmup_args(model)))  # first-call work (graphs, caches) here
-            scheduler.start()
-            self.model, self.scheduler = model, scheduler
-            if self.state == "loading":
-                self.state = "ready"
-                logger.info("fastbert serve: %s model %s ready (%s, %s, max %d tokens per input)", model.kind,
-                            self.name, model.device, model.dtype, model.limit)
         except Exception as e:  # noqa: BLE001 - reported on /health and to the CLI, which exits
             where = f"{self.kind.folder}: " if self.kind.folder else ""
             self.state, self.error = "failed", f"{where}{type(e).__name__}: {' '.join(str(e).split())}"
             logger.error("fastbert serve: the model failed to load: %s", self.error)
             if self.on_failure is not None:
                 self.on_failure(self.error)
+            return
+        self.model, self.scheduler = model, scheduler
+
+        def started():
+            if self.state == "loading":
+                self.state = "ready"
+                logger.info("fastbert serve: %s model %s ready (%s, %s, max %d tokens per input)", model.kind,
+                            self.name, model.device, model.dtype, model.limit)
+        scheduler.work(started)  # this thread, which loaded the model, runs every batch until the lifespan ends
 
     @staticmethod
     def _warmup_args(model):
@@ -159,16 +162,18 @@ class Service:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self._pool = ThreadPoolExecutor(self.tokenization_workers, thread_name_prefix="fastbert-tokenize")
-        self._loader = threading.Thread(target=self._load, name="fastbert-load", daemon=True)
+        self._loader = threading.Thread(target=self._load, name="fastbert-model-worker", daemon=True)
         self._loader.start()
         try:
             yield
         finally:
             self.drain()
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self._loader.join)
+            while self.state == "draining" and self.scheduler is None and self._loader.is_alive():
+                await asyncio.sleep(0.05)  # still loading: the worker starts, then stops at once
             if self.scheduler is not None:
                 await loop.run_in_executor(None, self.scheduler.stop)
+            await loop.run_in_executor(None, self._loader.join)
             self._pool.shutdown(wait=True)
 
     # ---- the work ------------------------------------------------------------------------------------------------
@@ -191,7 +196,10 @@ class Service:
         first, its texts leave the queue (ClientGone)."""
         loop = asyncio.get_running_loop()
         ticket = Ticket(loop, len(payloads))
-        self.scheduler.submit(ticket, [Text(p, len(p[0]), ticket, i) for i, p in enumerate(payloads)])
+        try:
+            self.scheduler.submit(ticket, [Text(p, len(p[0]), ticket, i) for i, p in enumerate(payloads)])
+        except StoppedError as e:
+            raise ServeError(503, str(e)) from None
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({ticket.future, gone}, return_when=asyncio.FIRST_COMPLETED)

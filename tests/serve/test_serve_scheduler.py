@@ -269,3 +269,20 @@ def test_options_are_checked_when_the_app_is_built(minilm_path):
             return await call(app, "GET", "/health")
     status, body = asyncio.run(run())
     assert status == 503 and "max_batch_tokens 100 is less than the model's limit of 256 tokens" in body["error"]
+
+
+def test_the_command_takes_teis_options_with_teis_defaults(capsys):
+    from fastbert.cli.serve import serve_parser
+    parser = serve_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    for action in (a for a in parser._actions if a.option_strings):
+        assert action.help and len(action.help) > 10, action.option_strings
+        assert all(name in help_text for name in action.option_strings)
+    args = parser.parse_args([])
+    assert (args.host, args.port, args.max_batch_tokens, args.max_concurrent_requests, args.max_client_batch_size,
+            args.payload_limit, args.api_key, args.auto_truncate, args.no_cuda_graphs) == \
+        ("127.0.0.1", 8080, 16384, 512, 32, 2_000_000, None, False, False)
+    for name in ("--device", "--dtype", "--kernels", "--served-model-name", "--no-cuda-graphs"):
+        assert name in help_text
