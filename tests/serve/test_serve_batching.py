@@ -101,14 +101,15 @@ def test_a_task_for_a_model_without_task_adapters_is_refused(encoder):
 
 
 def test_a_vector_against_what_shares_its_batch_on_the_cpu_twins(encoder, minilm_path, texts):
-    """Each text alone, then in batches of 2..24 random texts at random places (real texts of 5..256 tokens):
+    """Each of 16 texts alone, then in 5 batches of 2..16 random texts at random places (real texts of 5..256 tokens):
     the normalised vectors against each other and against an fp64 reference (transformers' model in float64, mean
     pooling and normalisation in float64). What the CPU twins give, measured here (docs/serve.md): not always
-    bit-identical (the fp32 GEMMs may round differently for different token counts), max |delta| 1.8e-7 between a
-    text alone and batched, and every vector, alone or batched, within 2x transformers' own fp32 error (the text
-    alone) of fp64."""
+    bit-identical (the fp32 GEMMs may round differently for different token counts): 24 of the 44 batched vectors
+    were, and the others differed from the text alone by at most 1.4e-7; every vector, alone or batched, lay within
+    1.45e-7 of fp64, as transformers' own fp32 vectors of the texts alone did. Asserted: within 2x transformers'
+    error of fp64, and within 1e-6 of the text alone."""
     import transformers
-    ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.pipeline.max_seq_length)["input_ids"]
+    ids = encoder.tokenizer(texts[:16], truncation=True, max_length=encoder.pipeline.max_seq_length)["input_ids"]
 
     def unit(v):
         v = v.double()
@@ -117,7 +118,7 @@ def test_a_vector_against_what_shares_its_batch_on_the_cpu_twins(encoder, minilm
     alone = torch.cat([unit(encoder.embed_tokenized([x])) for x in ids])
     rng, deltas = random.Random(0), {}
     batched = []
-    for _ in range(6):
+    for _ in range(5):
         order = list(range(len(ids)))
         rng.shuffle(order)
         chosen = order[:rng.randint(2, len(ids))]
@@ -135,4 +136,4 @@ def test_a_vector_against_what_shares_its_batch_on_the_cpu_twins(encoder, minilm
                        + [(v - ref[torch.float64][i]).abs().max().item() for i, v in batched])
     worst = max(d for ds in deltas.values() for d in ds)
     assert served_error <= 2 * hf_error, (served_error, hf_error)
-    assert worst <= 1e-6, worst  # measured: 1.8e-7 (a unit vector of 384 fp32 components), about half bit-identical
+    assert worst <= 1e-6, worst  # measured: 1.4e-7 (a unit vector of 384 fp32 components)

@@ -39,7 +39,8 @@ def test_every_family_serves_sentence_transformers_vectors(family, minilm_path, 
     serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
     folder = family_st_folder(family, minilm_path, tmp_path)
     want = st.SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=4)
-    with serving(serve.app(str(folder), device="cpu", kernels="torch")) as client:
+    # auto_truncate: a text past max_seq_length is cut there, as sentence-transformers cuts it
+    with serving(serve.app(str(folder), device="cpu", kernels="torch", auto_truncate=True)) as client:
         openai = client.post("/v1/embeddings", json={"input": texts}).json()
         tei = client.post("/embed", json={"inputs": texts}).json()
     got = np.array([d["embedding"] for d in openai["data"]], dtype=np.float32)
@@ -90,11 +91,11 @@ def test_classifiers_of_other_families_predict_transformers_softmax(family, mini
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
     pairs = [[texts[i], texts[i + 1]] for i in range(4)]
+    cut = dict(padding=True, truncation=True, max_length=512, return_tensors="pt")
     with torch.no_grad():
-        want_single = hf(**tokenizer(texts, padding=True, return_tensors="pt")).logits.double().softmax(-1)
-        want_pairs = hf(**tokenizer([p[0] for p in pairs], [p[1] for p in pairs], padding=True,
-                                    return_tensors="pt")).logits.double().softmax(-1)
-    with serving(serve.app(folder, device="cpu", kernels="torch")) as client:
+        want_single = hf(**tokenizer(texts, **cut)).logits.double().softmax(-1)
+        want_pairs = hf(**tokenizer([p[0] for p in pairs], [p[1] for p in pairs], **cut)).logits.double().softmax(-1)
+    with serving(serve.app(folder, device="cpu", kernels="torch", auto_truncate=True)) as client:
         info = client.get("/info").json()
         single = client.post("/predict", json={"inputs": texts}).json()
         paired = client.post("/predict", json={"inputs": pairs}).json()

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 import fastbert.serve
 
-apps = {name: fastbert.serve.app(folder, device="cpu")
+apps = {name: fastbert.serve.app(folder, device="cpu", auto_truncate=True)
         for name, folder in zip(("reranker", "classifier"), sys.argv[1:3])}
 
 @contextlib.asynccontextmanager
@@ -115,10 +115,10 @@ def test_predict_equals_transformers_softmax_with_the_checkpoints_labels(server,
     tokenizer = transformers.AutoTokenizer.from_pretrained(folders[1])
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(folders[1]).eval()
     pairs = [[texts[i], texts[i + 1]] for i in range(0, 8, 2)]
+    cut = dict(padding=True, truncation=True, max_length=512, return_tensors="pt")  # as the server cuts
     with torch.no_grad():
-        single = hf(**tokenizer(texts[:8], padding=True, return_tensors="pt")).logits.double().softmax(-1)
-        paired = hf(**tokenizer([p[0] for p in pairs], [p[1] for p in pairs], padding=True,
-                                return_tensors="pt")).logits.double().softmax(-1)
+        single = hf(**tokenizer(texts[:8], **cut)).logits.double().softmax(-1)
+        paired = hf(**tokenizer([p[0] for p in pairs], [p[1] for p in pairs], **cut)).logits.double().softmax(-1)
     for inputs, want in ((texts[:8], single), (pairs, paired), (texts[0], single[:1]), (pairs[0], paired[:1])):
         response = httpx.post(server.url + "/classifier/predict", json={"inputs": inputs}, timeout=60)
         assert response.status_code == 200, response.text
@@ -140,7 +140,7 @@ def test_inference_client_text_classification(server, folders, texts, monkeypatc
     tokenizer = transformers.AutoTokenizer.from_pretrained(folders[1])
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(folders[1]).eval()
     with torch.no_grad():
-        want = hf(**tokenizer([texts[3]], return_tensors="pt")).logits.double()[0]
+        want = hf(**tokenizer([texts[3]], truncation=True, max_length=512, return_tensors="pt")).logits.double()[0]
     client = hub.InferenceClient(base_url=server.url + "/classifier/")
     got = client.text_classification(texts[3])
     assert {e.label: e.score for e in got} == pytest.approx(dict(zip(LABELS, want.softmax(-1).tolist())), abs=1e-5)

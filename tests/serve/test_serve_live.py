@@ -204,13 +204,13 @@ def test_api_key(server):
 
 
 def test_concurrent_clients_each_get_their_own_texts_vectors(server, corpus, reference):
-    """32 clients at once, 64 requests of 1..16 texts drawn from 80 real texts of 5..256 tokens, through TEI's
+    """32 clients at once, 48 requests of 1..16 texts drawn from 80 real texts of 5..256 tokens, through TEI's
     /embed and openai's SDK: every vector is its own text's (cosine >= 0.99999 with its text's reference, and
     nearer to it than to any other text's); the texts were gathered across requests (fewer batches than
     requests)."""
     openai = optional("openai", "openai's SDK is a test extra")
     rng = random.Random(0)
-    plans = [rng.sample(range(len(corpus)), rng.randint(1, 16)) for _ in range(64)]
+    plans = [rng.sample(range(len(corpus)), rng.randint(1, 16)) for _ in range(48)]
     batches_before, texts_before = metric(server, "te_batch_size_count"), metric(server, "te_batch_size_sum")
     results, errors = [None] * len(plans), []
     sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)

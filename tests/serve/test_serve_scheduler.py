@@ -109,7 +109,7 @@ def cosines(a, b):
 
 
 def test_texts_of_different_tasks_share_one_batch_each_with_its_own_task(encoder, minilm_path, texts):
-    app = serve.app(encoder)
+    app = serve.app(encoder, auto_truncate=True)  # texts past 256 tokens cut there, as sentence-transformers cuts
     service = app.state.service
 
     async def run():
@@ -148,7 +148,7 @@ def test_texts_of_different_tasks_share_one_batch_each_with_its_own_task(encoder
 
 
 def test_a_client_that_goes_away_is_dropped_from_the_queue_never_computed(encoder, texts):
-    app = serve.app(encoder)
+    app = serve.app(encoder, auto_truncate=True)
     service = app.state.service
 
     async def run():
@@ -182,7 +182,7 @@ def test_a_client_that_goes_away_is_dropped_from_the_queue_never_computed(encode
 
 
 def test_a_batch_that_fails_is_a_424_for_its_requests_and_the_worker_goes_on(encoder, texts):
-    app = serve.app(encoder)
+    app = serve.app(encoder, auto_truncate=True)
 
     async def run():
         async with app.router.lifespan_context(app):
