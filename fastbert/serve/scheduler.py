@@ -78,8 +78,8 @@ class Scheduler:
     most `max_batch_tokens` tokens in a batch (a single text longer than the budget is a batch of its own: the
     caller keeps texts within the model's limit and the budget at least that limit). metrics: the app's Metrics."""
 
-    def __init__(self, run: Callable[[Sequence[Any]], Sequence[Any]], max_batch_tokens: int, metrics, name: str = ""):
-        self.run, self.max_batch_tokens, self.metrics, self.name = run, max_batch_tokens, metrics, name
+    def __init__(self, run: Callable[[Sequence[Any]], Sequence[Any]], max_batch_tokens: int, metrics):
+        self.run, self.max_batch_tokens, self.metrics = run, max_batch_tokens, metrics
         self._queue: collections.deque[Text] = collections.deque()
         self._ready = threading.Condition()
         self._stopping = False
