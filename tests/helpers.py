@@ -5,6 +5,7 @@ the guard on global state. The accuracy rule itself is fastbert.numerics.
 """
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -594,8 +595,8 @@ def _family_tokenizer(family, minilm_path):
 def family_st_folder(family, minilm_path, root):
     """A sentence-transformers folder: all-mpnet-base-v2's layout for MPNet (mean pooling, Normalize,
     max_seq_length 384), CLS pooling without Normalize for DistilBERT, ModernBERT, DeBERTa-v2 and GTE, mean pooling
-    for Jina-Embeddings-v3, and for NomicBERT with Normalize and nomic-embed-text's query / document prompts; random
-    weights."""
+    for Jina-Embeddings-v3, EuroBERT, RoBERTa, XLM-R, CamemBERT and ELECTRA, and for NomicBERT with Normalize and
+    nomic-embed-text's query / document prompts; random weights."""
     import transformers
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
     try:  # sentence-transformers 6 moved the modules
@@ -623,6 +624,15 @@ def family_st_folder(family, minilm_path, root):
         cls = type(rotary_post_norm_model(family, hidden, 4, 1, 16, 512))
         cfg = rotary_post_norm_config(family, hidden=hidden, heads=4, layers=2, intermediate=100, max_len=512,
                                       vocab_size=len(tok), attn_implementation="sdpa")
+    elif family in ("roberta", "xlm-roberta", "camembert", "electra"):  # the BERT vocabulary's pad id, 0, is theirs
+        common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=100, max_position_embeddings=514, pad_token_id=tok.pad_token_id)
+        cfg, cls = {"roberta": (transformers.RobertaConfig, transformers.RobertaModel),
+                    "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel),
+                    "camembert": (transformers.CamembertConfig, transformers.CamembertModel),
+                    "electra": (functools.partial(transformers.ElectraConfig, embedding_size=32),
+                                transformers.ElectraModel)}[family]
+        cfg = cfg(**common)
     else:
         cfg = transformers.DistilBertConfig(vocab_size=len(tok), dim=hidden, n_layers=2, n_heads=4, hidden_dim=100,
                                             max_position_embeddings=512)
@@ -632,7 +642,8 @@ def family_st_folder(family, minilm_path, root):
     perturb_(cls(cfg), weight_std=0.05).save_pretrained(hf_folder)
     tok.save_pretrained(hf_folder)
     word = st_modules.Transformer(str(hf_folder), max_seq_length=384 if family == "mpnet" else 256)
-    mean = family in ("mpnet", "jina_embeddings_v3", "nomic_bert", "eurobert")  # GTE's pool CLS, as the others
+    mean = family in ("mpnet", "jina_embeddings_v3", "nomic_bert", "eurobert", "roberta", "xlm-roberta",
+                      "camembert", "electra")  # GTE's pool CLS, as the others
     modules = [word, st_modules.Pooling(hidden, "mean" if mean else "cls")]
     if family in ("mpnet", "nomic_bert"):
         modules.append(st_modules.Normalize())
@@ -949,3 +960,94 @@ def check_gradient(name, dtype, got, twin, ref):
     else:
         bound = error_bound(dtype, max_error(twin, ref))
         assert err <= bound, f"{name}: {err:.3g} from fp64 > {bound:.3g} (2x the twin's + 1e-6)"
+
+
+# ---- real text and live servers (tests/serve) ------------------------------------------------------------------------
+def real_texts(n: int, min_chars: int = 20) -> list:
+    """`n` distinct paragraphs of real text no one here wrote, of mixed lengths: the descriptions of the Python
+    distributions installed here (sorted by name), spread evenly."""
+    import importlib.metadata
+    import re
+    paragraphs, seen = [], set()
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        for paragraph in re.split(r"\n\s*\n", dist.metadata.get_payload() or ""):
+            paragraph = " ".join(paragraph.split())
+            if len(paragraph) >= min_chars and paragraph not in seen:
+                seen.add(paragraph)
+                paragraphs.append(paragraph)
+    if len(paragraphs) < n:
+        pytest.skip(f"the installed packages give {len(paragraphs)} paragraphs, {n} wanted")
+    step = len(paragraphs) / n
+    return [paragraphs[int(i * step)] for i in range(n)]
+
+
+class LiveServer:
+    """A server in a process of its own on 127.0.0.1, on a port the system picks (read from the line it prints),
+    ready when GET `ready_path` answers 200. Stopped by its pid (SIGTERM, then SIGKILL if it hangs)."""
+
+    def __init__(self, command: list, log_path, timeout: float = 120.0, headers=None, ready_path="/health"):
+        import re
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+        env = dict(os.environ, TRITON_INTERPRET="0", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen([sys.executable, *command], stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=env)
+        deadline, self.url, self.health_codes = time.monotonic() + timeout, None, []
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
+            if self.url is None:
+                found = re.search(r"on (http://127\.0\.0\.1:\d+)", self.output())
+                self.url = found.group(1) if found else None
+            if self.url is not None:
+                try:
+                    code = httpx.get(self.url + ready_path, headers=headers, timeout=5).status_code
+                    self.health_codes.append(code)
+                    if code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the server was not ready within {timeout:.0f} s:\n{self.output()}")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> int:
+        """SIGTERM to its pid; its exit code (SIGKILL after 60 s)."""
+        import signal
+        import subprocess
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def serving(app, headers=None, timeout: float = 120.0):
+    """A fastbert.serve app in this process (starlette's TestClient: its lifespan runs, the model loads on its
+    thread), yielded once GET /health answers 200."""
+    import time
+
+    from fastapi.testclient import TestClient
+    with TestClient(app, headers=headers) as client:
+        deadline = time.monotonic() + timeout
+        while client.get("/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready within {timeout:.0f} s: {client.get('/health').json()}")
+            time.sleep(0.05)
+        yield client

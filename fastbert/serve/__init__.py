@@ -1,0 +1,12 @@
+"""fastbert.serve: an embedding, reranking and classification server over HTTP (TEI's and OpenAI's APIs) that
+gathers every client's texts into padding-free batches.
+
+    python -m fastbert serve [MODEL] [--port 8080] [...]        the command (fastbert/cli/serve.py)
+    fastbert.serve.app(model=FOLDER, **options)                   the ASGI app, for uvicorn, gunicorn or Ray Serve
+
+Needs the `serve` extra (FastAPI, uvicorn, prometheus-client): pip install "fastbert-triton[serve]". The rest of
+fastbert never imports this package. docs/serve.md: the routes, the options, the scheduler, the numbers.
+"""
+from .server import Options, app
+
+__all__ = ["app", "Options"]
