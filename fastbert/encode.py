@@ -502,6 +502,11 @@ class SentenceEncoder:
             return self.pipeline.prompts[task]
         return (getattr(self.model.config, "task_instructions", None) or {}).get(task, "")
 
+    @property
+    def tasks(self) -> tuple:
+        """The names of the model's task adapters (Jina-Embeddings-v3's), in adapter_mask's order; () for others."""
+        return tuple(self.model.task_names)
+
     def adapter_mask(self, tasks: Sequence[str | None]) -> torch.Tensor | None:
         """One task name per text (None: no adapter) -> the model's adapter_mask [len(tasks)] on its device (None when
         no text names one): for callers that tokenize themselves and batch texts of different tasks together (each
@@ -571,10 +576,9 @@ class SentenceEncoder:
         float32 on the model's device, before Normalize and truncate_dim (`pipeline.normalize` says whether
         sentence-transformers normalises). prompts[i]: the prompt text i starts with, when it has one (its tokens are
         left out of the pooling when include_prompt is False). tasks[i]: the task adapter text i runs with (None:
-        the model as loaded); this model has no task adapters, so any task is a ValueError."""
-        named = sorted({t for t in tasks or () if t is not None})
-        if named:
-            raise ValueError(f"task {named[0]!r}: this model has no task adapters")
+        the model as loaded; a model without adapters refuses any name, `tasks` says which there are), so one batch
+        mixes tasks freely."""
+        adapter_mask = self.adapter_mask(tasks) if tasks is not None else None
         lengths = [len(x) for x in ids]
         if not lengths or min(lengths) < 1:
             raise ValueError("embed_tokenized needs at least one text, each of at least one token")
@@ -586,7 +590,9 @@ class SentenceEncoder:
         cu_seqlens = torch.zeros(len(ids) + 1, dtype=torch.int32, device=device)
         cu_seqlens[1:] = torch.cumsum(lengths_t, 0)
         with torch.inference_mode():
-            hidden = self._forward(input_ids=flat, cu_seqlens=cu_seqlens, max_seqlen=max(lengths)).last_hidden_state
+            tasks = {} if adapter_mask is None else {"adapter_mask": adapter_mask}
+            hidden = self._forward(input_ids=flat, cu_seqlens=cu_seqlens, max_seqlen=max(lengths),
+                                   **tasks).last_hidden_state
             return pool_packed(hidden, lengths_t, torch.tensor(skips, dtype=torch.long, device=device),
                                self.pipeline.pooling)
 

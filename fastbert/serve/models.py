@@ -152,11 +152,12 @@ class Embedder:
         return self._tokenizers.tokenizer
 
     def prompt(self, prompt_name: Optional[str], task: Optional[str]) -> str:
-        """The prompt put before each text: the named one, else the task's (a Jina-v3 folder names its prompts after
-        its tasks), else the folder's default prompt; a 422 for a name the folder does not have."""
-        pipeline = self.encoder.pipeline
-        if prompt_name is None and task is not None and task in pipeline.prompts:
-            prompt_name = task
+        """The prompt put before each text: the named one, else the task's (the folder's prompt of that name, else
+        the model's task_instructions, as sentence-transformers and Jina's own encode give it), else the folder's
+        default prompt; a 422 for a name the folder does not have."""
+        if prompt_name is None and task is not None:
+            self.check_task(task)
+            return self.encoder.task_prompt(task)
         try:
             return self.encoder.resolve_prompt(None, prompt_name)
         except ValueError as e:

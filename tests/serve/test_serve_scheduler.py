@@ -5,8 +5,8 @@ to the ASGI app (its receive and send in the test's hands: a client that disconn
 
 - texts of requests for different tasks are gathered into one batch, each carrying its own request's task to the one
   encoder call (SentenceEncoder.embed_tokenized(tasks=...)). The bundled model has no task adapters: the latch
-  accepts the tasks and computes the model as loaded, so this proves the serving side (every text's task reaches
-  the model with it); the adapters themselves are the model's, tested with it;
+  accepts the tasks (with no prompt) and computes the model as loaded, so this proves the serving side (every
+  text's task reaches the model with it); a model with real adapters is served in test_serve_jina_tasks.py;
 - a client that goes away is dropped from the queue and its texts are never computed;
 - /health is 503 while the model loads, after it failed to load, and while draining; a batch that raises is a 424
   for its requests and the next batch runs."""
@@ -28,6 +28,9 @@ class Latched(fastbert.SentenceEncoder):
     """The bundled model, each batch held at a latch (open unless a test closes it) and recorded."""
 
     tasks = TASKS
+
+    def task_prompt(self, task):
+        return ""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
