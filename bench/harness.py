@@ -63,6 +63,18 @@ def _varlen(batch: int, lo: int, hi: int) -> Cell:
     return Cell(f"{batch}xvar{lo}-{hi}", batch, hi, min_len=lo)
 
 
+CI_ROWS = 4  # `pytest bench --benchmark-disable` (CI): a cell's check on its first rows, not its whole batch
+
+
+def ci_cell(cell: Cell, rows: int = CI_ROWS) -> Cell:
+    """The cell CI checks a case on: `rows` rows of the same kind (lengths drawn from the same range and seed), so a
+    base-size model's check costs seconds, not minutes; the timed runs take the whole cell."""
+    if cell.batch <= rows:
+        return cell
+    name = f"{rows}x{cell.seq}" if cell.min_len is None else f"{rows}xvar{cell.min_len}-{cell.seq}"
+    return Cell(name, rows, cell.seq, cell.min_len, cell.seed)
+
+
 CUDA_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _fixed(8, 512), _fixed(32, 512), _varlen(32, 16, 512))
 CPU_CELLS = (_fixed(1, 128), _fixed(8, 128), _fixed(32, 128), _varlen(16, 16, 128), _varlen(32, 16, 512))
 TINY_CELLS = (_fixed(1, 16), _fixed(4, 32), _varlen(4, 3, 32))  # --bench-tiny: the dry run of the whole flow
