@@ -3,43 +3,44 @@ test runs under a flag it did not ask for (a leaked TF32 switch once turned ever
 into tf32 arithmetic)."""
 import pathlib
 
-import pytest
-
 TESTS = pathlib.Path(__file__).parent.parent
 CONFTEST = (TESTS / "conftest.py").read_text()
 HELPERS = (TESTS / "helpers.py").read_text()  # the conftest imports it
 
 
-@pytest.mark.parametrize("leak, words", [
+LEAKS = [  # (a line that leaks, what the guard must name)
     ("import torch; torch.backends.cuda.matmul.allow_tf32 = True", "TF32 for fp32 matmuls"),
     ("import os; os.environ['FASTBERT_SOMETHING'] = '1'", "environment (FASTBERT_SOMETHING)"),
     ("import torch; torch.set_default_dtype(torch.float64)", "default dtype"),
     ("from fastbert import dispatch; dispatch._WARNED.add(('attention', 'why'))", "fastbert warned-once set"),
-])
-def test_a_test_that_leaks_global_state_fails(pytester, leak, words):
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(helpers=HELPERS)
-    pytester.makepyfile(test_leaky=f"def test_leaks():\n    {leak}\n\n\ndef test_clean():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
-    result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines([f"*the test left global state changed: {words}*"])
+]
 
 
-def test_a_test_that_restores_what_it_changes_passes(pytester):
+def test_the_guard_fails_each_test_that_leaks_global_state_and_passes_one_that_restores(pytester):
+    """One run of a test file (one pytest process: each costs the imports of torch, transformers and fastbert):
+    each leaking test errors at its teardown, naming what it changed; the clean test after each passes (what the
+    leak left is its starting state, not its doing); a test that changes state through monkeypatch and a context
+    manager that put it back passes."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(helpers=HELPERS)
-    pytester.makepyfile(test_tidy="""
+    body = "".join(f"def test_leaks_{i}():\n    {leak}\n\n\ndef test_clean_{i}():\n    pass\n\n\n"
+                   for i, (leak, _) in enumerate(LEAKS))
+    pytester.makepyfile(test_leaky=body + """
 import torch
 from helpers import tf32_matmuls
 
 
 def test_tidy(monkeypatch):
-    monkeypatch.setenv("FASTBERT_SOMETHING", "1")
-    with tf32_matmuls(True):
-        assert torch.backends.cuda.matmul.allow_tf32
+    monkeypatch.setenv("FASTBERT_TIDY", "1")
+    with tf32_matmuls(not torch.backends.cuda.matmul.allow_tf32):
+        pass
 """)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "-v")
+    result.assert_outcomes(passed=2 * len(LEAKS) + 1, errors=len(LEAKS))
+    for i, (_, words) in enumerate(LEAKS):
+        result.stdout.fnmatch_lines([f"*ERROR at teardown of test_leaks_{i}*"])
+        result.stdout.fnmatch_lines([f"*the test left global state changed: {words}*"])
+    result.stdout.fnmatch_lines(["*test_tidy PASSED*"])
 
 
 def test_nothing_cites_a_design_file_outside_the_repository():
