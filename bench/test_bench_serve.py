@@ -15,8 +15,8 @@ import statistics
 import pytest
 
 from bench import harness
+from bench.harness import corpus
 from bench.serve_load import fastbert_server, offline, plan, run_load, worst_cosine
-from bench.test_bench_encode import corpus
 
 pytest.importorskip("fastapi", reason="the serve extra (pip install -e '.[serve]')")
 pytest.importorskip("httpx", reason="httpx is a test extra")

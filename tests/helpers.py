@@ -592,6 +592,28 @@ def _family_tokenizer(family, minilm_path):
     return transformers.DistilBertTokenizer(vocab={w: i for i, w in enumerate(words)})
 
 
+def tiny_minilm_folder(minilm_path, root) -> str:
+    """The bundled MiniLM's folder with its model shrunk: every file as shipped (tokenizer, modules.json, pooling,
+    sentence_bert_config.json) but a random BERT of 2 layers, hidden 64, 4 heads of 16, over the same vocabulary. For
+    tests of the machinery around a model (graphs, surfaces) that run its kernels through Triton's interpreter, where
+    the real model's 6 layers of 12 heads cost a minute a test."""
+    import json
+    import shutil
+
+    import transformers
+    folder = root / "tiny-minilm"
+    if folder.exists():
+        return str(folder)
+    shutil.copytree(minilm_path, folder, ignore=shutil.ignore_patterns("model.safetensors", "pytorch_model.bin"))
+    config = transformers.BertConfig.from_pretrained(minilm_path)
+    config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.intermediate_size = 64, 2, 4, 128
+    torch.manual_seed(0)
+    perturb_(transformers.BertModel(config), weight_std=0.05).save_pretrained(folder)
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "word_embedding_dimension": 64}))
+    return str(folder)
+
+
 def family_st_folder(family, minilm_path, root):
     """A sentence-transformers folder: all-mpnet-base-v2's layout for MPNet (mean pooling, Normalize,
     max_seq_length 384), CLS pooling without Normalize for DistilBERT, ModernBERT, DeBERTa-v2 and GTE, mean pooling

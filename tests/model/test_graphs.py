@@ -20,6 +20,7 @@ from helpers import (
     main_in_process,
     random_arch_model,
     random_hf_bert,
+    tiny_minilm_folder,
 )
 
 import fastbert
@@ -29,6 +30,13 @@ from fastbert.graphs import EagerGraph, Graphed, GraphRunner, stats_of
 # The kernel where a graph needs it (attention), the twins elsewhere: the interpreter stays quick.
 KERNELS = {"qkv_projection": "torch", "attention": "triton", "bias_gelu": "torch", "residual_layernorm": "torch"}
 SENTENCES = ["A man is eating food.", "Two dogs are playing in the snow while children build a snowman.", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def tiny_minilm(minilm_path, tmp_path_factory):
+    """The bundled model's folder with a shrunk random model (helpers.tiny_minilm_folder): what graphs replay does
+    not depend on the model's size, and attention runs through Triton's interpreter here."""
+    return tiny_minilm_folder(minilm_path, tmp_path_factory.mktemp("graphs"))
 
 
 @pytest.fixture
@@ -375,18 +383,18 @@ def test_a_plain_bert_model_stays_eager(hf, graphs_on_cpu):
     assert type(fb) is fastbert.BertModel and stats_of(fb) is None
 
 
-def test_encode_and_sentence_encoder_replay_graphs_by_default(minilm_path, graphs_on_cpu):
+def test_encode_and_sentence_encoder_replay_graphs_by_default(tiny_minilm, graphs_on_cpu):
     options = dict(device="cpu", kernels=KERNELS)
-    encoder = fastbert.SentenceEncoder.from_pretrained(minilm_path, **options)
-    plain = fastbert.SentenceEncoder.from_pretrained(minilm_path, cuda_graphs=False, **options)
+    encoder = fastbert.SentenceEncoder.from_pretrained(tiny_minilm, **options)
+    plain = fastbert.SentenceEncoder.from_pretrained(tiny_minilm, cuda_graphs=False, **options)
     got = encoder.encode(SENTENCES, batch_size=2)  # texts of 16 and 8 tokens, then one of 3
     assert encoder.graph_stats.replays == 2 and encoder.graph_stats.eager_calls == 0
     assert encoder.graph_stats.captures == 2  # the 32- and 16-token buckets
     assert plain.graph_stats is None and type(encoder.model) is fastbert.BertModel  # the model stays plain
     want = plain.encode(SENTENCES, batch_size=2)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    model = fastbert.BertModel.from_pretrained(minilm_path, add_pooling_layer=False, kernels=KERNELS)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
+    model = fastbert.BertModel.from_pretrained(tiny_minilm, add_pooling_layer=False, kernels=KERNELS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_minilm)
     calls = []
     real = GraphRunner.__call__
 
@@ -405,9 +413,9 @@ def test_encode_and_sentence_encoder_replay_graphs_by_default(minilm_path, graph
     np.testing.assert_allclose(on, off, atol=1e-5, rtol=0)
 
 
-def test_optimized_sentence_transformer_replays_graphs(minilm_path, graphs_on_cpu):
+def test_optimized_sentence_transformer_replays_graphs(tiny_minilm, graphs_on_cpu):
     from sentence_transformers import SentenceTransformer
-    st = SentenceTransformer(minilm_path, device="cpu")
+    st = SentenceTransformer(tiny_minilm, device="cpu")
     ref = st.encode(SENTENCES, convert_to_tensor=True)
     fastbert.optimize(st, kernels=KERNELS)
     fb = st[0].auto_model
@@ -425,10 +433,10 @@ def test_optimized_sentence_transformer_replays_graphs(minilm_path, graphs_on_cp
     assert stats_of(fb) is None
 
 
-def test_optimized_cross_encoder_and_pipeline_replay_graphs(minilm_path, graphs_on_cpu):
+def test_optimized_cross_encoder_and_pipeline_replay_graphs(tiny_minilm, graphs_on_cpu):
     from sentence_transformers import CrossEncoder
     torch.manual_seed(0)
-    ce = CrossEncoder(minilm_path, num_labels=1, device="cpu")
+    ce = CrossEncoder(tiny_minilm, num_labels=1, device="cpu")
     pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[0])]
     ref = torch.as_tensor(ce.predict(pairs))
     fastbert.optimize(ce, kernels=KERNELS)
@@ -437,8 +445,8 @@ def test_optimized_cross_encoder_and_pipeline_replay_graphs(minilm_path, graphs_
     assert_same(torch.as_tensor(ce.predict(pairs)), ref)
     assert stats_of(bert).replays == 1
 
-    model = transformers.BertModel.from_pretrained(minilm_path).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
+    model = transformers.BertModel.from_pretrained(tiny_minilm).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_minilm)
     pipe = transformers.pipeline("feature-extraction", model=model, tokenizer=tokenizer, device="cpu")
     ref = torch.tensor(pipe(SENTENCES[1]))
     fastbert.optimize(pipe, kernels=KERNELS)
@@ -448,12 +456,12 @@ def test_optimized_cross_encoder_and_pipeline_replay_graphs(minilm_path, graphs_
     assert stats_of(pipe.model) is None
 
 
-def test_optimize_with_cuda_graphs_off(minilm_path, graphs_on_cpu):
-    clf = transformers.BertForSequenceClassification.from_pretrained(minilm_path, num_labels=2).eval()
+def test_optimize_with_cuda_graphs_off(tiny_minilm, graphs_on_cpu):
+    clf = transformers.BertForSequenceClassification.from_pretrained(tiny_minilm, num_labels=2).eval()
     fastbert.optimize(clf, kernels=KERNELS, cuda_graphs=False)
     assert stats_of(clf.bert) is None
     fastbert.optimize(clf)
-    enc = transformers.AutoTokenizer.from_pretrained(minilm_path)(SENTENCES, padding=True, return_tensors="pt")
+    enc = transformers.AutoTokenizer.from_pretrained(tiny_minilm)(SENTENCES, padding=True, return_tensors="pt")
     with torch.no_grad():
         got = clf(**enc).logits
         fastbert.optimize(clf, cuda_graphs=False)
@@ -481,20 +489,20 @@ MAIN_JOB = ["--kernels", ",".join(f"{op}={b}" for op, b in KERNELS.items()), "--
             "--limit", "3"]
 
 
-def test_main_job_compares_the_graphed_path(capsys, minilm_path, graphs_on_cpu):
+def test_main_job_compares_the_graphed_path(capsys, tiny_minilm, graphs_on_cpu):
     """Where graphs run by default, the parity row is the graphed path's: its stats are printed under the row."""
-    code, out, err = main_in_process(capsys, "--model", minilm_path, *MAIN_JOB)
+    code, out, err = main_in_process(capsys, "--model", tiny_minilm, *MAIN_JOB)
     assert code == 0, out + err
     lines = out.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith("custom "))
     assert float(lines[row].split()[3]) <= 1e-5 and lines[row].split()[-1] == "ok"
     graphs_line = lines[row + 1].split()
     assert graphs_line[:4] == ["CUDA", "graphs:", "2", "replays,"]  # the first pass and the timed one
-    code, out, err = main_in_process(capsys, "--model", minilm_path, *MAIN_JOB, "--no-cuda-graphs")
+    code, out, err = main_in_process(capsys, "--model", tiny_minilm, *MAIN_JOB, "--no-cuda-graphs")
     assert code == 0 and "CUDA graphs:" not in out, out + err
 
 
-def test_encode_command_turns_graphs_off(capsys, minilm_path, graphs_on_cpu, tmp_path, monkeypatch):
+def test_encode_command_turns_graphs_off(capsys, tiny_minilm, graphs_on_cpu, tmp_path, monkeypatch):
     built = []
     real = GraphRunner.__init__
 
@@ -504,7 +512,7 @@ def test_encode_command_turns_graphs_off(capsys, minilm_path, graphs_on_cpu, tmp
 
     monkeypatch.setattr(GraphRunner, "__init__", counted)
     (tmp_path / "in.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
-    args = ["encode", "--model", minilm_path, "--input", tmp_path / "in.txt", "--device", "cpu", "--kernels",
+    args = ["encode", "--model", tiny_minilm, "--input", tmp_path / "in.txt", "--device", "cpu", "--kernels",
             MAIN_JOB[1]]
     code, _, err = main_in_process(capsys, *args, "--output", tmp_path / "off.npy", "--no-cuda-graphs")
     assert code == 0 and built == [], err
