@@ -30,9 +30,11 @@ def _interpreting() -> bool:
     return ops.triton_unavailable(torch.device("cpu")) is None
 
 
-def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str, dtype: torch.dtype, config):
-    """The callable to time (one forward on the cell's batch) and what to record about it."""
-    batch = bank.batch(case.model, case.cell, device)
+def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str, dtype: torch.dtype, config,
+                  cell: harness.Cell):
+    """The callable to time (one forward on `cell`'s batch: the case's, or CI's few rows of it) and what to record
+    about it."""
+    batch = bank.batch(case.model, cell, device)
     info = {}
     if case.variant == "fastbert-graphs":
         if device != "cuda" and not option(config, "--bench-tiny"):
@@ -47,7 +49,7 @@ def build_variant(case: harness.ModelCase, bank: harness.ModelBank, device: str,
         # one bucket per cell, just above its real tokens (harness.graph_bucket): a replay is what is timed; the
         # capture (and the autotuning before it) is reported as capture_s
         runner = GraphRunner(model, token_buckets=(harness.graph_bucket(batch.real_tokens),),
-                             max_seqs=case.cell.batch, graph_class=graph_class)
+                             max_seqs=cell.batch, graph_class=graph_class)
         runner.capture()  # now, not in the first timed call
         info.update(kernels=dict(model.kernels), capture_s=runner.stats.capture_s,
                     graph_pool_bytes=runner.stats.pool_bytes, buckets=list(runner.buckets))
@@ -87,11 +89,13 @@ def test_model(case, bank, benchmark, policy, request):
     device = case.device
     dtype = harness.DTYPES[case.dtype]
     benchmark.group = case.group
+    # CI (--benchmark-disable) checks each case once on a few rows of its cell; the timed runs take the whole cell
+    cell = harness.ci_cell(case.cell) if benchmark.disabled else case.cell
     try:
-        fn, info = build_variant(case, bank, device, dtype, request.config)
-        batch = bank.batch(case.model, case.cell, device)
-        reference = bank.reference(case.model, case.cell, device)
-        hf_error = bank.hf_error(case.model, case.cell, dtype, device)
+        fn, info = build_variant(case, bank, device, dtype, request.config, cell)
+        batch = bank.batch(case.model, cell, device)
+        reference = bank.reference(case.model, cell, device)
+        hf_error = bank.hf_error(case.model, cell, dtype, device)
     except harness.Unavailable as e:
         pytest.skip(str(e))
 
@@ -101,8 +105,8 @@ def test_model(case, bank, benchmark, policy, request):
     bound = harness.accuracy_bound(dtype, hf_error)
     del out
     benchmark.extra_info.update(
-        kind="model", model=case.model, cell=case.cell.name, batch=case.cell.batch,
-        padded_len=batch.padded_tokens // case.cell.batch, dtype=case.dtype, variant=case.variant, device=device,
+        kind="model", model=case.model, cell=cell.name, batch=cell.batch,
+        padded_len=batch.padded_tokens // cell.batch, dtype=case.dtype, variant=case.variant, device=device,
         device_name=harness.device_name(device), real_tokens=batch.real_tokens, padded_tokens=batch.padded_tokens,
         max_abs_err=error, err_bound=bound, hf_err=hf_error, first_call_s=first_call_s,
         headline="tokens_per_s counts real tokens (padding excluded)", **info)
