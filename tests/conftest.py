@@ -84,6 +84,15 @@ def minilm_path():
 
 
 @pytest.fixture(scope="session")
+def tiny_minilm(minilm_path, tmp_path_factory):
+    """The bundled model's folder (tokenizer, sentence-transformers files) with a shrunk random model
+    (helpers.tiny_minilm_folder): for tests of what surrounds a model, where the kernels run through the
+    interpreter and the real model's size only costs time."""
+    from helpers import tiny_minilm_folder
+    return tiny_minilm_folder(minilm_path, tmp_path_factory.mktemp("tiny-minilm"))
+
+
+@pytest.fixture(scope="session")
 def tokenizer(minilm_path):
     import transformers
     return transformers.AutoTokenizer.from_pretrained(minilm_path)

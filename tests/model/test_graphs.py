@@ -20,7 +20,6 @@ from helpers import (
     main_in_process,
     random_arch_model,
     random_hf_bert,
-    tiny_minilm_folder,
 )
 
 import fastbert
@@ -30,13 +29,6 @@ from fastbert.graphs import EagerGraph, Graphed, GraphRunner, stats_of
 # The kernel where a graph needs it (attention), the twins elsewhere: the interpreter stays quick.
 KERNELS = {"qkv_projection": "torch", "attention": "triton", "bias_gelu": "torch", "residual_layernorm": "torch"}
 SENTENCES = ["A man is eating food.", "Two dogs are playing in the snow while children build a snowman.", "Hi"]
-
-
-@pytest.fixture(scope="module")
-def tiny_minilm(minilm_path, tmp_path_factory):
-    """The bundled model's folder with a shrunk random model (helpers.tiny_minilm_folder): what graphs replay does
-    not depend on the model's size, and attention runs through Triton's interpreter here."""
-    return tiny_minilm_folder(minilm_path, tmp_path_factory.mktemp("graphs"))
 
 
 @pytest.fixture
