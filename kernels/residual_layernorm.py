@@ -38,7 +38,8 @@ torch's layer_norm (which for fp16/bf16 also keeps fp32 statistics and rounds on
 kernel skips one rounding (h + residual is not rounded before the norm). Row offsets are int64 (T * H can exceed
 2^31). The GEMM is torch.matmul without the bias, so it honours torch.backends.cuda.matmul.allow_tf32 like the
 twin's F.linear; inside utils.batch_invariant it is the Triton GEMM at its pinned tile instead (cuBLAS chooses its
-algorithm, split-K included, by the token count). Each program reads its rows before it stores them, so `out` may alias `residual` or h.
+algorithm, split-K included, by the token count). Each program reads its rows before it stores them, so `out` may
+alias `residual` or h.
 
 Pre-norm (ModernBERT: x = x + sublayer(norm(x))): `pre_norm=True` returns (s, LN(s)) for s = h + bias + residual,
 the new residual stream and the next sublayer's input, both from the one row pass (PRE_NORM writes s as a second
