@@ -272,9 +272,9 @@ def plan(dry_run: bool, estimate: dict | None = None, with_estimate: bool = True
     steps.append(Step("1", "smoke-backward-bf16", _child("smoke-backward-bf16", dry_run), RUN_S["smoke-backward"],
                       jobs=["smoke-backward:bf16"]))
     steps += _train_cases(dry_run)
-    steps.append(Step("2", "invariance-bf16", _child("invariance-bf16", dry_run), RUN_S["invariance"],
+    steps.append(Step("1", "invariance-bf16", _child("invariance-bf16", dry_run), RUN_S["invariance"],
                       jobs=[INVARIANT_JOB]))
-    steps.append(Step("2", f"serve/bert-base/{SERVE_CLIENTS}-clients", _child("serve-bf16", dry_run), RUN_S["serve"],
+    steps.append(Step("1", f"serve/bert-base/{SERVE_CLIENTS}-clients", _child("serve-bf16", dry_run), RUN_S["serve"],
                       jobs=[INVARIANT_JOB]))
     steps.append(Step("1", "smoke-forward", _child("smoke-forward", dry_run), RUN_S["smoke-forward"],
                       jobs=[forward_job("bert-base", FORWARD_CHECK_CELL, d) for d in ("bf16", "fp16")]))
