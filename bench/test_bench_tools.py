@@ -210,7 +210,8 @@ def test_gpu_check_plan_order(dry_run):
     """The headline first: env, the bf16 smoke of every kernel variant, then BERT's cells with fastbert right after
     its HF baseline, the fp16 smoke, the other families, then training (the backward smoke, the training cells),
     serving (batch invariance, the served load), the forward smoke, the config sweeps; hf-compile (Inductor's cold
-    start on the GPU image is unproven) only after every headline case. One pytest process per case; the dry run has the same steps in the same order."""
+    start on the GPU image is unproven) only after every headline case. One pytest process per case; the dry run
+    has the same steps in the same order."""
     steps = gpu_check.plan(dry_run)
     names = [s.name for s in steps]
     assert names == [s.name for s in gpu_check.plan(not dry_run)]
