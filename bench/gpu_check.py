@@ -39,6 +39,10 @@ rewritten after every step. The steps, the headline first, under one deadline (-
      16..512 (full fine-tuning, then PEFT LoRA r=8 on query+value), on 32x128 (full), and of ModernBERT-base on the
      ragged rows; steps train/<model>/<cell>/<variant>. Goals in summary.md: >= 2x HF sdpa on the ragged step,
      >= 1.3x on the dense one. fastbert's case is a skip quoting the dispatch where it cannot train on the kernels
+  serving, bf16: invariance-bf16 (BERT-base's shape under fastbert.batch_invariant: 24 sequences of 1..512 tokens
+     alone and in other batches, eager and through CUDA graphs, bit for bit; unpinned counted), then
+     serve/bert-base/64-clients (python -m fastbert serve, graphs on, 64 closed-loop clients, 600 OpenAI-style
+     requests of 1..16 real texts: texts/s, p50/p99, each vector against offline encode)
   smoke-forward: a BERT-base-shaped forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x
      HF's own error, bf16 and fp16
   configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin (four processes
