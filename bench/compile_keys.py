@@ -207,6 +207,7 @@ def job_keys(job: str, rows: int | None = None) -> list:
       smoke-backward:DTYPE     each train_kernel's forward and backward, every variant (KernelChecks.smoke_backward)
       configs:FAMILY           every autotune config of a family (KernelChecks.every_config)
       forward:MODEL:CELL:DTYPE one forward of that benchmark model on that cell on the kernels (bench/harness.py)
+      invariant:MODEL:CELL:DTYPE the same forward inside fastbert.batch_invariant (the tiles the server pins)
       train:MODEL:CELL:DTYPE   one fine-tuning step (forward in train mode, backward, AdamW) of that training model
                                on that cell on the kernels (bench/harness.py, TRAIN_MODELS), recorded on
                                RECORD_TRAIN_ROWS of the cell's rows
@@ -265,7 +266,8 @@ def run_job(job: str, device: str = "cpu", rows: int | None = None) -> None:
                 check()
             except Skipped:  # a variant not built yet (smoke-backward) launches nothing
                 pass
-    elif kind == "forward":
+    elif kind in ("forward", "invariant"):
+        import fastbert
         from bench import harness
 
         model, cell, dtype = rest.split(":")
@@ -274,7 +276,7 @@ def run_job(job: str, device: str = "cpu", rows: int | None = None) -> None:
         batch = bank.batch(model, parse_cell(cell), device)
         if rows is not None:
             batch = fewer_rows(batch, torch.zeros(batch.real.shape[0]), rows)[0]
-        with torch.inference_mode():
+        with torch.inference_mode(), fastbert.batch_invariant(kind == "invariant"):
             fast(**batch.inputs)
     elif kind == "train":
         from bench import harness
@@ -289,7 +291,7 @@ def run_job(job: str, device: str = "cpu", rows: int | None = None) -> None:
             harness.train_step(classifier, harness.train_optimizer(classifier), batch, labels)()
     else:
         raise ValueError(f"unknown job {job!r}: smoke:DTYPE, smoke-backward:DTYPE, configs:FAMILY, "
-                         f"forward:MODEL:CELL:DTYPE or train:MODEL:CELL:DTYPE")
+                         f"forward:MODEL:CELL:DTYPE, invariant:MODEL:CELL:DTYPE or train:MODEL:CELL:DTYPE")
 
 
 def parse_cell(name: str):

@@ -39,6 +39,10 @@ rewritten after every step. The steps, the headline first, under one deadline (-
      16..512 (full fine-tuning, then PEFT LoRA r=8 on query+value), on 32x128 (full), and of ModernBERT-base on the
      ragged rows; steps train/<model>/<cell>/<variant>. Goals in summary.md: >= 2x HF sdpa on the ragged step,
      >= 1.3x on the dense one. fastbert's case is a skip quoting the dispatch where it cannot train on the kernels
+  serving, bf16: invariance-bf16 (BERT-base's shape under fastbert.batch_invariant: 24 sequences of 1..512 tokens
+     alone and in other batches, eager and through CUDA graphs, bit for bit; unpinned counted), then
+     serve/bert-base/64-clients (python -m fastbert serve, graphs on, 64 closed-loop clients, 600 OpenAI-style
+     requests of 1..16 real texts: texts/s, p50/p99, each vector against offline encode)
   smoke-forward: a BERT-base-shaped forward (random weights, ragged rows) on the kernels against HF fp32, bound 2x
      HF's own error, bf16 and fp16
   configs-*: every autotune config of the GEMMs (TMA and pointer) and of attention against the twin (four processes
@@ -171,7 +175,8 @@ FORWARD_CHECK_CELL = "8xvar1-256"  # smoke-forward: BERT-base on ragged rows
 # Seconds each step needs on the GPU besides compiling (generous: model builds, HF's runs, the timed rounds).
 RUN_S = {"env": 15, "smoke": 30, "smoke-forward": 35, "configs": 60, "hf-sdpa": 45, "hf-eager": 45,
          "hf-compile": 120, "fastbert-triton": 45, "fastbert-graphs": 45, "ops": 60, "choices": 60, "memcheck": 60,
-         "tests": 120, "smoke-backward": 40, "train-hf-sdpa": 50, "train-fastbert-triton": 50}
+         "tests": 120, "smoke-backward": 40, "train-hf-sdpa": 50, "train-fastbert-triton": 50, "invariance": 60,
+         "serve": 150}
 # A cold compile of one key, allowed for in the caps: twice the ~3 s the ahead-of-time compile's slowest kernel takes
 # here per config (the GPU machine's CPU is unknown). A step's cap is RUN_S + COMPILE_S x the keys it is the first
 # to need (bench/compile_keys.json: the estimate), so a step still fits where compiles take twice as long.
@@ -201,6 +206,12 @@ def forward_job(model: str, cell: str, dtype: str = "bf16") -> str:
 
 def train_job(model: str, cell: str, dtype: str = "bf16") -> str:
     return f"train:{model}:{cell}:{dtype}"
+
+
+# The serving cells: BERT-base's shape in bf16 under batch invariance (fastbert.batch_invariant, what the server runs):
+# one text's vector alone and in other batches, then `python -m fastbert serve` under 64 concurrent clients
+INVARIANT_JOB = "invariant:bert-base:32xvar16-512:bf16"
+SERVE_CLIENTS, SERVE_REQUESTS = 64, 600
 
 
 def _train_cases(dry_run: bool) -> list[Step]:
@@ -265,6 +276,10 @@ def plan(dry_run: bool, estimate: dict | None = None, with_estimate: bool = True
     steps.append(Step("1", "smoke-backward-bf16", _child("smoke-backward-bf16", dry_run), RUN_S["smoke-backward"],
                       jobs=["smoke-backward:bf16"]))
     steps += _train_cases(dry_run)
+    steps.append(Step("1", "invariance-bf16", _child("invariance-bf16", dry_run), RUN_S["invariance"],
+                      jobs=[INVARIANT_JOB]))
+    steps.append(Step("1", f"serve/bert-base/{SERVE_CLIENTS}-clients", _child("serve-bf16", dry_run), RUN_S["serve"],
+                      jobs=[INVARIANT_JOB]))
     steps.append(Step("1", "smoke-forward", _child("smoke-forward", dry_run), RUN_S["smoke-forward"],
                       jobs=[forward_job("bert-base", FORWARD_CHECK_CELL, d) for d in ("bf16", "fp16")]))
     steps += [Step("1b", f"configs-{family}", _child(f"configs-{family}", dry_run), RUN_S["configs"],
@@ -774,6 +789,10 @@ def child_main(name: str, results: str, dry_run: bool) -> int:
     elif name == "smoke-forward":
         for dtype in ("bf16", "fp16"):
             emit(f"forward-{dtype}", lambda dtype=dtype: forward_check(device, dtype, dry_run))
+    elif name.startswith("invariance-"):
+        emit(name, lambda: invariance_check(device, name[len("invariance-"):], dry_run))
+    elif name.startswith("serve-"):
+        emit(name, lambda: serve_check(device, name[len("serve-"):], dry_run))
     elif name.startswith("configs-"):
         for check, fn in KernelChecks(device, dry_run).every_config(name[len("configs-"):]):
             emit(check, fn)
@@ -1353,6 +1372,131 @@ def forward_check(device: str, dtype_name: str, dry_run: bool) -> dict:
     bound = harness.accuracy_bound(dtype, hf_error)
     return {"ok": error <= bound, "model": model, "cell": cell.name, "err": error, "bound": bound,
             "hf_err": hf_error, "kernels": dict(fast.kernels)}
+
+
+def _invariance_sequences(vocab: int, count: int, longest: int, device: str) -> list:
+    """`count` token sequences of 1..longest tokens (fixed seed), the longest and a one-token one among them."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, longest] + torch.randint(1, longest + 1, (count - 2,), generator=g).tolist()
+    return [torch.randint(min(1000, vocab // 2), vocab, (n,), generator=g).to(device) for n in lengths]
+
+
+def invariance_check(device: str, dtype_name: str, dry_run: bool) -> dict:
+    """Batch invariance, the serving claim: BERT-base's shape (random weights) in `dtype`, each of 24 sequences of
+    1..512 tokens run alone, then packed (padding-free) in other batches (all together; groups of 2..8 in a shuffled
+    order; each beside the longest), eagerly and through CUDA graphs. Inside fastbert.batch_invariant every
+    sequence's last hidden state and its mean pool must be the same bits as alone; the same batches outside it are
+    counted, not asserted (what pinning the tiles buys)."""
+    import torch
+
+    import fastbert
+    from bench import harness
+    from fastbert.encode import pool_packed
+    from fastbert.kernels import utils
+
+    dtype = harness.DTYPES[dtype_name]
+    if utils.INTERPRET and dtype_name == "bf16":
+        if not dry_run:
+            raise Skipped(utils.INTERPRETER_BF16_DOT)
+        dtype = torch.float32  # the dry run: the same flow in fp32 through the interpreter
+    tiny = dry_run and device == "cpu"
+    model_name = "tiny" if tiny else "bert-base"
+    model = harness.ModelBank().fastbert(model_name, dtype, device).set_kernels("triton" if tiny else "auto")
+    sequences = _invariance_sequences(model.config.vocab_size, 8 if tiny else 24, 32 if tiny else 512, device)
+    n = len(sequences)
+    g = torch.Generator().manual_seed(1)
+    order = torch.randperm(n, generator=g).tolist()
+    # all together; groups of 2..8 in a shuffled order; each beside the longest (sequence 1)
+    groupings = [[list(range(n))], [], [[1, i] for i in range(n) if i != 1]]
+    start = 0
+    while start < n:
+        size = 2 + len(groupings[1]) % 7
+        groupings[1].append(order[start:start + size])
+        start += size
+    runners = {"eager": model}
+    if device == "cuda":
+        runners["graphs"] = model.cuda_graphs()
+
+    def run(call, group) -> tuple:
+        ids = torch.cat([sequences[i] for i in group])
+        lengths = torch.tensor([len(sequences[i]) for i in group], device=device)
+        cu = torch.zeros(len(group) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(lengths, 0)
+        hidden = call(input_ids=ids, cu_seqlens=cu).last_hidden_state
+        pooled = pool_packed(hidden, lengths, torch.zeros_like(lengths), ("mean",))
+        return list(torch.split(hidden, lengths.tolist())), list(pooled)
+
+    report = {"model": model_name, "dtype": str(dtype).replace("torch.", ""), "sequences": n}
+    for pinned in (True, False):
+        with fastbert.batch_invariant(pinned), torch.inference_mode():
+            for where, call in runners.items():
+                alone = [run(call, [i]) for i in range(n)]
+                same = total = 0
+                worst = 0.0
+                for grouping in groupings:
+                    for group in grouping:
+                        hidden, pooled = run(call, group)
+                        for k, i in enumerate(group):
+                            total += 1
+                            ok = torch.equal(hidden[k], alone[i][0][0]) and torch.equal(pooled[k], alone[i][1][0])
+                            same += ok
+                            if not ok:
+                                worst = max(worst, (hidden[k].float() - alone[i][0][0].float()).abs().max().item())
+                key = f"{where}{'' if pinned else '_unpinned'}"
+                report[f"{key}_identical"] = f"{same}/{total}"
+                report[f"{key}_max_diff"] = worst
+    report["ok"] = all(report[f"{where}_identical"].split("/")[0] == report[f"{where}_identical"].split("/")[1]
+                       for where in runners)
+    return report
+
+
+def serve_check(device: str, dtype_name: str, dry_run: bool) -> dict:
+    """The serving cell: `python -m fastbert serve` on a sentence-transformers folder of BERT-base's shape (random
+    weights over BERT-base-uncased's vocabulary, mean pooling, Normalize) in `dtype` on the GPU, CUDA graphs on,
+    64 closed-loop clients over loopback sending OpenAI-style requests of 1..16 real texts (bench/serve_load.py),
+    600 requests: texts/s and p50 / p99 latency; every vector checked against fastbert.encode of its text offline
+    (cosine >= 0.999 in 16-bit). The dry run: the tiny BERT on CPU on the twins, 4 clients, 24 requests."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    import fastbert
+    from bench import harness, serve_load
+
+    tiny = dry_run and device == "cpu"
+    dtype = "float32" if tiny else {"bf16": "bfloat16", "fp16": "float16"}[dtype_name]
+    try:
+        root = tempfile.mkdtemp(prefix="fastbert-serve-cell-")
+        folder = harness.bert_st_folder(root, "tiny" if tiny else "bert-base")
+        corpus = harness.corpus(64 if tiny else 1024)
+    except (harness.Unavailable, ImportError) as e:
+        raise Skipped(f"no tokenizer or sentence-transformers for the served folder: {e}") from None
+    requests = serve_load.plan(corpus, 24 if tiny else SERVE_REQUESTS)
+    port = serve_load.free_port()
+    command = [sys.executable, "-m", "fastbert", "serve", folder, "--port", str(port), "--device", device,
+               "--dtype", dtype, "--auto-truncate", "--log-level", "warning", "--served-model-name", "cell",
+               "--max-concurrent-requests", "1024", *(["--kernels", "torch"] if tiny else [])]
+    log_path = os.path.join(root, "server.log")
+    server = serve_load.Server(command, f"http://127.0.0.1:{port}", log_path, env={"TRITON_INTERPRET": "0"})
+    try:
+        result = serve_load.run_load(server.url, corpus, requests, clients=4 if tiny else SERVE_CLIENTS,
+                                     model="cell")
+    finally:
+        rc = server.stop()
+    encoder = fastbert.SentenceEncoder.from_pretrained(folder, device=device, dtype=getattr(torch, dtype),
+                                                       kernels="torch" if tiny else "auto")
+    used = sorted({i for r in requests for i in r})
+    offline = np.zeros((len(corpus), encoder.dimension), dtype=np.float32)
+    offline[used] = encoder.encode([corpus[i] for i in used], progress=False)
+    worst = serve_load.worst_cosine(result["vectors"], requests, offline)
+    bound = 0.99999 if tiny else 0.999
+    return {"ok": worst >= bound and rc == 0, "model": "tiny" if tiny else "bert-base", "dtype": dtype,
+            "clients": result["clients"], "requests": result["requests"], "texts": result["texts"],
+            "texts_per_s": result["texts_per_s"], "p50_s": result["p50_s"], "p99_s": result["p99_s"],
+            "ready_s": server.ready_s, "worst_cosine": worst, "cosine_bound": bound, "exit_code": rc}
 
 
 # ====================================================================================================================

@@ -248,6 +248,29 @@ def nomic_st_folder(root) -> str:
     return folder
 
 
+def bert_st_folder(root, model: str = "bert-base") -> str:
+    """A sentence-transformers folder of `model`'s shape (BERT-base: random weights, seed 0; the tiny BERT for the
+    dry runs) over the bundled MiniLM's WordPiece vocabulary (BERT-base-uncased's, 30,522 tokens), mean pooling and
+    Normalize, as all-MiniLM-L6-v2 is laid out; built under `root` once. What the serving cell serves."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    folder = os.path.join(root, f"{model}-st")
+    if os.path.isdir(folder):
+        return folder
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+    config = hf_config(model)
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    hf_folder = os.path.join(root, f"{model}-hf")
+    transformers.BertModel(config).save_pretrained(hf_folder)
+    tokenizer.save_pretrained(hf_folder)
+    word = Transformer(hf_folder, max_seq_length=512 if model == "bert-base" else 32)
+    SentenceTransformer(modules=[word, Pooling(config.hidden_size, "mean"), Normalize()], device="cpu").save(folder)
+    return folder
+
+
 # pad id 0 (the random ids start at 1000), the specials inside any vocabulary: ModernBERT's positions do not depend
 # on the pad id, so this changes nothing it computes
 _MODERNBERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)

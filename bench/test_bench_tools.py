@@ -200,6 +200,7 @@ PLAN_ORDER = ["env", "smoke-bf16",
               "train/bert-base-lora/32xvar16-512/hf-sdpa", "train/bert-base-lora/32xvar16-512/fastbert-triton",
               "train/bert-base/32x128/hf-sdpa", "train/bert-base/32x128/fastbert-triton",
               "train/modernbert-base/32xvar16-512/hf-sdpa", "train/modernbert-base/32xvar16-512/fastbert-triton",
+              "invariance-bf16", "serve/bert-base/64-clients",
               "smoke-forward", *(f"configs-{f}" for f in gpu_check.CONFIG_FAMILIES), "headline/32x128/hf-compile",
               "ops", "choices", "memcheck", "tests-bf16", "tests-kernels", "tests-model", "tests-train"]
 
@@ -207,9 +208,10 @@ PLAN_ORDER = ["env", "smoke-bf16",
 @pytest.mark.parametrize("dry_run", [False, True], ids=["gpu", "dry-run"])
 def test_gpu_check_plan_order(dry_run):
     """The headline first: env, the bf16 smoke of every kernel variant, then BERT's cells with fastbert right after
-    its HF baseline, the fp16 smoke, the other families, then training (the backward smoke, the training cells), the
-    forward smoke, the config sweeps; hf-compile (Inductor's cold start on the GPU image is unproven) only after
-    every headline case. One pytest process per case; the dry run has the same steps in the same order."""
+    its HF baseline, the fp16 smoke, the other families, then training (the backward smoke, the training cells),
+    serving (batch invariance, the served load), the forward smoke, the config sweeps; hf-compile (Inductor's cold
+    start on the GPU image is unproven) only after every headline case. One pytest process per case; the dry run
+    has the same steps in the same order."""
     steps = gpu_check.plan(dry_run)
     names = [s.name for s in steps]
     assert names == [s.name for s in gpu_check.plan(not dry_run)]
@@ -285,7 +287,8 @@ def test_gpu_check_jobs_come_in_the_order_the_steps_need_them():
     estimate naming each of them, recorded with the kernels as they are: test_compile_estimate_is_current)."""
     jobs = gpu_check.background_jobs(gpu_check.plan(False, with_estimate=False))
     assert jobs[:2] == ["smoke:bf16", "forward:bert-base:32x128:bf16"]  # what the headline needs first
-    assert {job.split(":")[0] for job in jobs} == {"smoke", "forward", "smoke-backward", "train", "configs"}
+    assert {job.split(":")[0] for job in jobs} == {"smoke", "forward", "smoke-backward", "train", "invariant",
+                                                   "configs"}
     train = [job for job in jobs if job.startswith(("smoke-backward:", "train:"))]
     assert train == ["smoke-backward:bf16", "train:bert-base:32xvar16-512:bf16",
                      "train:bert-base-lora:32xvar16-512:bf16", "train:bert-base:32x128:bf16",

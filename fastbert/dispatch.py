@@ -11,6 +11,7 @@ reason.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from typing import Callable, NamedTuple
 
@@ -52,6 +53,34 @@ def triton_import_error() -> str | None:
 def _kernel_facts():
     """fastbert.kernels.utils: what the kernels support (only asked once Triton is known to import)."""
     return _KERNEL_FACTS[0]
+
+
+_INVARIANT = threading.local()
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True):
+    """Within the block (this thread only), a text's outputs do not depend on what else is in its batch: "auto" takes
+    each op's kernel wherever it can serve the call (never a choice measured per token-count bucket, which could put
+    one batch on the kernel and the next on the twin), and the kernels take one fixed tile per variant instead of the
+    autotuner's per-size choice (fastbert.kernels.utils.batch_invariant). Padding-free execution does the rest: no
+    padding, each sequence's attention over its own keys, every other op per token. On a GPU a text's vector is then
+    the same bits in any batch; the PyTorch twins (the CPU path) are left to their libraries (docs/serve.md has what
+    they give). What `python -m fastbert serve` runs its model under."""
+    saved = getattr(_INVARIANT, "on", False)
+    _INVARIANT.on = enabled
+    kernels = _kernel_facts().batch_invariant(enabled) if triton_import_error() is None \
+        else contextlib.nullcontext()
+    try:
+        with kernels:
+            yield
+    finally:
+        _INVARIANT.on = saved
+
+
+def invariant() -> bool:
+    """Whether this thread is inside `batch_invariant()`."""
+    return getattr(_INVARIANT, "on", False)
 
 
 def triton_unavailable(device: torch.device) -> str | None:

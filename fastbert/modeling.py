@@ -487,7 +487,8 @@ class BertModel(TransformersModelMixin, nn.Module):
         cfg = self.config
         kernels = tuple(map(self._kernels.__getitem__, OPS))
         shapes = None
-        if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and tokens:
+        if weight.device.type in dispatch.MEASURED_DEVICE_TYPES and "auto" in kernels and tokens \
+                and not dispatch.invariant():  # batch-invariant: one choice for every size (dispatch.batch_invariant)
             bucket = measure.token_bucket
             shapes = measure.Shapes(bucket(tokens), cfg.hidden_size, self.family.get(cfg, "intermediate_size"),
                                     cfg.num_attention_heads, self.head_dim, bucket(max_seqlen), self.activation,

@@ -439,6 +439,13 @@ _INTERPRETER_CONFIG = _config(64, 32, 4, 2)
 # --------------------------------------------------------------------------------------------------------------------
 # The launchers: `attention` checks everything (for direct callers), `launch` trusts its caller (the model's hot path)
 # --------------------------------------------------------------------------------------------------------------------
+def invariant_config(dtype: torch.dtype, head_dim: int, input_precision: str, rotary: bool,
+                     disentangled: bool) -> triton.Config:
+    """The one tile a launch takes where it must not depend on the batch (inside utils.batch_invariant, and a key
+    not tuned yet inside a CUDA-graph capture): the first of attention_configs(), the short-sequence tile."""
+    return attention_configs(dtype, head_dim, input_precision, rotary, disentangled)[0]
+
+
 def launch_grid(num_seqs: int, max_seqlen: int, num_heads: int, block_m: int) -> tuple[int, int]:
     """(query blocks x sequences, heads): sequences ride on grid x, whose limit is 2^31 - 1, not on y/z (65535)."""
     return triton.cdiv(max_seqlen, block_m) * num_seqs, num_heads
@@ -555,9 +562,11 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
         capture = utils.capturing(qkv)
+        if config is None and utils.invariant():  # the same tile whatever the lengths (utils.batch_invariant)
+            config = invariant_config(qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary, has_c2p or has_p2c)
         if config is None and capture:
-            config = utils.capture_config(_attention_fwd, args, meta, attention_configs(
-                qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary, has_c2p or has_p2c)[0])
+            config = utils.capture_config(_attention_fwd, args, meta, invariant_config(
+                qkv.dtype, head_dim, meta["INPUT_PRECISION"], has_rotary, has_c2p or has_p2c))
         if config is None:
             _attention_fwd[lambda META: launch_grid(num_seqs, max_seqlen, num_heads, META["BLOCK_M"])](*args, **meta)
         else:

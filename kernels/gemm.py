@@ -554,6 +554,8 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
             args = [a, weight, bias_arg, out, M, N, K, m_bucket, a.stride(0), weight.stride(0), weight.stride(1),
                     out.stride(0)]
         capture = utils.capturing(a)
+        if config is None and utils.invariant():  # the same tile whatever the token count (utils.batch_invariant)
+            config = CAPTURE_CONFIGS[variant]
         if config is None and not capture:
             if tma:
                 grid = lambda META: (min(args[8], triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)  # noqa: E731

@@ -37,7 +37,9 @@ device's copy ceiling). Statistics: mean, then the biased variance of the centre
 torch's layer_norm (which for fp16/bf16 also keeps fp32 statistics and rounds once); compared with the twin the
 kernel skips one rounding (h + residual is not rounded before the norm). Row offsets are int64 (T * H can exceed
 2^31). The GEMM is torch.matmul without the bias, so it honours torch.backends.cuda.matmul.allow_tf32 like the
-twin's F.linear. Each program reads its rows before it stores them, so `out` may alias `residual` or h.
+twin's F.linear; inside utils.batch_invariant it is the Triton GEMM at its pinned tile instead (cuBLAS chooses its
+algorithm, split-K included, by the token count). Each program reads its rows before it stores them, so `out` may
+alias `residual` or h.
 
 Pre-norm (ModernBERT: x = x + sublayer(norm(x))): `pre_norm=True` returns (s, LN(s)) for s = h + bias + residual,
 the new residual stream and the next sublayer's input, both from the one row pass (PRE_NORM writes s as a second
@@ -84,7 +86,7 @@ import triton
 import triton.language as tl
 
 from . import utils
-from .gemm import DTYPES, check_device, check_dtypes, check_linear, check_out
+from .gemm import DTYPES, check_device, check_dtypes, check_linear, check_out, gemm
 from .utils import dropout_keep
 
 OP = "residual_layernorm"
@@ -353,7 +355,10 @@ def launch(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     """`residual_layernorm` for arguments the caller has validated (the model does it once per forward). Without
     outputs given, the post-norm form writes the LayerNorm into the GEMM's buffer; the pre-norm form writes s there
     (the twin's `h += residual`) and the LayerNorm into a fresh tensor."""
-    h = torch.matmul(y, weight.t())  # [T, H], cuBLAS (no bias: it is added in fp32 in the row kernel)
+    if utils.invariant():  # cuBLAS picks its algorithm by the token count; the pinned Triton GEMM does not
+        h = gemm(y, weight, None, y.new_empty(y.shape[0], weight.shape[0]))
+    else:
+        h = torch.matmul(y, weight.t())  # [T, H], cuBLAS (no bias: it is added in fp32 in the row kernel)
     if not pre_norm:
         return bias_residual_layernorm(h, bias, residual, ln_weight, ln_bias, eps, out=out if out is not None else h,
                                        rms=rms, stats=stats, dropout_p=dropout_p, seed=seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -101,6 +102,30 @@ def loop_bound(n):
 # Launching: the device, autotuning that survives a failing config, and CUDA-graph capture
 # --------------------------------------------------------------------------------------------------------------------
 _NO_GUARD = contextlib.nullcontext()
+
+# Batch invariance. The autotuners pick a tile per token-count bucket (the GEMMs) and per sequence-length bucket
+# (attention), and a different tile groups a row's reduction differently: the GEMM's K loop in other chunks, the
+# online softmax over other key blocks. So one text's output could move in its last bits with what else is in its
+# batch. Inside `batch_invariant()` (this thread only) each launcher takes one fixed tile per kernel variant, dtype
+# and head dim instead, whatever the batch: every row then goes through the same arithmetic in the same order, and
+# its bits depend on it alone (each sequence's attention reads its own keys only; the row kernels are per row).
+_INVARIANT = threading.local()
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True):
+    """Launches in this thread take a fixed tile per kernel variant (see above) while the block runs."""
+    saved = getattr(_INVARIANT, "on", False)
+    _INVARIANT.on = enabled
+    try:
+        yield
+    finally:
+        _INVARIANT.on = saved
+
+
+def invariant() -> bool:
+    """Whether launches in this thread are inside `batch_invariant()`."""
+    return getattr(_INVARIANT, "on", False)
 
 
 def device_guard(t: torch.Tensor):

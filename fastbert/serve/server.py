@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from ..dispatch import batch_invariant
 from ..encode import SentenceEncoder
 from ..version import __version__
 from . import schemas
@@ -122,6 +123,12 @@ class Service:
 
     # ---- loading and the lifespan --------------------------------------------------------------------------------
     def _load(self) -> None:
+        """The model worker: loads the model, warms it up, then runs every batch, all under batch invariance (a
+        text's vector never depends on what it was batched with: fastbert.batch_invariant)."""
+        with batch_invariant():
+            self._load_and_work()
+
+    def _load_and_work(self) -> None:
         options = self.options
         try:
             common = dict(device=options.device, dtype=options.dtype, kernels=options.kernels,
