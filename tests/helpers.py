@@ -876,6 +876,27 @@ def jina_hub_folder(root, hidden=32, heads=2, layers=2, intermediate=40, vocab_s
     return str(root), hf, checkpoint
 
 
+def jina_task_references(root, minilm_path):
+    """(a Jina-v3 folder laid out as the Hub ships it, adapters included; {task (None: no adapter):
+    sentence-transformers over transformers' JinaEmbeddingsV3Model holding that task's merged weights, mean pooling,
+    Normalize}; the tokenizer): the references of every test of the task adapters through sentence-transformers."""
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    try:  # sentence-transformers 6 moved the modules
+        from sentence_transformers.sentence_transformer import modules as st_modules
+    except ImportError:
+        st_modules = st.models
+    folder, hf, checkpoint, tok = jina_st_folder(root / "jina-embeddings-v3", minilm_path)
+    references = {}
+    for t, task in enumerate((*JINA_TASKS, None)):
+        merged = root / f"merged-{task}"
+        jina_reference(hf, checkpoint, None if task is None else t).save_pretrained(merged)
+        tok.save_pretrained(merged)
+        references[task] = st.SentenceTransformer(modules=[st_modules.Transformer(str(merged)),
+                                                           st_modules.Pooling(32, "mean"), st_modules.Normalize()],
+                                                  device="cpu")
+    return folder, references, tok
+
+
 def jina_st_folder(root, minilm_path):
     """jina-embeddings-v3's sentence-transformers folder as the Hub ships it, shrunk (random weights): the model in
     the Hub's layout with its task adapters (jina_hub_folder), a tokenizer (BERT's uncased WordPiece stands in for
@@ -982,6 +1003,13 @@ def check_gradient(name, dtype, got, twin, ref):
     else:
         bound = error_bound(dtype, max_error(twin, ref))
         assert err <= bound, f"{name}: {err:.3g} from fp64 > {bound:.3g} (2x the twin's + 1e-6)"
+
+
+def cosines(a, b):
+    """Row-wise cosine of two [n, dim] arrays, in float64."""
+    import numpy as np
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 # ---- real text and live servers (tests/serve) ------------------------------------------------------------------------

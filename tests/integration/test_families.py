@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from helpers import (
+    cosines,
     deberta_config,
     eurobert_config,
     family_st_folder,
@@ -161,11 +162,6 @@ def texts(minilm_path):
         card = f.read()
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", card) if p.strip()]
     return paragraphs[:12] + [card[:3000]]
-
-
-def cosines(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.mark.parametrize("family", CLASS)

@@ -11,9 +11,7 @@ from helpers import (
     JINA_TASKS,
     family_st_folder,
     has_rotary_post_norm,
-    jina_reference,
-    jina_st_folder,
-    optional,
+    jina_task_references,
 )
 
 import fastbert
@@ -28,22 +26,7 @@ TEXTS = ["A man is eating food.", "Two dogs are playing in the snow while childr
 @pytest.fixture(scope="module")
 def jina(tmp_path_factory, minilm_path):
     """(the folder, {task: sentence-transformers over the task's merged weights}, the tokenizer)."""
-    st = optional("sentence_transformers", "sentence-transformers is a test extra")
-    try:  # sentence-transformers 6 moved the modules
-        from sentence_transformers.sentence_transformer import modules as st_modules
-    except ImportError:
-        st_modules = st.models
-    root = tmp_path_factory.mktemp("jina")
-    folder, hf, checkpoint, tok = jina_st_folder(root / "jina-embeddings-v3", minilm_path)
-    references = {}
-    for t, task in enumerate((*JINA_TASKS, None)):
-        merged = root / f"merged-{task}"
-        jina_reference(hf, checkpoint, None if task is None else t).save_pretrained(merged)
-        tok.save_pretrained(merged)
-        references[task] = st.SentenceTransformer(modules=[st_modules.Transformer(str(merged)),
-                                                           st_modules.Pooling(32, "mean"), st_modules.Normalize()],
-                                                  device="cpu")
-    return folder, references, tok
+    return jina_task_references(tmp_path_factory.mktemp("jina"), minilm_path)
 
 
 def assert_same_vectors(got, want, tol=1e-5):

@@ -8,15 +8,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import optional, real_texts
+from helpers import cosines, optional, real_texts
 
 import fastbert
 from fastbert.encode import POOLING_MODES, pool, pool_packed
-
-
-def cosines(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.mark.parametrize("mode", POOLING_MODES)

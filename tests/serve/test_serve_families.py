@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    cosines,
     deberta_config,
     family_st_folder,
     has_modernbert,
@@ -26,11 +27,6 @@ FAMILIES = ["distilbert", "mpnet", "roberta", "xlm-roberta", "camembert", "elect
 @pytest.fixture(scope="module")
 def texts():
     return real_texts(10) + ["", "a"]  # an empty text and a one-word one too
-
-
-def cosines(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

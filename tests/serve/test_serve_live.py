@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import LiveServer, optional, real_texts
+from helpers import LiveServer, cosines, optional, real_texts
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -46,11 +46,6 @@ def corpus(minilm_path):
 def reference(minilm_path, corpus):
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
     return st.SentenceTransformer(minilm_path, device="cpu").encode(corpus, batch_size=16)
-
-
-def cosines(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def assert_healthy(server):
@@ -247,6 +242,9 @@ def test_concurrent_clients_each_get_their_own_texts_vectors(server, corpus, ref
 
 
 def test_metrics_under_tei_names(server):
+    # a success and a failure of this test's own (the module's other tests may run in another process)
+    assert httpx.post(server.url + "/embed", json={"inputs": "hello"}, headers=AUTH).status_code == 200
+    assert httpx.post(server.url + "/embed", json={"inputs": []}, headers=AUTH).status_code == 422
     text = httpx.get(server.url + "/metrics", headers=AUTH).text
     for name in ("te_request_count", "te_request_success", "te_request_failure", "te_request_duration_bucket",
                  "te_queue_duration_bucket", "te_inference_duration_bucket", "te_batch_size_bucket",

@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import main_in_process, optional, real_texts
+from helpers import cosines, main_in_process, optional, real_texts
 
 import fastbert
 
@@ -104,11 +104,6 @@ async def ready(app):
 def reference(minilm_path, texts):
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
     return st.SentenceTransformer(minilm_path, device="cpu").encode(texts)
-
-
-def cosines(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def test_texts_of_different_tasks_share_one_batch_each_with_its_own_task(encoder, minilm_path, texts):

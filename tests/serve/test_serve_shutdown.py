@@ -7,9 +7,8 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
-from helpers import LiveServer, optional, real_texts
+from helpers import LiveServer, cosines, optional, real_texts
 
 httpx = optional("httpx", "httpx is a test extra")
 optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
@@ -32,11 +31,6 @@ def texts():
 def reference(minilm_path, texts):
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
     return st.SentenceTransformer(minilm_path, device="cpu").encode(texts)
-
-
-def cosines(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def counted(server, name) -> float:
