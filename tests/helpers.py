@@ -1005,6 +1005,28 @@ def check_gradient(name, dtype, got, twin, ref):
         assert err <= bound, f"{name}: {err:.3g} from fp64 > {bound:.3g} (2x the twin's + 1e-6)"
 
 
+# How a drawn row of an attention mask is padded (the fuzz tests and the call-surface test draw them)
+ROW_KINDS = ("full", "right", "left", "holes", "empty", "one")
+
+
+def mask_row(kind: str, n: int, S: int, generator) -> torch.Tensor:
+    """One [S] 0/1 row of `kind`: full; right- or left-padded to n real tokens; holes at random; empty (fully
+    padded); one real token, at position n - 1."""
+    row = torch.ones(S, dtype=torch.long)
+    if kind == "right":
+        row[n:] = 0
+    elif kind == "left":
+        row[:S - n] = 0
+    elif kind == "holes":
+        row = torch.randint(0, 2, (S,), generator=generator)
+    elif kind == "empty":
+        row[:] = 0
+    elif kind == "one":
+        row[:] = 0
+        row[n - 1] = 1
+    return row
+
+
 def cosines(a, b):
     """Row-wise cosine of two [n, dim] arrays, in float64."""
     import numpy as np

@@ -23,7 +23,16 @@ import inspect
 
 import pytest
 import torch
-from helpers import ARCH_VOCAB, DEVICE, has_deberta_v2, has_modernbert, has_rotary_post_norm, pad_id
+from helpers import (
+    ARCH_VOCAB,
+    DEVICE,
+    ROW_KINDS,
+    has_deberta_v2,
+    has_modernbert,
+    has_rotary_post_norm,
+    mask_row,
+    pad_id,
+)
 from helpers import random_arch_model as random_hf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -42,7 +51,6 @@ KERNEL_ARCHS = ("bert", "roberta", "electra", "distilbert", "mpnet", pytest.para
                 pytest.param("eurobert", marks=NEEDS_5_24))
 MAX_LEN = 48  # the position table's reach; drawn rows stay under it, offsets included
 LONGEST = 40  # past one key block
-ROW_KINDS = ("full", "right", "left", "holes", "empty", "one")
 POSITION_KINDS = ("absent", "arange", "offset", "restarting", "restarting", "constant")  # (drawn this often)
 
 
@@ -84,18 +92,7 @@ def calls(draw, hf):
         mask = torch.ones(B, S, dtype=torch.long)
         if mask_kind == "rows":
             for b in range(B):
-                kind, n = draw(st.sampled_from(ROW_KINDS)), draw(st.integers(1, S))
-                if kind == "right":
-                    mask[b, n:] = 0
-                elif kind == "left":
-                    mask[b, :S - n] = 0
-                elif kind == "holes":
-                    mask[b] = torch.randint(0, 2, (S,), generator=g)
-                elif kind == "empty":
-                    mask[b] = 0
-                elif kind == "one":
-                    mask[b] = 0
-                    mask[b, n - 1] = 1
+                mask[b] = mask_row(draw(st.sampled_from(ROW_KINDS)), draw(st.integers(1, S)), S, g)
             if draw(st.booleans()):  # padded positions hold the pad id, as a tokenizer writes them
                 ids = ids.masked_fill(mask == 0, pad_id(hf))
         call["attention_mask"] = mask

@@ -12,7 +12,7 @@ time.
 import pytest
 import torch
 import transformers
-from helpers import DEVICE
+from helpers import DEVICE, ROW_KINDS, mask_row
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,6 @@ from fastbert.numerics import error_bound, max_error
 pytestmark = pytest.mark.slow  # hundreds of random models
 
 ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-ROW_KINDS = ("full", "right", "left", "holes", "empty", "one")
 
 
 @st.composite
@@ -45,18 +44,7 @@ def batches(draw, config, min_len=1):
     mask = torch.ones(B, S, dtype=torch.long)
     for b in range(B):
         kind = draw(st.sampled_from(ROW_KINDS))
-        n = draw(st.integers(1, S))
-        if kind == "right":
-            mask[b, n:] = 0
-        elif kind == "left":
-            mask[b, :S - n] = 0
-        elif kind == "holes":
-            mask[b] = torch.randint(0, 2, (S,), generator=g)
-        elif kind == "empty":
-            mask[b] = 0
-        elif kind == "one":
-            mask[b] = 0
-            mask[b, n - 1] = 1
+        mask[b] = mask_row(kind, draw(st.integers(1, S)), S, g)
     return ids, types, mask
 
 
