@@ -5,7 +5,7 @@
 
 The load: `clients` closed-loop clients (32), each sending its next request as soon as the last is answered, until
 `requests` (300) have been sent; a request is POST /v1/embeddings (OpenAI's body, encoding_format float) of 1..16
-texts drawn at random (seed 0) from real paragraphs of varied length (bench/test_bench_encode.py's corpus: the
+texts drawn at random (seed 0) from real paragraphs of varied length (bench/harness.py's corpus: the
 installed distributions' descriptions and licences). Figures per run: texts/s (all texts / wall time from the first
 request to the last answer), and each request's latency (sent to answer read) at p50 and p99.
 
@@ -208,11 +208,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="serve-results")
     args = parser.parse_args(argv)
     from bench import harness
-    from bench.test_bench_encode import corpus
 
     os.makedirs(args.out, exist_ok=True)
     model_path = str(harness.minilm_path())
-    texts = corpus(args.corpus)
+    texts = harness.corpus(args.corpus)
     requests = plan(texts, args.requests)
     flat = [texts[j] for r in requests for j in r]
     reference, _ = offline(model_path, texts, args.threads)

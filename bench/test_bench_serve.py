@@ -16,7 +16,6 @@ import pytest
 
 from bench import harness
 from bench.serve_load import fastbert_server, offline, plan, run_load, worst_cosine
-from bench.test_bench_encode import corpus
 
 pytest.importorskip("fastapi", reason="the serve extra (pip install -e '.[serve]')")
 pytest.importorskip("httpx", reason="httpx is a test extra")
@@ -28,7 +27,7 @@ CI_CORPUS, CI_REQUESTS, CI_CLIENTS = 32, 12, 4
 def test_serve_openai_load_cpu(benchmark, tmp_path):
     try:
         model_path = str(harness.minilm_path())
-        texts = corpus(CI_CORPUS if benchmark.disabled else CORPUS)
+        texts = harness.corpus(CI_CORPUS if benchmark.disabled else CORPUS)
     except harness.Unavailable as e:
         pytest.skip(str(e))
     requests = plan(texts, CI_REQUESTS if benchmark.disabled else REQUESTS)
