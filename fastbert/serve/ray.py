@@ -6,10 +6,10 @@ is sent padding-free as the single process does.
     fastbert.serve.ray.deployment(MODEL, replicas=N, **options)   -> a Ray Serve Application, for serve.run
     fastbert.serve.ray.Server                                     -> the Deployment itself, to compose with others
 
-Ray Serve does the rest: the proxy on every node, routing each request to a replica with room for it, autoscaling on
-the requests ongoing per replica, health checks (check_health below) and replacing a replica that dies. The only
-module of fastbert that imports ray.serve (pip install 'fastbert-triton[ray,serve]'). docs/serve.md: what Ray
-Serve does with a request whose replica dies, and what each replica holds.
+Ray Serve does the rest: a proxy on every node that holds a replica, routing each request to a replica with room for
+it, autoscaling on the requests ongoing per replica, health checks (check_health below) and replacing a replica
+that dies. The only module of fastbert that imports ray.serve (pip install 'fastbert-triton[ray,serve]').
+docs/serve.md: what Ray Serve does with a request whose replica dies, and what each replica holds.
 """
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from .server import Options
 from .server import app as build_app
 
 APP_NAME = "fastbert"
-# A replica's batches stay full while about this many requests of a few texts each are in flight on it (at ~430
-# real tokens a request, 32 requests fill 13,760 of the 16,384-token budget); fewer starve its batching, more only
-# queue. The autoscaler adds replicas when the average per replica passes it.
+# A replica's batches stay full while about this many requests of a few texts each are in flight on it (the serving
+# benchmark's requests carry ~460 real tokens: 32 of them fill ~14,700 of the 16,384-token budget); fewer starve its
+# batching, more only queue. The autoscaler adds replicas when the average per replica passes it.
 DEFAULT_TARGET_ONGOING_REQUESTS = 32
 # How long a stopping replica may take to answer the requests it holds before Ray Serve kills it (the single process
-# waits without a limit; a full CPU replica drains 512 requests of 16 texts in about 100 s).
+# waits without a limit; a full one-thread CPU replica holds 512 requests of up to 16 texts: ~100 s at ~11 ms a
+# text).
 DRAIN_TIMEOUT_S = 600.0
 
 
