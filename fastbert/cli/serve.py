@@ -230,6 +230,8 @@ def serve_on_ray(args) -> int:
         if on_ray.serve_running():
             print("fastbert serve: Ray Serve already runs on this cluster: its proxies keep the host and port they "
                   "started with (--host/--port apply when Ray Serve starts)", file=sys.stderr, flush=True)
+        else:
+            _check_free(args.host, port)  # the proxy on this node will bind it
         print(f"fastbert serve: deploying {scale} ({gpus:g} GPU and {cpus:g} CPU each) on Ray", file=sys.stderr,
               flush=True)
         stop = threading.Event()
@@ -274,6 +276,15 @@ def replica_plan(args, resources: dict) -> tuple:
         have = resources.get("GPU", 0) / gpus if gpus else resources.get("CPU", 0) / cpus
         replicas = max(1, int(have))
     return replicas, gpus, cpus
+
+
+def _check_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
 
 
 def _free_port(host: str) -> int:

@@ -205,6 +205,10 @@ def deployed(application, *, host: str, port: int):
                          f"`fastbert serve --ray`?): deploying would replace it")
     try:
         serve.start(http_options={"host": host, "port": port})
+    except ray.exceptions.RayError as e:  # a proxy could not start (its port taken, on some node)
+        raise DeploymentFailed(f"Ray Serve's HTTP proxy could not start on {host}:{port}: "
+                               f"{getattr(e, 'cause', None) or e}") from None
+    try:
         try:
             serve.run(application, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:  # serve.run's answer to a deployment that failed
