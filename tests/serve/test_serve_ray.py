@@ -240,12 +240,12 @@ def test_a_replica_killed_mid_load(server, corpus, reference):
     assert_own_vectors(results, plans, reference)  # every request answered in the end, each with its own vectors
     # what Ray Serve does with the requests a dead replica held: its proxy answers 500, one per lost request
     assert 1 <= len(failures) <= 16 and {status for _, status, _ in failures} == {500}, failures
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180  # a replacement serves ~20 s after the kill here, on a busy machine later
     while True:
         state, names = deployment_state(), replica_names()
-        if state.replica_states == {"RUNNING": 2} and victim not in names and len(names) == 2:
+        if state.replica_states.get("RUNNING") == 2 and victim not in names and len(names) == 2:
             break
-        assert time.monotonic() < deadline, (state, names)
+        assert time.monotonic() < deadline, f"not replaced: {state}; replica actors {sorted(names)}"
         time.sleep(0.5)
     assert state.status == "HEALTHY" and len(names & before) == 1  # the survivor, and a new replica
     metrics = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30)
