@@ -10,8 +10,8 @@ cluster, one deployment, asserted in order:
   fault-tolerance guide does it): the requests that replica held are answered with a 500 (Ray Serve loses what a
   dead replica held, and its proxy answers 500), each of which the client retries; no answer is ever another text's
   vector; the proxy keeps answering; Ray Serve replaces the replica; /metrics still answers;
-- SIGTERM to the command while requests are in flight: each is answered in full, the application is deleted, and
-  the command exits 0.
+- SIGTERM to the command while requests are in flight: new requests get Ray Serve's 404 at once, each request in
+  flight is answered in full, the application is deleted, and the command exits 0.
 """
 import glob
 import os
@@ -257,8 +257,8 @@ def test_a_replica_killed_mid_load(server, corpus, reference):
 
 def test_sigterm_drains_every_request_in_flight_then_exits_0(server, corpus, reference):
     """Six requests of 32 long texts (the 8 longest, four times: ~8,000 tokens, about a second of one core each) in
-    flight, then SIGTERM to the command: each is answered in full, the application is deleted, the command exits
-    0."""
+    flight, then SIGTERM to the command: the proxies stop routing to the application at once (a new request gets Ray
+    Serve's 404), each request in flight is answered in full, the application is deleted, the command exits 0."""
     longest = sorted(range(len(corpus)), key=lambda i: -len(corpus[i]))[:8] * 4
     texts = [corpus[i] for i in longest]
     responses = [None] * 6
@@ -274,6 +274,12 @@ def test_sigterm_drains_every_request_in_flight_then_exits_0(server, corpus, ref
     time.sleep(1.0)  # sent and routed: the proxy hands a request to a replica within milliseconds
     assert None in responses  # still in flight (three requests a replica: seconds of work)
     os.kill(server.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while (code := httpx.get(server.url + "/health", timeout=30).status_code) != 404:  # the route is gone at once
+        assert code == 200 and time.monotonic() < deadline, code
+        time.sleep(0.1)
+    refused = httpx.post(server.url + "/embed", json={"inputs": texts[:1]}, headers=AUTH, timeout=30)
+    assert refused.status_code == 404  # Ray Serve's answer for a path no application serves
     for t in threads:
         t.join(timeout=300)
     assert [getattr(r, "status_code", r) for r in responses] == [200] * len(responses)
