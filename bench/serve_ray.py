@@ -44,8 +44,22 @@ PROCESSES = {"replica": "ray::ServeReplica:fastbert:Server", "proxy": "ray::Prox
              "controller": "ray::ServeController", "single": "-m fastbert serve"}
 
 
+def descends_from_here(pid: int) -> bool:
+    """Started by this process, or by one it started (Ray's raylet starts the workers; ray.init started the raylet):
+    another Ray cluster on the machine may run processes of the same names."""
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if pid == os.getpid():
+            return True
+    return False
+
+
 def processes() -> dict:
-    """{pid: role} of the processes named in PROCESSES that run now."""
+    """{pid: role} of this run's processes named in PROCESSES that run now."""
     found = {}
     for path in glob.glob("/proc/[0-9]*/cmdline"):
         try:
@@ -53,9 +67,10 @@ def processes() -> dict:
                 line = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
+        pid = int(path.split("/")[2])
         for role, mark in PROCESSES.items():
-            if line.startswith(mark) or (role == "single" and mark in line):
-                found[int(path.split("/")[2])] = role
+            if (line.startswith(mark) or (role == "single" and mark in line)) and descends_from_here(pid):
+                found[pid] = role
     return found
 
 

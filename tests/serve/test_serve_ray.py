@@ -97,12 +97,30 @@ def replica_names() -> set:
             if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::fastbert#")}
 
 
+def parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def ours(pid: int) -> bool:
+    """A process of this module's cluster: ray.init started its raylet from this process, and the raylet its
+    workers (another Ray cluster on the machine has replicas of the same name)."""
+    while pid > 1:
+        pid = parent(pid)
+        if pid == os.getpid():
+            return True
+    return False
+
+
 def replica_processes() -> list:
     pids = []
     for path in glob.glob("/proc/[0-9]*/cmdline"):
         try:
             with open(path, "rb") as f:
-                if f.read().startswith(REPLICA.encode()):
+                if f.read().startswith(REPLICA.encode()) and ours(int(path.split("/")[2])):
                     pids.append(int(path.split("/")[2]))
         except OSError:
             pass
