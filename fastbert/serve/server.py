@@ -101,6 +101,10 @@ class Service:
         self.in_flight = 0
         self.created = int(time.time())
         self.on_failure = None  # called with the message when loading fails (the CLI stops the server)
+        # The lifespan's startup returns at once and the model loads behind it (/health: 503 meanwhile), unless a host
+        # routes requests to the app as soon as its startup completes (a Ray Serve replica): then the startup waits
+        # for the model and fails with the reason if it cannot load.
+        self.load_before_serving = False
         self.tokenization_workers = options.tokenization_workers or min(4, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
         self._loader: threading.Thread | None = None
@@ -173,6 +177,11 @@ class Service:
         self._loader = threading.Thread(target=self._load, name="fastbert-model-worker", daemon=True)
         self._loader.start()
         try:
+            if self.load_before_serving:
+                while self.state == "loading":
+                    await asyncio.sleep(0.05)
+                if self.state != "ready":
+                    raise RuntimeError(self.unready_reason())
             yield
         finally:
             self.drain()
