@@ -340,7 +340,12 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         if pairwise is not None:  # HF's masked_fill of every score of a padded query: uniform, in the graph
             scores = scores.masked_fill(pairwise, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)
-        ctx = torch.matmul(dropout(probs, dropout_p), v)
+        if mask.empty_rows is not None:  # fully padded rows uniform (below), before the product reads them
+            probs = torch.where(mask.empty_rows, torch.full_like(probs, 1.0 / S), probs)
+        # HF returns the probabilities after dropout, the very tensor its context multiplies: so does this path,
+        # and a gradient retained on them is the context's (train mode included)
+        probs = dropout(probs, dropout_p)
+        ctx = torch.matmul(probs, v)
     else:
         probs = None
         if rel is not None and rel.shape[0] == 1 and mask.additive is not None and mask.additive.shape[-2] == 1 \
@@ -352,12 +357,10 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         else:
             attn_mask = mask.additive if rel is None else rel if mask.additive is None else rel + mask.additive
             ctx = _sdpa(q, k, v, attn_mask, dropout_p, scale)
-    if mask.empty_rows is not None:
+    if mask.empty_rows is not None and probs is None:
         # Fully padded rows: HF eager's uniform attention over all S keys, stated outright. Adding finfo.min only
         # equalises the scores when it swamps them; sdpa adds fp16's -65504 in fp32, where it does not.
         ctx = torch.where(mask.empty_rows, _mean_value(v, nh).to(ctx.dtype), ctx)
-        if probs is not None:
-            probs = torch.where(mask.empty_rows, torch.full_like(probs, 1.0 / S), probs)
     if pairwise is not None and probs is None:  # (the probabilities' path masked the scores themselves)
         ctx = torch.where(pairwise, _mean_value(v, nh).to(ctx.dtype), ctx)
     return ctx.transpose(1, 2).reshape(T, nh * hd), probs  # [B, S, nh, hd] -> [T, nh*hd]

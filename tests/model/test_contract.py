@@ -192,6 +192,31 @@ def test_hidden_states_and_attentions_are_in_the_graph(family, padding_free, att
             assert (ours.masked_select(pair) - theirs.masked_select(pair)).abs().max() <= 1e-5, i
 
 
+EMPTY_ROW = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attentions_with_a_fully_padded_row_are_in_the_graph(family, padding_free):
+    """A fully padded row attends uniformly to every key (HF eager's answer); the attentions returned are still the
+    tensor the context was computed from, so a gradient retained on them arrives, in every layer, and is HF's
+    (transformers' test_retain_grad_hidden_states_attentions draws masks with such rows)."""
+    reference = hf_head(family, output_hidden_states=True, output_attentions=True)
+    reference.config._attn_implementation = "eager"
+    model = with_fastbert(reference, padding_free)
+    weights = torch.randn(2, S, reference.config.vocab_size)
+    grads = []
+    for m in (reference, model):
+        out = m(IDS, attention_mask=EMPTY_ROW)
+        for t in out.attentions:
+            t.retain_grad()
+        (out.logits * weights)[EMPTY_ROW.bool()].sum().backward()
+        grads.append([t.grad for t in out.attentions])
+    assert all(g is not None for g in grads[1]), [i for i, g in enumerate(grads[1]) if g is None]
+    for i, (ours, theirs) in enumerate(zip(grads[1], grads[0], strict=True)):
+        assert (ours - theirs).abs().max() <= 1e-5, i  # (the padded row's: zeros, as HF's)
+
+
 def test_last_hidden_state_is_the_last_hidden_states_entry():
     model = with_fastbert(hf_head("bert"))
     for padding_free in (True, False):

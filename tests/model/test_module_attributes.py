@@ -145,6 +145,37 @@ def test_train_mode_dropout_is_the_modules_p(arch):
     assert moved >= min(2, len(families.of(reference.config).dropouts))  # EuroBERT has one: the attention's
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_train_mode_attentions_are_the_dropped_probabilities(arch):
+    """output_attentions in train mode: transformers returns its attention probabilities after dropout, the tensor
+    its context multiplies; fastbert returns the same kind of tensor. The two draw different dropout masks, so each is
+    checked on its own against HF's eval-mode probabilities: in layer 0 (whose input no dropout touched: every other
+    dropout is 0) each entry is 0 or that probability / (1 - p); in every layer about half the probabilities that are
+    not 0 in eval mode (masked keys, windows) are dropped."""
+    reference = random_arch_model(arch)
+    model = fastbert.optimize(copy.deepcopy(reference), kernels="torch", padding_free=False)
+    ids, tt, mask = arch_inputs(reference, "right")
+    kwargs = dict(attention_mask=mask, output_attentions=True, **type_kwargs(tt))
+    with torch.no_grad():
+        probs = reference(ids, **kwargs).attentions  # eval mode
+    real = mask.bool()[:, None, :, None].expand_as(probs[0])  # real queries
+    p = 0.5
+    for m in (reference, model):
+        no_dropout(m.train())
+        assert set_layer_dropout(m, "attention", p)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            dropped = m(ids, **kwargs).attentions
+        assert len(dropped) == len(probs)
+        got, want = dropped[0][real], probs[0][real]
+        kept = got != 0
+        assert (got[kept] - want[kept] / (1 - p)).abs().max() <= 1e-5, type(m).__name__
+        for i, (got, want) in enumerate(zip(dropped, probs)):
+            live = real & (want > 0)
+            share = (got[live] == 0).float().mean()
+            assert 0.35 < share < 0.65, (type(m).__name__, i, share)
+
+
 def test_dropout_p_set_after_a_first_train_forward_is_seen_by_the_next():
     model, reference = optimized_pair("bert")
     no_dropout(model.train())

@@ -117,6 +117,26 @@ def test_the_probe_sees_what_transformers_does():
     assert ((row - apart).abs().max() <= 1e-5) == packing.packs_by_position_ids("bert")
 
 
+@pytest.mark.parametrize("arch", ["roberta", "camembert"])
+def test_roberta_sequences_counted_from_padding_idx_plus_one(arch):
+    """RoBERTa's packed rows give each sequence positions from padding_idx + 1, as DataCollatorWithFlattening(
+    position_ids_start=pad_token_id + 1) writes them (transformers' own test of this runs on flash-attn only): the
+    rule is the same (a new sequence wherever a position is not the previous one plus one), the answer
+    transformers'; where it packs, each sequence's outputs are those of the sequence alone."""
+    hf = random_hf(arch, max_len=MAX_LEN)
+    lengths = [7, 3, 11, 1]
+    positions = torch.cat([torch.arange(n) + hf.config.pad_token_id + 1 for n in lengths])[None].to(DEVICE)
+    ids = torch.randint(2, ARCH_VOCAB, positions.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    with torch.no_grad():
+        want = hf(input_ids=ids, position_ids=positions).last_hidden_state
+        got = fb(input_ids=ids, position_ids=positions).last_hidden_state
+        apart = torch.cat([hf(input_ids=part).last_hidden_state[0] for part in ids.split(lengths, dim=1)])
+    assert (got - want).abs().max() <= 1e-5
+    if packing.packs_by_position_ids(arch):
+        assert (got[0] - apart).abs().max() <= 1e-5
+
+
 def test_packed_rows_traced_compiled_and_exported(monkeypatch):
     """A traced forward follows the rule without reading the device (transformers' own traced mask applies it
     unconditionally): torch.jit.trace, torch.compile(fullgraph=True) and torch.export give transformers' outputs for

@@ -168,6 +168,25 @@ def patch_families() -> list[str]:
     return patched
 
 
+def keep_packing_probe_stock() -> None:
+    """fastbert asks the installed transformers whether its encoder reads packed sequences from position_ids by
+    building a tiny encoder of its own (fastbert/packing.py, in a thread of its own). That encoder must stay
+    transformers': swapped, it would ask fastbert itself, from inside the probe (which waits on the lock its caller
+    holds: the test hangs)."""
+    try:
+        from fastbert import packing
+    except ImportError:  # a fastbert from before packed rows
+        return
+    original = packing._probe
+
+    @functools.wraps(original)
+    def probe(model_type):
+        with _inside():  # (the depth is per thread: this runs in the probe's thread)
+            return original(model_type)
+
+    packing._probe = probe
+
+
 # ---- the forward check -------------------------------------------------------------------------------------------
 
 def install_forward_check() -> None:
@@ -404,6 +423,7 @@ def pytest_configure(config):
     _settings["atol"] = config.getoption("--fastbert-atol")
     _settings["check"] = config.getoption("--fastbert-check")
     patched = patch_families()
+    keep_packing_probe_stock()
     if _settings["check"] != "off":
         install_forward_check()
     path = config.getoption("--fastbert-log")

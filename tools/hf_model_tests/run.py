@@ -39,7 +39,14 @@ CONFTEST = '''\
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import transformers  # noqa: E402 - after the offline switch, which transformers reads at import
+
 pytest_plugins = ["fastbert_plugin"]
+
+# transformers 5.25 dropped PreTrainedModel._is_stateful; tests/generation/test_utils.py of a checkout from before
+# reads it (its packed-sequence and assisted-decoding tests then fail stock with AttributeError): its old default
+if not hasattr(transformers.PreTrainedModel, "_is_stateful"):
+    transformers.PreTrainedModel._is_stateful = False
 
 MARKERS = {markers!r}
 
