@@ -1716,7 +1716,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.abspath(args.out)
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "bench"), exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    # Each step's pytest is a session of its own: a PYTEST_XDIST_* variable inherited from a test runner that calls
+    # this script would make pytest-benchmark take the step for an xdist worker and switch its timing off.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     rec = Recorder(out_dir, {"dry_run": args.dry_run, "out": out_dir, "budget_s": args.budget_s, "steps": []})
     if os.path.exists(rec.results):
         os.remove(rec.results)  # this run's records only
