@@ -71,8 +71,13 @@ def inputs(hf, positions, embeds: bool) -> dict:
     else:
         kwargs["input_ids"] = ids.to(DEVICE)
     types = getattr(hf.config, "type_vocab_size", 0) or 0
-    if types > 1 and "token_type_ids" in inspect.signature(hf.forward).parameters:
-        kwargs["token_type_ids"] = torch.randint(0, types, positions.shape, generator=g).to(DEVICE)
+    if "token_type_ids" in inspect.signature(hf.forward).parameters:
+        if types > 1:
+            kwargs["token_type_ids"] = torch.randint(0, types, positions.shape, generator=g).to(DEVICE)
+        elif positions.shape[1] > hf.config.max_position_embeddings:
+            # a packed row may be longer than the positions go (they restart), but transformers 4.x's default type ids
+            # are a buffer max_position_embeddings long: it runs such a row only with type ids given
+            kwargs["token_type_ids"] = torch.zeros_like(positions)
     return kwargs
 
 
