@@ -36,7 +36,7 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
 )
 
-from . import adapters, dispatch, fallback, families, layers, measure, relative, rotary, twins, units
+from . import adapters, dispatch, fallback, families, installed, layers, measure, relative, rotary, twins, units
 from . import config as configs
 from .compat import TransformersModelMixin
 from .dispatch import OPS
@@ -321,9 +321,12 @@ class BertModel(TransformersModelMixin, nn.Module):
         return out if return_dict else self.output_tuple(out)
 
     def output_tuple(self, out) -> tuple:
-        """HF's return_dict=False tuple of the family: the output's non-None fields in order; MPNet's keeps a
-        pooler_output of None in its slot (its heads take outputs[2:] as hidden_states and attentions)."""
-        if not self.family.tuple_keeps_pooler:
+        """HF's return_dict=False tuple of the family: the output's non-None fields in order. MPNet's keeps a
+        pooler_output of None in its slot (its heads take outputs[2:] as hidden_states and attentions), and so do
+        BERT's and RoBERTa's in transformers 4.x, which fastbert asks the installed release about."""
+        absent_pooler = getattr(out, "pooler_output", False) is None
+        if not (self.family.tuple_keeps_pooler
+                or absent_pooler and installed.tuple_keeps_absent_pooler(self.config.model_type)):
             return out.to_tuple()
         rest = tuple(v for v in (out.hidden_states, out.attentions) if v is not None)
         return (out.last_hidden_state, out.pooler_output, *rest)

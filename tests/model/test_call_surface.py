@@ -198,3 +198,16 @@ def test_transformers_packed_keywords_match_each_sequence_alone(arch, data):
         if getattr(got, "pooler_output", None) is not None:  # the row's token 0, as transformers pools a packed row
             first = alone(0, lengths[0]).pooler_output
             assert (got.pooler_output - first).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("hidden_states", [False, True])
+def test_a_tuple_without_a_pooler_is_the_installed_transformers_own(hidden_states):
+    """return_dict=False from BERT built without a pooler: transformers 4.x keeps the pooler's slot as None
+    ((sequence_output, None, hidden_states)), 5.x leaves it out; fastbert's tuple is the installed release's, slot for
+    slot (CI runs this under both)."""
+    hf, fb = model_pair("bert-no-pooler", "torch")
+    ids = torch.randint(2, ARCH_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        want = hf(input_ids=ids, return_dict=False, output_hidden_states=hidden_states)
+        got = fb(input_ids=ids, return_dict=False, output_hidden_states=hidden_states)
+    same(got, want, torch.ones(2, 9, dtype=torch.bool), "the tuple")
