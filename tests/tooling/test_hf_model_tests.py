@@ -80,26 +80,28 @@ spec = importlib.util.spec_from_file_location("fastbert_plugin_under_test", sys.
 plugin = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plugin)
 plugin.patch_families()
-plugin.keep_packing_probe_stock()
+plugin.keep_transformers_probes_stock()
 import transformers
 from fastbert import packing
+from fastbert import installed
 swapped = transformers.BertModel(transformers.BertConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
                                                          intermediate_size=32, vocab_size=32))
 assert type(swapped).__module__.startswith("fastbert"), type(swapped)  # the plugin's swap is on
-print(packing.packs_by_position_ids("bert"))
+print(packing.packs_by_position_ids("bert"), installed.tuple_keeps_absent_pooler("bert"))
 """
 
 
-def test_fastberts_packing_probe_asks_stock_transformers_under_the_plugin():
-    """With every family's classes swapped, fastbert's probe of the installed transformers (fastbert/packing.py)
-    still builds transformers' own encoder: the answer is the one a process without the plugin gets, and the probe
+def test_fastberts_probes_ask_stock_transformers_under_the_plugin():
+    """With every family's classes swapped, fastbert's probes of the installed transformers (fastbert/installed.py)
+    still build transformers' own encoders: the answers are the ones a process without the plugin gets, and a probe
     does not wait on itself. (A subprocess: the plugin patches transformers' classes for the whole process.)"""
     import subprocess
     import sys
 
-    from fastbert import packing
+    from fastbert import installed, packing
 
     run = subprocess.run([sys.executable, "-c", _PROBE_UNDER_THE_PLUGIN, PLUGIN], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == str(packing.packs_by_position_ids("bert"))
+    assert run.stdout.split() == [str(packing.packs_by_position_ids("bert")),
+                                  str(installed.tuple_keeps_absent_pooler("bert"))]

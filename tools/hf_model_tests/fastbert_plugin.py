@@ -168,23 +168,27 @@ def patch_families() -> list[str]:
     return patched
 
 
-def keep_packing_probe_stock() -> None:
-    """fastbert asks the installed transformers whether its encoder reads packed sequences from position_ids by
-    building a tiny encoder of its own (fastbert/packing.py, in a thread of its own). That encoder must stay
-    transformers': swapped, it would ask fastbert itself, from inside the probe (which waits on the lock its caller
-    holds: the test hangs)."""
+def keep_transformers_probes_stock() -> None:
+    """fastbert asks the installed transformers what its encoders do (fastbert/installed.py: whether they read packed
+    sequences from position_ids, what a return_dict=False tuple holds) by building tiny encoders of its own, in a thread
+    of its own. Those encoders must stay transformers': swapped, they would ask fastbert itself, from inside the probe
+    (which waits on the lock its caller holds: the test hangs)."""
     try:
-        from fastbert import packing
-    except ImportError:  # a fastbert from before packed rows
+        from fastbert import installed
+    except ImportError:  # a fastbert from before the probes
         return
-    original = packing._probe
+    original = installed._in_a_thread
 
     @functools.wraps(original)
-    def probe(model_type):
-        with _inside():  # (the depth is per thread: this runs in the probe's thread)
-            return original(model_type)
+    def in_a_thread(question, model_type, what):
+        def stock(model_type):
+            with _inside():  # (the depth is per thread: this runs in the probe's thread)
+                return question(model_type)
 
-    packing._probe = probe
+        stock.__qualname__ = question.__qualname__
+        return original(stock, model_type, what)
+
+    installed._in_a_thread = in_a_thread
 
 
 # ---- the forward check -------------------------------------------------------------------------------------------
@@ -423,7 +427,7 @@ def pytest_configure(config):
     _settings["atol"] = config.getoption("--fastbert-atol")
     _settings["check"] = config.getoption("--fastbert-check")
     patched = patch_families()
-    keep_packing_probe_stock()
+    keep_transformers_probes_stock()
     if _settings["check"] != "off":
         install_forward_check()
     path = config.getoption("--fastbert-log")
