@@ -617,13 +617,16 @@ def format_table(records: list[dict]) -> str:
 
 
 def record_store(jobs: int | None = None) -> int:
-    """Compile every list of RECORDED_LISTS afresh and write the store of this Triton: one JSON line per (spec,
-    arch) that compiled, in the lists' order. A spec that fails to compile is left out (it is compiled, and fails,
-    every run)."""
+    """Write the store of this Triton: one JSON line per (spec, arch) of RECORDED_LISTS that compiled, in the lists'
+    order. A (spec, arch) whose key the store holds keeps its record (the daily sample re-checks those), the others
+    are compiled, and records no list names any more are dropped: after a kernel change only its specs compile.
+    FASTBERT_AOT_FRESH=1 compiles every one afresh. A spec that fails to compile is left out (it is compiled, and
+    fails, every run)."""
     import triton
+    os.environ["FASTBERT_AOT_VERIFY"] = "0"  # what the store holds is taken as it is (the children read this)
     lines, failed = [], 0
     for module_name, specs_fn in RECORDED_LISTS:
-        result = compile_module(module_name, specs_fn, jobs=jobs, fresh=True)
+        result = compile_module(module_name, specs_fn, jobs=jobs, fresh=not use_store())
         if result["module_error"] or result["crash"]:
             print(f"{module_name}.{specs_fn}(): {result['module_error'] or result['crash']}")
             return 1
@@ -632,7 +635,9 @@ def record_store(jobs: int | None = None) -> int:
                 failed += 1
                 continue
             lines.append(json.dumps({"key": record["key"], "record": measured(record)}, sort_keys=True))
-        print(f"{module_name}.{specs_fn}(): {len(result['records'])} compiles in {result['seconds']:.0f} s")
+        compiled = sum(r["source"] != "record" for r in result["records"].values())
+        print(f"{module_name}.{specs_fn}(): {len(result['records'])} records, {compiled} compiled afresh, in "
+              f"{result['seconds']:.0f} s")
     os.makedirs(RECORDS_DIR, exist_ok=True)
     path = store_path(triton.__version__)
     with open(path, "w") as f:
@@ -652,7 +657,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shard", nargs=2, type=int, default=(0, 1), help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=None, help="child processes (default: FASTBERT_AOT_JOBS or CPUs)")
     parser.add_argument("--record", action="store_true",
-                        help="compile every list the store holds afresh and rewrite aot_records/ for this Triton")
+                        help="rewrite aot_records/ for this Triton: compile what it lacks, drop what no list names")
     args = parser.parse_args(argv)
     if args.child:
         return _child(args.child, args.specs_fn, args.arch, args.json, args.only, tuple(args.shard))

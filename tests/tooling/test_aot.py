@@ -285,6 +285,26 @@ def test_module_exposes_specs(op):
     assert result["specs"] == names, "aot_specs() differs between the interpreter and the compiler process"
 
 
+@pytest.mark.parametrize("op, specs_fn", [(op, "aot_specs") for op in REQUIRED_OPS] + list(BACKWARD_SPEC_LISTS))
+def test_the_store_holds_every_compile_the_list_names(op, specs_fn):
+    """Every (spec, arch) of the list has its record in this Triton's store (aot_records/), found by its key. A kernel
+    or list changed without `python tests/tooling/aot_compile.py --record` (which compiles only what the store lacks)
+    leaves its specs to compile afresh on every run: nothing else fails, the suite only slows down by minutes. (The
+    compiles that fail are not recorded: their own cases fail.)"""
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    if not aot_compile.use_store():
+        pytest.skip("FASTBERT_AOT_FRESH: every (spec, arch) compiled afresh on purpose")
+    result = _compiled(op, specs_fn)
+    if not os.path.exists(aot_compile.store_path(result["triton"])):
+        pytest.skip(f"no store recorded for Triton {result['triton']} (one is for the Triton of CI's main stage)")
+    unrecorded = [f"{r['name']} sm_{r['arch']}" for r in result["records"].values()
+                  if r["source"] == "compiled" and not r.get("error")]
+    assert not unrecorded, (f"{len(unrecorded)} of {len(result['records'])} (spec, arch) have no record under Triton "
+                            f"{result['triton']}: run `python tests/tooling/aot_compile.py --record`; the first: "
+                            f"{unrecorded[:5]}")
+
+
 # Variants the launchers accept whose kernels park a few values on the stack (cuobjdump STACK 8-16, measured under
 # Triton 3.9): fp32 GEMM tiles without bias and row-kernel widths outside BERT's. Listed rather than left out of the
 # AOT lists, so that the claim stays exact and a fix shows (the case then passes).
