@@ -27,7 +27,6 @@ in CI.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import socket
@@ -39,48 +38,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python bench/serve_ray.py` puts bench/ first; the package needs the repo root
 
+from bench import procs  # noqa: E402 - after the repo root is on the path
+
 # each process of ours: a replica, Ray Serve's proxy and controller, the single server (their command lines)
 PROCESSES = {"replica": "ray::ServeReplica:fastbert:Server", "proxy": "ray::ProxyActor",
              "controller": "ray::ServeController", "single": "-m fastbert serve"}
 
 
-def descends_from_here(pid: int) -> bool:
-    """Started by this process, or by one it started (Ray's raylet starts the workers; ray.init started the raylet):
-    another Ray cluster on the machine may run processes of the same names."""
-    while pid > 1:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            return False
-        if pid == os.getpid():
-            return True
-    return False
-
-
 def processes() -> dict:
     """{pid: role} of this run's processes named in PROCESSES that run now."""
     found = {}
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(path, "rb") as f:
-                line = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        pid = int(path.split("/")[2])
+    for pid, line in procs.command_lines().items():
         for role, mark in PROCESSES.items():
-            if (line.startswith(mark) or (role == "single" and mark in line)) and descends_from_here(pid):
+            if (line.startswith(mark) or (role == "single" and mark in line)) and procs.descends_from(pid):
                 found[pid] = role
     return found
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def memory(pid: int) -> dict:
@@ -99,12 +71,12 @@ def free_port() -> int:
 def measured(run_load, url, texts, requests, clients) -> dict:
     """The load, with each of our processes' CPU seconds over it (this process's: the clients)."""
     pids = processes()
-    before = {pid: cpu_seconds(pid) for pid in pids}
+    before = {pid: procs.cpu_seconds(pid) for pid in pids}
     own = time.process_time()
     load = run_load(url, texts, requests, clients=clients)
     cpu = {}
     for pid, role in pids.items():
-        cpu.setdefault(role, []).append(cpu_seconds(pid) - before[pid])
+        cpu.setdefault(role, []).append(procs.cpu_seconds(pid) - before[pid])
     load["cpu_s"] = {role: sum(v) for role, v in cpu.items()}
     load["cpu_s"]["clients"] = time.process_time() - own
     load["cpu_s_per_replica"] = cpu.get("replica", [])

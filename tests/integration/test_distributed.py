@@ -21,6 +21,7 @@ import pytest
 from helpers import main_in_process, optional
 
 import fastbert
+from bench import procs
 from fastbert.cli.encode import split_lines
 from fastbert.distributed import corpus, job, shards
 from fastbert.distributed.corpus import CorpusError
@@ -108,25 +109,7 @@ def assert_same_embeddings(folder, reference, ids):
 
 
 def actor_processes() -> list[int]:
-    pids = []
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(path, "rb") as f:
-                if f.read().startswith(ACTOR.encode()):
-                    pids.append(int(path.split("/")[2]))
-        except OSError:
-            pass
-    return pids
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return [pid for pid, line in procs.command_lines().items() if line.startswith(ACTOR)]
 
 
 def finished_shards(folder) -> list[str]:
@@ -167,9 +150,9 @@ def test_an_actor_killed_mid_run_is_replaced_and_every_row_lands_once(cluster, c
         # loaded machine (a shard of 4 rows takes longer than that). The busiest is killed; the window is not a fixed
         # CPU share, so a slow machine does not keep every actor below a threshold until the job ends.
         while time.time() < deadline and len(finished_shards(out)) < 17:
-            before = {pid: cpu_seconds(pid) for pid in actor_processes()}
+            before = {pid: procs.cpu_seconds(pid) for pid in actor_processes()}
             time.sleep(0.25)
-            gained = {pid: cpu_seconds(pid) - t for pid, t in before.items()}
+            gained = {pid: procs.cpu_seconds(pid) - t for pid, t in before.items()}
             busy = [pid for pid in sorted(gained, key=gained.get, reverse=True) if gained[pid] > 0]
             if busy and len(finished_shards(out)) < 17:
                 killed.update(pid=busy[0], shards_done=len(finished_shards(out)))

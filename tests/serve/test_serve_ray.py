@@ -13,7 +13,6 @@ cluster, one deployment, asserted in order:
 - SIGTERM to the command while requests are in flight: new requests get Ray Serve's 404 at once, each request in
   flight is answered in full, the application is deleted, and the command exits 0.
 """
-import glob
 import os
 import random
 import signal
@@ -24,6 +23,8 @@ import time
 import numpy as np
 import pytest
 from helpers import LiveServer, optional, real_texts
+
+from bench import procs
 
 ray = optional("ray", reason="Ray is an optional extra: pip install -e '.[test]'")
 serve = optional("ray.serve", reason="Ray Serve comes with the ray extra: pip install -e '.[test]'")
@@ -97,43 +98,9 @@ def replica_names() -> set:
             if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::fastbert#")}
 
 
-def parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return 0
-
-
-def ours(pid: int) -> bool:
-    """A process of this module's cluster: ray.init started its raylet from this process, and the raylet its
-    workers (another Ray cluster on the machine has replicas of the same name)."""
-    while pid > 1:
-        pid = parent(pid)
-        if pid == os.getpid():
-            return True
-    return False
-
-
 def replica_processes() -> list:
-    pids = []
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(path, "rb") as f:
-                if f.read().startswith(REPLICA.encode()) and ours(int(path.split("/")[2])):
-                    pids.append(int(path.split("/")[2]))
-        except OSError:
-            pass
-    return pids
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The replicas of this module's cluster (ray.init started its raylet from this process, the raylet its workers)."""
+    return [pid for pid, line in procs.command_lines().items() if line.startswith(REPLICA) and procs.descends_from(pid)]
 
 
 def deployment_state():
@@ -228,11 +195,11 @@ def test_concurrent_clients_get_their_own_vectors_from_both_replicas(server, cor
     rng = random.Random(0)
     plans = [rng.sample(range(len(corpus)), rng.randint(1, 16)) for _ in range(40)]
     pids = replica_processes()
-    before = {pid: cpu_seconds(pid) for pid in pids}
+    before = {pid: procs.cpu_seconds(pid) for pid in pids}
     results, failures = run_load(server.url, corpus, plans)
     assert failures == []
     assert_own_vectors(results, plans, reference)
-    busy = {pid: cpu_seconds(pid) - before[pid] for pid in pids}
+    busy = {pid: procs.cpu_seconds(pid) - before[pid] for pid in pids}
     assert len(busy) == 2 and min(busy.values()) > 0.5, busy  # each ran batches, not only its event loop
 
 
