@@ -4,6 +4,7 @@ into tf32 arithmetic)."""
 import pathlib
 
 TESTS = pathlib.Path(__file__).parent.parent
+REPO = TESTS.parent
 CONFTEST = (TESTS / "conftest.py").read_text()
 HELPERS = (TESTS / "helpers.py").read_text()  # the conftest imports it
 
@@ -41,6 +42,36 @@ def test_tidy(monkeypatch):
         result.stdout.fnmatch_lines([f"*ERROR at teardown of test_leaks_{i}*"])
         result.stdout.fnmatch_lines([f"*the test left global state changed: {words}*"])
     result.stdout.fnmatch_lines(["*test_tidy PASSED*"])
+
+
+def test_an_xdist_group_runs_on_one_worker(pytester):
+    """Under the README's `-n auto --dist loadgroup`, every test of one xdist_group runs in one worker process (the
+    repository's conftest.py mends pytest-xdist's group ids for pytest 9.2; without it they spread over the
+    workers)."""
+    pytester.makeconftest((REPO / "conftest.py").read_text())
+    pytester.makepyfile(test_groups="""
+import os
+import time
+
+import pytest
+
+
+@pytest.mark.xdist_group("one")
+@pytest.mark.parametrize("i", range(6))
+def test_grouped(i):
+    time.sleep(0.2)  # long enough that an idle worker would take some of them
+    with open(f"grouped-{i}.worker", "w") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"])
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_free(i):
+    time.sleep(0.2)
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup")
+    result.assert_outcomes(passed=12)
+    workers = {path.read_text() for path in pytester.path.glob("grouped-*.worker")}
+    assert len(list(pytester.path.glob("grouped-*.worker"))) == 6 and len(workers) == 1, workers
 
 
 def test_nothing_cites_a_design_file_outside_the_repository():
