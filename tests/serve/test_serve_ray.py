@@ -205,8 +205,9 @@ def test_concurrent_clients_get_their_own_vectors_from_both_replicas(server, cor
 
 def test_a_replica_killed_mid_load(server, corpus, reference):
     """16 clients, 64 requests; once 16 are answered, one replica's actor is killed (no restart of that actor: Ray
-    Serve must start a new replica). The requests it held get 500s, retried by their clients; every answer is its
-    own texts' vectors; the deployment is back to 2 running replicas, with a new one in place of the killed one;
+    Serve must start a new replica). The requests it held then get 500s, retried by their clients (the kill may also
+    catch it holding none: Ray Serve routes a request not yet handed to it elsewhere); every answer is its own texts'
+    vectors; the deployment is back to 2 running replicas, with a new one in place of the killed one;
     /metrics and /health answer."""
     rng = random.Random(1)
     plans = [rng.sample(range(len(corpus)), rng.randint(1, 16)) for _ in range(64)]
@@ -223,8 +224,9 @@ def test_a_replica_killed_mid_load(server, corpus, reference):
     results, failures = run_load(server.url, corpus, plans, on_answered=kill_at)
     assert killed.is_set()
     assert_own_vectors(results, plans, reference)  # every request answered in the end, each with its own vectors
-    # what Ray Serve does with the requests a dead replica held: its proxy answers 500, one per lost request
-    assert 1 <= len(failures) <= 16 and {status for _, status, _ in failures} == {500}, failures
+    # what Ray Serve does with the requests a dead replica held: its proxy answers 500, one per lost request (at most
+    # one per client); one run out of several here caught the replica holding none, and saw no 500 at all
+    assert len(failures) <= 16 and {status for _, status, _ in failures} <= {500}, failures
     deadline = time.monotonic() + 180  # a replacement serves ~20 s after the kill here, on a busy machine later
     while True:
         state, names = deployment_state(), replica_names()
