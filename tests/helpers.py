@@ -1053,6 +1053,17 @@ def real_texts(n: int, min_chars: int = 20) -> list:
     return [paragraphs[int(i * step)] for i in range(n)]
 
 
+def real_texts_that_fit(model_path, n: int, max_tokens: int = 256) -> list:
+    """`n` of real_texts(2 n) that the model's tokenizer makes at most `max_tokens` tokens of (a longer one is a 413
+    at a server unless the request asks to truncate it)."""
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    texts = real_texts(2 * n)
+    fits = [t for t, ids in zip(texts, tokenizer(texts)["input_ids"]) if len(ids) <= max_tokens]
+    assert len(fits) >= n, f"{len(fits)} of {2 * n} real texts fit {max_tokens} tokens, {n} wanted"
+    return fits[:n]
+
+
 class LiveServer:
     """A server in a process of its own on 127.0.0.1, on a port the system picks (read from the line it prints),
     ready when GET `ready_path` answers 200. Stopped by its pid (SIGTERM, then SIGKILL if it hangs)."""

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import LiveServer, cosines, optional, real_texts
+from helpers import LiveServer, cosines, optional, real_texts_that_fit
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -34,12 +34,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(minilm_path):
     """80 real texts of 5..256 tokens (a longer one is a 413 unless the request asks to truncate it)."""
-    import transformers
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
-    texts = real_texts(160)
-    fits = [t for t, ids in zip(texts, tokenizer(texts)["input_ids"]) if len(ids) <= 256]
-    assert len(fits) >= 80
-    return fits[:80]
+    return real_texts_that_fit(minilm_path, 80)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import LiveServer, optional, real_texts
+from helpers import LiveServer, cosines, optional, real_texts_that_fit
 
 from bench import procs
 
@@ -73,23 +73,13 @@ def server(cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(minilm_path):
     """120 real texts of 5..256 tokens."""
-    import transformers
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
-    texts = real_texts(240)
-    fits = [t for t, ids in zip(texts, tokenizer(texts)["input_ids"]) if len(ids) <= 256]
-    assert len(fits) >= 120
-    return fits[:120]
+    return real_texts_that_fit(minilm_path, 120)
 
 
 @pytest.fixture(scope="module")
 def reference(minilm_path, corpus):
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
     return st.SentenceTransformer(minilm_path, device="cpu").encode(corpus, batch_size=16)
-
-
-def cosines(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def replica_names() -> set:
