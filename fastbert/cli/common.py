@@ -74,6 +74,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def add_ray_address(group, doing: str) -> None:
+    """The --ray [ADDRESS] option of a command that can run on a Ray cluster; `doing` opens its help."""
+    group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help=f"{doing}: on the cluster at ADDRESS (auto, HOST:6379, ray://HOST:10001), else on "
+                            f"$RAY_ADDRESS, a cluster started here with `ray start`, or a new local one")
+
+
 def count(minimum: int):
     def parse(text: str) -> int:
         try:

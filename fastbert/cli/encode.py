@@ -11,6 +11,7 @@ from .common import (
     DTYPES,
     Parser,
     UsageError,
+    add_ray_address,
     count,
     default_model,
     device_of,
@@ -292,10 +293,7 @@ def encode_parser() -> Parser:
         "Ray: a corpus bigger than one process (pip install 'ray[data]>=2.60')",
         "--input is then a .txt/.jsonl/.parquet file or a folder of them, --output a folder of Parquet shards "
         "(id, embedding) that a rerun resumes; every Ray node must be able to read both and the model.")
-    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                     help="encode with a pool of Ray actors: on the cluster at ADDRESS (auto, HOST:6379, "
-                          "ray://HOST:10001), else on $RAY_ADDRESS, a cluster started here with `ray start`, or a "
-                          "new local one")
+    add_ray_address(ray, "encode with a pool of Ray actors")
     ray.add_argument("--workers", type=count(1), metavar="N", help="actors, each with its own copy of the model "
                      "(default: one per GPU; on CPU, the cluster's CPUs / --cpus-per-worker)")
     ray.add_argument("--gpus-per-worker", type=fraction, metavar="X",

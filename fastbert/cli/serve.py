@@ -19,7 +19,17 @@ import socket
 import sys
 import threading
 
-from .common import DTYPES, Parser, UsageError, count, default_model, device_of, fraction, parse_kernels
+from .common import (
+    DTYPES,
+    Parser,
+    UsageError,
+    add_ray_address,
+    count,
+    default_model,
+    device_of,
+    fraction,
+    parse_kernels,
+)
 
 EPILOG = """examples:
   python -m fastbert serve                                  the bundled all-MiniLM-L6-v2 on 127.0.0.1:8080
@@ -79,10 +89,7 @@ def serve_parser() -> Parser:
         "Each replica holds the model on one device and batches its own requests; Ray Serve's proxy on every node "
         "listens on --host/--port and routes each request to a replica. The model folder must be readable at the "
         "same path on every node.")
-    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                     help="serve as a Ray Serve deployment: on the cluster at ADDRESS (auto, HOST:6379, "
-                          "ray://HOST:10001), else on $RAY_ADDRESS, a cluster started here with `ray start`, or a "
-                          "new local one")
+    add_ray_address(ray, "serve as a Ray Serve deployment")
     ray.add_argument("--replicas", type=count(1), metavar="N",
                      help="a fixed number of replicas (default: one per GPU in the cluster; without GPUs, its CPUs / "
                           "--cpus-per-replica)")
@@ -206,6 +213,7 @@ def _check_ray_options(args) -> None:
 def serve_on_ray(args) -> int:
     """--ray: the app as a Ray Serve deployment behind Ray Serve's proxy, until SIGTERM or Ctrl-C."""
     try:
+        from ..distributed.cluster import connected
         from ..serve import ray as on_ray
         from ..serve.models import read_kind
     except ImportError as e:
@@ -215,7 +223,7 @@ def serve_on_ray(args) -> int:
     model = args.model or args.model_option
     read_kind(model if model is not None else default_model())  # a bad folder: one line, before any cluster
     port = args.port or _free_port(args.host)
-    with on_ray.connected(args.ray or None, log_to_driver=args.log_level == "debug") as resources:
+    with connected(args.ray or None, log_to_driver=args.log_level == "debug") as resources:
         replicas, gpus, cpus = replica_plan(args, resources)
         application = on_ray.deployment(
             model, replicas=replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,

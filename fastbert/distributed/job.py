@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..encode import Pipeline, SentenceEncoder, check_counts, check_pooling, check_truncate_dim, locate, resolve_prompt
-from . import corpus, shards
+from . import cluster, corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
 
 DEFAULT_ROWS_PER_SHARD = 10_000
@@ -316,15 +316,11 @@ def _finish(result: EncodedDataset, plan: _Plan) -> None:
 def _run(result: EncodedDataset, model: str, options: dict, encode: dict, job: dict, pending, *, workers,
          cpus_per_worker, gpus_per_worker, device, address, progress) -> None:
     ray = require_ray()
-    environment = dict(os.environ)
-    started_ray = not ray.is_initialized()
-    if not started_ray and address is not None:
+    if ray.is_initialized() and address is not None:
         raise ValueError(f"address={address!r}: this process is already connected to a Ray cluster (ray.init was "
                          f"called); leave address out to use it")
-    try:
-        if started_ray:
-            ray.init(address=address)
-        pool = _size_pool(ray.cluster_resources(), len(pending), workers, cpus_per_worker, gpus_per_worker, device)
+    with cluster.connected(address) as resources:
+        pool = _size_pool(resources, len(pending), workers, cpus_per_worker, gpus_per_worker, device)
         load = {k: v for k, v in options.items() if v is not None}
         load["device"] = pool["device"]
         context = ray.data.DataContext.get_current()
@@ -357,16 +353,6 @@ def _run(result: EncodedDataset, model: str, options: dict, encode: dict, job: d
             result.workers = sorted(workers_seen.values(), key=lambda w: w["ready_s"])
         finally:
             context.enable_progress_bars = saved
-    finally:
-        if started_ray:
-            ray.shutdown()
-            # ray.init sets variables in this process (PYTHONBREAKPOINT among them) that outlive the cluster
-            for name in set(os.environ) | set(environment):
-                if os.environ.get(name) != environment.get(name):
-                    if name in environment:
-                        os.environ[name] = environment[name]
-                    else:
-                        del os.environ[name]
 
 
 def _size_pool(resources: dict, pending: int, workers, cpus_per_worker, gpus_per_worker, device) -> dict:

@@ -166,29 +166,6 @@ class DeploymentFailed(Exception):
     """The application could not start: its message is the reason (the model's own error where a replica gave one)."""
 
 
-@contextlib.contextmanager
-def connected(address: Optional[str], log_to_driver: bool = False):
-    """This process connected to a Ray cluster (ray.init(address): None follows $RAY_ADDRESS, then a cluster started
-    on this machine with `ray start`, else a new local one), yielding its resources; disconnected after (a cluster
-    that ray.init started here stops with it). A process already connected is left as it is. log_to_driver: the
-    replicas' output here too (it is always in Ray's logs, /tmp/ray/session_latest/logs on each node)."""
-    environment = dict(os.environ)
-    here = not ray.is_initialized()
-    if here:
-        ray.init(address=address, log_to_driver=log_to_driver)
-    try:
-        yield ray.cluster_resources()
-    finally:
-        if here:
-            ray.shutdown()
-            for name in set(os.environ) | set(environment):  # ray.init sets variables that outlive the connection
-                if os.environ.get(name) != environment.get(name):
-                    if name in environment:
-                        os.environ[name] = environment[name]
-                    else:
-                        del os.environ[name]
-
-
 def serve_running() -> bool:
     """Ray Serve already runs on the connected cluster (its proxies keep the host and port they started with)."""
     return bool(serve.status().proxies)
