@@ -1,9 +1,28 @@
-"""This machine's processes as Linux's /proc shows them: their command lines, their ancestry, their CPU time. For
-the tests and benchmarks that watch the processes a Ray cluster or a server starts."""
+"""This machine's processes as Linux's /proc shows them (their command lines, their ancestry, their CPU time), and
+the local Ray cluster the tests and benchmarks start: for those that watch the processes a Ray cluster or a server
+starts."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+
+
+@contextlib.contextmanager
+def local_ray_cluster():
+    """A local Ray cluster for a test module or a benchmark: 2 CPUs, no dashboard, a 200 MiB object store, the
+    workers' output in Ray's logs only. Yields its address. ray.init sets variables in this process
+    (PYTHONBREAKPOINT, RAY_*) that outlive ray.shutdown: they are put back with the cluster."""
+    import ray
+
+    environment = dict(os.environ)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def command_lines() -> dict[int, str]:

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from bench import harness
+from bench import harness, procs
 
 ray = pytest.importorskip("ray", reason="Ray Data is an optional extra (pip install -e '.[ray]')")
 pytestmark = pytest.mark.xdist_group("ray")  # a local Ray cluster, one worker at a time
@@ -38,17 +38,11 @@ VARIANTS = [("single-process", None, None), ("1 worker x 1 CPU", 1, 1), ("2 work
 
 @pytest.fixture(scope="module")
 def cluster():
-    environment = dict(os.environ)
+    """A local Ray cluster for the module (bench.procs.local_ray_cluster), yielding the seconds it took to start."""
     import ray.data  # noqa: F401
     started = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
-    seconds = time.perf_counter() - started
-    try:
-        yield seconds
-    finally:
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(environment)
+    with procs.local_ray_cluster():
+        yield time.perf_counter() - started
 
 
 @pytest.fixture(scope="module")

@@ -79,17 +79,10 @@ def reference(corpus_dir, minilm_path):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster for the module: 2 CPUs, no dashboard, a small object store. ray.init sets variables in
-    this process (PYTHONBREAKPOINT, RAY_*) that outlive ray.shutdown: they are put back with the cluster."""
-    environment = dict(os.environ)
+    """A local Ray cluster for the module (bench.procs.local_ray_cluster)."""
     import ray.data  # noqa: F401  (imported before the tests: its import is not part of any test's state)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(environment)
+    with procs.local_ray_cluster() as address:
+        yield address
 
 
 def assert_same_embeddings(folder, reference, ids):

@@ -41,19 +41,12 @@ COSINE = 0.99999
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster for the module: 2 CPUs, no dashboard. ray.init sets variables in this process that
-    outlive ray.shutdown: they are put back with the cluster."""
-    environment = dict(os.environ)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
+    """A local Ray cluster for the module (bench.procs.local_ray_cluster); Ray Serve shut down before it."""
+    with procs.local_ray_cluster() as address:
         try:
-            serve.shutdown()
+            yield address
         finally:
-            ray.shutdown()
-            os.environ.clear()
-            os.environ.update(environment)
+            serve.shutdown()
 
 
 @pytest.fixture(scope="module")
