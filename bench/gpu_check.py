@@ -8,6 +8,12 @@
     python bench/gpu_check.py --dry-run --cold-compile-s S [OUT_DIR]
                                                    the dry run on a simulated cold GPU machine: the first launch of
                                                    each JIT key the GPU run would compile costs S seconds
+    --only STEPS --require-all                     only those steps (names or prefixes), and a step the deadline
+                                                   leaves no time for fails the run (.ci/run runs the dry run's
+                                                   kernel checks so)
+
+The exit status is 1 when any step or kernel check failed, crashed or timed out (with --require-all: or was left
+out for lack of time), 0 otherwise.
 
 Every step is its own process with its own timeout, and writes its results as they come: one JSON line per step,
 per kernel check and per benchmark case is appended (and flushed) to OUT_DIR/results.jsonl, and gpu_check.json is
@@ -33,7 +39,8 @@ rewritten after every step. The steps, the headline first, under one deadline (-
      the kernel's mask read off its output), attention (plain varlen, padded rows, grouped k/v heads, window + rotary,
      MPNet's bias, DeBERTa's terms, dropout: one-hot values expose the kernel's mask); a variant listed in NOT_BUILT
      is a skip saying "not built", a refusal of any other variant a failure. The dry run runs them in fp16 (the
-     interpreter has no bf16 tl.dot)
+     interpreter has no bf16 tl.dot); there, for the trained score terms (MPNet's bias, DeBERTa's terms), the 16-bit
+     baseline is HF's eager attention in fp16, since torch runs the twin in fp32 (TRAINED_SCORE_TERMS)
   training, bf16, one process per case, HF sdpa first: one AdamW fine-tuning step (forward in train mode with
      dropout, loss, backward, optimizer step, zero_grad; bench/test_bench_train.py) of BERT-base on 32 ragged rows of
      16..512 (full fine-tuning, then PEFT LoRA r=8 on query+value), on 32x128 (full), and of ModernBERT-base on the
@@ -156,6 +163,12 @@ TINY_MODEL = {"bert-base": "tiny", "distilbert-base": "tiny-distilbert", "mpnet-
 CONFIG_FAMILIES = ("gemm-tma-bf16", "gemm-tma-fp16", "gemm-ptr", "attention")  # one process each, at once
 # smoke-backward's attention variants, in order
 BACKWARD_ATTENTION = ("varlen", "padded", "gqa", "window-rotary", "bias", "disentangled", "dropout")
+# The variants whose score terms are trained (MPNet's bias table, DeBERTa's c2p / p2c): sdpa gets a mask that requires
+# grad. On the CPU, sdpa's fused kernel has no mask gradient, so torch runs its math fallback, which computes fp16 /
+# bf16 in fp32 and rounds once at the end: the twin's 16-bit gradients there are bit for bit its fp32 gradients rounded
+# (bench/test_bench_tools.py pins it). That is no 16-bit baseline; those checks measure HF's eager attention in the
+# dtype instead (KernelChecks.attention_backward).
+TRAINED_SCORE_TERMS = ("bias", "disentangled")
 # smoke-backward's variants the units do not build yet, by check name without its dtype ("attention-dropout"): a
 # train_kernel that refuses one of these is a skip saying "not built"; one that refuses any other variant fails its
 # check. Every variant is built today.
@@ -528,7 +541,8 @@ def run_steps(steps: list[Step], rec: Recorder, env: dict, deadline: float, valu
             left = deadline - time.time()
             if left < 15 or step.info.get("skip"):
                 why = step.info.get("skip") or f"{max(0, left):.0f} s left of the budget"
-                record = {"stage": step.stage, "step": step.name, "status": "skipped", "why": why}
+                record = {"stage": step.stage, "step": step.name, "status": "skipped", "why": why,
+                          **({} if step.info.get("skip") else {"over_budget": True})}
                 rec.append(record)
                 rec.report["steps"].append(record)
                 log(f"{step.name}: skipped ({why})")
@@ -820,12 +834,13 @@ class KernelChecks:
     fp32 at most the twin's error + 1e-5. `launch_only`: launch the kernel and stop (bench/compile_keys.py records
     what a check launches; no twin, no reference)."""
 
-    def __init__(self, device: str, dry_run: bool, launch_only: bool = False):
+    def __init__(self, device: str, dry_run: bool, launch_only: bool = False, seed: int = 0):
         import torch
 
         from fastbert.kernels import utils
 
         self.torch, self.device, self.dry_run, self.launch_only = torch, device, dry_run, launch_only
+        self.seed = seed  # shifts every input's seed: the same checks on other draws (bench/test_bench_tools.py)
         self.interpret = utils.INTERPRET
         self.dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         self.sm90 = launch_only or (device == "cuda" and torch.cuda.get_device_capability()[0] == 9)
@@ -833,7 +848,7 @@ class KernelChecks:
 
     def make(self, shape, dtype, scale=1.0, shift=0.0, seed=0):
         torch = self.torch
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(seed + 1000 * self.seed)
         return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype).to(self.device)
 
     def poisoned(self, shape, dtype):
@@ -1210,13 +1225,35 @@ class KernelChecks:
         if self.launch_only:
             return facts
         torch.manual_seed(1234)
-        twin = self.grads(call(unit.twin, self.device, dtype), inputs, up)
         cpu64 = {k: None if t is None else t.double().cpu() for k, t in inputs.items()}
         up64 = [u.double().cpu() for u in up]
         if variant != "dropout":
+            if self.device == "cpu" and dtype != torch.float32 and variant in TRAINED_SCORE_TERMS:
+                # the twin runs in fp32 here (TRAINED_SCORE_TERMS says why): HF's eager attention in the dtype is
+                # the 16-bit baseline, its scores, score terms, probabilities and output each rounded to the dtype
+                # (flash-attention's rule: its reference without upcasting)
+                facts["baseline"] = "eager"
+
+                def eager(qkv, bias, c2p, p2c):
+                    terms = None if c2p is None else twins.Disentangled(c2p, p2c, column)
+                    outs = []
+                    for s, n in zip(cu.tolist(), lengths):
+                        q, k, v = qkv[s:s + n].permute(1, 2, 0, 3)  # [nh, L, hd] each
+                        scores = q @ k.transpose(-1, -2) * scale  # [nh, L, L]
+                        if bias is not None:
+                            scores = scores + twins.relative_bias(bias, n, n, qkv.dtype)
+                        if terms is not None:
+                            scores = scores + unit.disentangled_bias(terms, s, n).to(qkv.dtype)
+                        outs.append((torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(n, T_out))
+                    return torch.cat(outs)
+                twin = self.grads(eager, inputs, up)
+            else:
+                facts["baseline"] = "twin"
+                twin = self.grads(call(unit.twin, self.device, dtype), inputs, up)
             ref_call = call(unit.twin, "cpu", torch.float64)
             ref64 = self.grads(lambda **t: ref_call(**t), cpu64, up64)  # (rotary tables stay fp32, as the model's)
             return {**self.compare_grads(dtype, kernel, twin, ref64), **facts}
+        twin = self.grads(call(unit.twin, self.device, dtype), inputs, up)
 
         def kept(out):  # [nh, L, L] per sequence: the kept, rescaled probabilities each query's row holds
             rows = out.double().cpu().view(-1, num_heads, head_dim)
@@ -1645,10 +1682,18 @@ def check_summary(records: list[dict]) -> str:
     lines += ["", "### Kernel checks (against the twin and fp64)", ""]
     lines += [f"- {step}: " + ", ".join(f"{n} {s}" for s, n in sorted(c.items())) for step, c in counts.items()]
     bad = [r for r in checks if r["status"] == "failed"]
-    lines += [f"  - FAILED {r['step']} {r['check']}: "
-              + (r.get("error") or f"err {r.get('err')} > bound {r.get('bound')} (finite: {r.get('finite')})")
-              for r in bad]
+    lines += [f"  - FAILED {r['step']} {r['check']}: " + (r.get("error") or _over_bound(r)) for r in bad]
     return "\n".join(lines) + "\n"
+
+
+def _over_bound(r: dict) -> str:
+    """A failed check's figures: its err and bound, or (a backward check) each tensor over its bound."""
+    if "tensors" not in r:
+        return f"err {r.get('err')} > bound {r.get('bound')} (finite: {r.get('finite')})"
+    over = [f"{name} " + (t if isinstance(t, str) else f"err {t['err']:.3g} > bound {t['bound']:.3g} (the "
+                          f"{r.get('baseline', 'twin')}'s {t['twin_err']:.3g}; finite: {t['finite']})")
+            for name, t in r["tensors"].items() if isinstance(t, str) or not (t["finite"] and t["err"] <= t["bound"])]
+    return "; ".join(over)
 
 
 def timeline(records: list[dict], cold_s: float | None) -> str:
@@ -1687,6 +1732,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-compile-s", type=float, default=None, metavar="S",
                         help="with --dry-run: simulate a cold GPU machine, where the first launch of each JIT key "
                              "the GPU run would compile (bench/compile_keys.json) costs S seconds")
+    parser.add_argument("--require-all", action="store_true",
+                        help="a step the deadline leaves no time for fails the run (CI: every step chosen must run)")
     parser.add_argument("--no-background", action="store_true",
                         help="no background compile workers (every step compiles what it needs itself)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a step's own process
@@ -1704,6 +1751,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child_main(args.child, args.results, args.dry_run)
     steps = select(plan(args.dry_run), args.only)
+    unknown = [w for w in (args.only or "").split(",") if w.strip() and not select(steps, w)]
+    if unknown:  # a renamed step must not turn a CI run into one that checks nothing
+        parser.error(f"--only: no step is named or starts with {', '.join(map(repr, unknown))}")
     if args.plan:
         for step in steps:
             together = f"  (at once with the rest of {step.group})" if step.group else ""
@@ -1784,7 +1834,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(text)
     print(text, flush=True)
     failed = [r["step"] + ("/" + r["check"] if "check" in r else "") for r in records
-              if r["status"] in ("failed", "crashed", "timed_out")]
+              if r["status"] in ("failed", "crashed", "timed_out") or args.require_all and r.get("over_budget")]
     rec.report["failed"] = failed
     rec.save()
     log(f"done in {rec.report['seconds']} s; results in {out_dir}; failed: {failed or 'none'}")
