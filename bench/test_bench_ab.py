@@ -25,6 +25,12 @@ Cells (the CPU goals of padding-free execution):
   eurobert-210m 16xvar64-2048
                          EuroBERT-210m's shape (random weights; pre-norm RMSNorm, SwiGLU) against HF sdpa, 16 rows
                          of 64..2,048 (goal >= 2.5x)
+  qwen3-embedding-0.6b 16xvar64-2048, embeddinggemma-300m 16xvar64-2048
+                         the decoder embedders: Qwen3-Embedding-0.6B's layer geometry (causal, grouped key/value
+                         heads of 128, q/k norms; 2 of its 28 layers) and EmbeddingGemma-300m's (bidirectional,
+                         3 query heads over 1 key/value head of 256, windows of 512 on 5 of every 6 layers; 6 of its
+                         24 layers), random weights, real vocabularies, against HF sdpa, 16 rows of 64..2,048 (goal
+                         >= 1.8x or the cell's FLOP ratio, `harness.flop_ceiling`, in extra_info)
   deberta-v3-base 32xvar16-512
                          DeBERTa-v3-base's shape (random weights) against HF eager (it has no other attention): the
                          ragged batch, HF padding every row to 512 with its [B*nh, S, S] c2p/p2c gathers
@@ -53,11 +59,14 @@ CASES = {  # id: (model, cell, rounds, warm-up rounds)
     "nomic-embed-base-32xvar16-512": ("nomic-embed-base", harness._varlen(32, 16, 512), 3, 0),
     "gte-base-16xvar64-2048": ("gte-base", harness._varlen(16, 64, 2048), 2, 0),
     "eurobert-210m-16xvar64-2048": ("eurobert-210m", harness._varlen(16, 64, 2048), 2, 0),
+    "qwen3-embedding-0.6b-16xvar64-2048": ("qwen3-embedding-0.6b", harness._varlen(16, 64, 2048), 2, 0),
+    "embeddinggemma-300m-16xvar64-2048": ("embeddinggemma-300m", harness._varlen(16, 64, 2048), 2, 0),
 }
 
 
 # Too slow for the one-pass check of `pytest bench --benchmark-disable` (CI): HF's reference forward alone is 100-190 s
-SLOW_MODELS = ("modernbert-base", "deberta-v3-base", "nomic-embed-base", "gte-base", "eurobert-210m")
+SLOW_MODELS = ("modernbert-base", "deberta-v3-base", "nomic-embed-base", "gte-base", "eurobert-210m",
+               *harness.DECODER_EMBEDDERS)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -109,4 +118,5 @@ def test_ab_fastbert_torch_vs_hf_cpu(bank, benchmark, case):
         baseline=baseline, real_tokens=batch.real_tokens, padded_tokens=batch.padded_tokens,
         **{f"{name}_median_s": m for name, m in medians.items()},
         **{f"{name}_tokens_per_s": batch.real_tokens / m for name, m in medians.items()},
-        **{f"ratio_fastbert_over_{baseline.replace('-', '_')}": medians[baseline] / medians["fastbert-torch"]})
+        **{f"ratio_fastbert_over_{baseline.replace('-', '_')}": medians[baseline] / medians["fastbert-torch"]},
+        **harness.flop_ceiling(bank.master(model).config, cell.lengths()))

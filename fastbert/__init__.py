@@ -12,11 +12,13 @@ from .models import (  # noqa: E402
     DistilBertModel,
     ElectraModel,
     EuroBertModel,
+    Gemma3TextModel,
     GteModel,
     JinaEmbeddingsV3Model,
     ModernBertModel,
     MPNetModel,
     NomicBertModel,
+    Qwen3Model,
     RobertaModel,
     XLMRobertaModel,
 )
@@ -25,6 +27,7 @@ from .version import __version__  # noqa: F401
 
 __all__ = ["AutoModel", "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel",
            "DistilBertModel", "MPNetModel", "ModernBertModel", "DebertaV2Model", "JinaEmbeddingsV3Model",
-           "NomicBertModel", "GteModel", "EuroBertModel", "MODEL_TYPES", "OPS", "BACKENDS",
+           "NomicBertModel", "GteModel", "EuroBertModel", "Qwen3Model", "Gemma3TextModel", "MODEL_TYPES", "OPS",
+           "BACKENDS",
            "optimize", "restore", "SentenceEncoder", "encode", "encode_dataset", "load_embeddings", "export_onnx",
            "batch_invariant"]

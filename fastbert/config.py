@@ -107,7 +107,7 @@ def check_supported(config, where: str = "config") -> None:
     if values["hidden_act"] not in ACTIVATIONS:
         raise NotImplementedError(f"{where}: {family.raw_name('hidden_act')}={values['hidden_act']!r} is not "
                                   f"supported; supported: {', '.join(ACTIVATIONS)}")
-    if values["hidden_size"] % values["num_attention_heads"]:
+    if values["hidden_size"] % values["num_attention_heads"] and not family.head_dim_field:
         raise ValueError(f"{where}: {family.raw_name('hidden_size')}={values['hidden_size']} is not a multiple of "
                          f"{family.raw_name('num_attention_heads')}={values['num_attention_heads']}")
     kv_heads = getattr(config, "num_key_value_heads", None)  # EuroBERT's grouped-query attention
@@ -116,10 +116,21 @@ def check_supported(config, where: str = "config") -> None:
         raise ValueError(f"{where}: num_key_value_heads={kv_heads!r} must be a positive integer dividing "
                          f"num_attention_heads={values['num_attention_heads']}")
     head_dim = getattr(config, "head_dim", None)  # NomicBERT's config may set one apart from hidden / heads
-    if isinstance(head_dim, int) and head_dim * values["num_attention_heads"] != values["hidden_size"]:
+    if family.head_dim_field:  # Qwen3: the heads' width is the config's own
+        if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2
+                                     or head_dim % 2):
+            raise ValueError(f"{where}: head_dim={head_dim!r} must be an even positive integer (rotary halves it)")
+    elif isinstance(head_dim, int) and head_dim * values["num_attention_heads"] != values["hidden_size"]:
         raise NotImplementedError(f"{where}: head_dim={head_dim} is not supported: fastbert's heads split "
                                   f"hidden_size={values['hidden_size']} into num_attention_heads="
                                   f"{values['num_attention_heads']}")
+    if family.causal and (getattr(config, "use_sliding_window", False)
+                          or rotary.SLIDING in (getattr(config, "layer_types", None) or ())):
+        raise NotImplementedError(f"{where}: use_sliding_window=True is not supported for model_type={model_type!r}: "
+                                  f"fastbert runs its causal layers over the whole sequence (Qwen3-Embedding's "
+                                  f"checkpoints have no sliding layers)")
+    if family.norm == "sandwich":
+        check_gemma(config, where)
     if family.attention_bias == "buckets" and values["relative_attention_num_buckets"] is None:
         raise ValueError(f"{where}: field 'relative_attention_num_buckets' must be set for model_type={model_type!r}")
     if family.attention_bias == "disentangled":
@@ -135,6 +146,22 @@ def check_supported(config, where: str = "config") -> None:
         if values["max_position_embeddings"] <= pad + 1:
             raise ValueError(f"{where}: max_position_embeddings={values['max_position_embeddings']} leaves no "
                              f"position after padding_idx={pad} (positions start at padding_idx + 1)")
+
+
+def check_gemma(config, where: str = "config") -> None:
+    """Gemma 3 as EmbeddingGemma runs it: attending both ways, no logit soft-capping, a positive sliding window and a
+    query_pre_attn_scalar; anything else is refused by name."""
+    if not getattr(config, "use_bidirectional_attention", False):
+        raise NotImplementedError(f"{where}: use_bidirectional_attention=False is not supported: fastbert runs Gemma 3 "
+                                  f"as an encoder, attending both ways (EmbeddingGemma's configuration)")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise NotImplementedError(f"{where}: attn_logit_softcapping={softcap!r} is not supported (EmbeddingGemma has "
+                                  f"none)")
+    for name in ("sliding_window", "query_pre_attn_scalar"):
+        value = getattr(config, name, None)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: field {name!r} must be a positive number, got {value!r}")
 
 
 # DeBERTa-v2's attention terms (HF's DisentangledSelfAttention: "p2p" and others are not computed there either)

@@ -17,6 +17,9 @@ optimizer groups are HF's own), what its config calls each field, and which valu
     nomic_bert  word + type, LayerNorm; rotary q/k     none                    asked   ...WithPooling
     gte         word (+ type), LayerNorm; rotary q/k   none                    asked   ...WithPooling
     eurobert    word alone (embed_tokens); rotary q/k  none                    no      BaseModelOutput
+    qwen3       word alone (embed_tokens); rotary q/k  none; causal            no      BaseModelOutputWithPast
+    gemma3_text word alone times sqrt(H); rotary q/k    none; a window on the   no      BaseModelOutputWithPast
+                                                      "sliding" layers
 
 DeBERTa-v2/v3's attention adds content-to-position and position-to-content terms gathered at one bucketed column
 per distance (twins.Disentangled); its heads keep their ContextPooler themselves.
@@ -31,6 +34,9 @@ The layer's axes, each named for what it does, and the shape they pick (fastbert
     jina-v3     post  no          plain  none            no       sum         rotary       rotary_post_norm
     nomic, gte  post  no          gated  none            no       sum         rotary       rotary_post_norm
     eurobert    pre   yes (RMS)   gated  none            no       table       rotary       rms_pre_norm
+    qwen3       pre   yes (RMS)   gated  none            no       table       rotary       rms_pre_norm (causal,
+                                                                                           q/k RMSNorm per head)
+    gemma3_text sandwich yes (1+w) gated none            yes      table       rotary       sandwich_norm
 
 Post-norm: x = LN(x + attention), x = LN(x + FFN). Pre-norm with a final norm and a gated MLP: x = x +
 attention(LN1(x)), x = x + Wo(act(a) * g) for [a, g] = LN2(x) @ Wi^T; ModernBERT's checkpoints already hold q/k/v
@@ -62,15 +68,24 @@ class Family:
     layer: dict  # role -> HF's module path inside one layer
     dropouts: dict  # kind (DROPOUT_KINDS) -> (HF's module path inside one layer, the config field of its p)
     # ---- the axes a layer is read along (fastbert/layers/ holds one file per layer shape) ----
-    norm: str = "post"  # "post": x = LN(x + sublayer(x)); "pre": x = x + sublayer(LN(x)), layer 0 without the first LN
+    norm: str = "post"  # "post": x = LN(x + sublayer(x)); "pre": x = x + sublayer(LN(x)), layer 0 without the first LN;
+    # "sandwich": x = x + LN_after(sublayer(LN_before(x))), a norm before and after each sublayer (Gemma 3)
     final_norm: bool = False  # a norm after the last layer
     final_norm_name: str = "final_norm"  # its HF module name on the model (EuroBERT: "norm")
-    norm_kind: str = "layer"  # "layer": LayerNorm; "rms": RMSNorm, no bias, no mean (EuroBERT)
+    norm_kind: str = "layer"  # "layer": LayerNorm; "rms": RMSNorm, no bias, no mean (EuroBERT); "rms_offset": RMSNorm
+    # scaled by (1 + w), in float32 throughout (Gemma's)
     mlp: str = "plain"  # "plain": act(x W1 + b1) W2 + b2; "gated": act(a) * g for [a, g] = x Wi^T, then Wo
     attention_bias: str = "none"  # what attention adds to its scores: "none"; "buckets": a bias by (head, bucket of
     # j - i), one table per forward (MPNet); "disentangled": content-to-position and position-to-content terms from
     # rel_embeddings (DeBERTa-v2)
     windows: bool = False  # a sliding window on the layers the config names local
+    causal: bool = False  # attention direction: query i sees keys j <= i only (Qwen3); False: both ways
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before rotary (Qwen3's q_norm / k_norm)
+    embed_scale: bool = False  # the token table's rows times sqrt(hidden_size) (Gemma)
+    attention_scale: str = "head_dim"  # the scores' scale: 1/sqrt(head_dim), or "query_pre_attn_scalar":
+    # 1/sqrt(config.query_pre_attn_scalar) (Gemma)
+    head_dim_field: bool = False  # the config's head_dim sets the heads' width, whatever hidden_size / heads is
+    # (Qwen3: 16 heads of 128 over hidden 1,024); the attention output dense maps nh * head_dim back to hidden_size
     embeddings: str = "sum"  # "sum": word (+ type) + position tables, LayerNorm; "tokens": the word table, LayerNorm
     # (positions rotate q and k); "masked": the tables the config keeps, a projection, LayerNorm, zero at padding;
     # "table": the word table alone, held by the model at HF's name (EuroBERT's embed_tokens)
@@ -110,6 +125,12 @@ class Family:
 
     def raw_name(self, name: str) -> str:
         return self.fields.get(name, name)
+
+    def head_dim(self, config) -> int:
+        """The width of one attention head: the config's head_dim where the family reads one, else hidden / heads."""
+        if self.head_dim_field and getattr(config, "head_dim", None):
+            return config.head_dim
+        return config.hidden_size // config.num_attention_heads
 
 
 _BERT_LAYER = {"query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
@@ -215,6 +236,39 @@ EUROBERT = Family(
     fields={"layer_norm_eps": "rms_norm_eps", "attention_probs_dropout_prob": "attention_dropout"},
     fixed={"hidden_dropout_prob": 0.0}, output="BaseModelOutput", min_transformers="5.24.0")
 
+# Qwen3 (Qwen3-Embedding): Llama's layer with causal attention, an RMSNorm over each head's q and k (q_norm, k_norm,
+# on head_dim) before rotary, head_dim read from the config, no biases in the MLP (attention_bias for q/k/v/o), HF's
+# module order self_attn (q, k, v, o, q_norm, k_norm), mlp, input_layernorm, post_attention_layernorm.
+_QWEN3_LAYER = {**_ROTARY_ATTENTION, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_out": "mlp.down_proj",
+                "ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+QWEN3 = Family(
+    "qwen3", "Qwen3", "model.", "rotary", _QWEN3_LAYER,
+    {"attention": ("self_attn.attention_dropout", _ATTN_P)},  # a float on the attention module, its only dropout
+    norm="pre", final_norm=True, final_norm_name="norm", norm_kind="rms", mlp="gated", embeddings="table",
+    causal=True, qk_norm=True, head_dim_field=True, token_types=False, pooler=False, layers="layers",
+    fields={"layer_norm_eps": "rms_norm_eps", "attention_probs_dropout_prob": "attention_dropout"},
+    fixed={"hidden_dropout_prob": 0.0}, output="BaseModelOutputWithPast", min_transformers="5.0.0")
+
+# Gemma 3 run both ways (EmbeddingGemma: transformers' Gemma3TextModel with use_bidirectional_attention): sandwich
+# norms (input_layernorm and post_attention_layernorm around attention, pre_ / post_feedforward_layernorm around the
+# MLP), every norm Gemma's (1 + w) RMSNorm, q/k norms of that kind per head, the scores scaled by
+# 1/sqrt(query_pre_attn_scalar), sliding and full layers from layer_types (a sliding layer sees |i - j| <
+# sliding_window), a rope per layer type, a tanh-GELU gated MLP, the token table times sqrt(hidden_size).
+_GEMMA3_LAYER = {**_ROTARY_ATTENTION, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_out": "mlp.down_proj",
+                 "ln1": "input_layernorm", "ln_after_attention": "post_attention_layernorm",
+                 "ln2": "pre_feedforward_layernorm", "ln_after_ffn": "post_feedforward_layernorm"}
+GEMMA3_TEXT = Family(
+    "gemma3_text", "Gemma 3", "model.", "rotary", _GEMMA3_LAYER,
+    {"attention": ("self_attn.attention_dropout", _ATTN_P)},
+    norm="sandwich", final_norm=True, final_norm_name="norm", norm_kind="rms_offset", mlp="gated", windows=True,
+    embeddings="table", qk_norm=True, embed_scale=True, attention_scale="query_pre_attn_scalar", head_dim_field=True,
+    token_types=False, pooler=False, layers="layers",
+    fields={"layer_norm_eps": "rms_norm_eps", "hidden_act": "hidden_activation",
+            "attention_probs_dropout_prob": "attention_dropout"},
+    fixed={"hidden_dropout_prob": 0.0}, output="BaseModelOutputWithPast", min_transformers="5.0.0")
+
 # model_type -> (family, transformers' encoder class of that model_type)
 MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel"),
                "xlm-roberta": (ROBERTA, "XLMRobertaModel"), "camembert": (ROBERTA, "CamembertModel"),
@@ -222,7 +276,8 @@ MODEL_TYPES = {"bert": (BERT, "BertModel"), "roberta": (ROBERTA, "RobertaModel")
                "mpnet": (MPNET, "MPNetModel"), "modernbert": (MODERNBERT, "ModernBertModel"),
                "deberta-v2": (DEBERTA_V2, "DebertaV2Model"),
                "jina_embeddings_v3": (JINA_V3, "JinaEmbeddingsV3Model"), "nomic_bert": (NOMIC_BERT, "NomicBertModel"),
-               "gte": (GTE, "GteModel"), "eurobert": (EUROBERT, "EuroBertModel")}
+               "gte": (GTE, "GteModel"), "eurobert": (EUROBERT, "EuroBertModel"),
+               "qwen3": (QWEN3, "Qwen3Model"), "gemma3_text": (GEMMA3_TEXT, "Gemma3TextModel")}
 
 
 def of(config) -> Family:

@@ -49,6 +49,8 @@ JinaEmbeddingsV3Model = CLASSES["jina_embeddings_v3"]
 NomicBertModel = CLASSES["nomic_bert"]
 GteModel = CLASSES["gte"]
 EuroBertModel = CLASSES["eurobert"]
+Qwen3Model = CLASSES["qwen3"]
+Gemma3TextModel = CLASSES["gemma3_text"]
 
 
 def _class_of(config) -> type:

@@ -65,16 +65,18 @@ def qkv_projection(x, weight, bias, num_heads: int, *, backend: str = "torch") -
 
 def attention(qkv, attn, scale: float, *, dropout_p: float = 0.0, return_probs: bool = False,
               backend: str = "torch", bias: torch.Tensor | None = None, window: int | None = None,
-              rotary=None, disentangled=None, kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              rotary=None, disentangled=None, kv_heads: int | None = None,
+              causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attn`: a TokenLayout (packed, padding-free) or an AttentionMask (padded rows). `bias`, `window`, `rotary`,
-    `disentangled`, `kv_heads`: the fields of units.attention.Extras (a per-distance bias table, a sliding window,
-    rotary cos/sin, DeBERTa's c2p/p2c terms, grouped key/value heads: qkv [T, nh + 2 kv, hd])."""
+    `disentangled`, `kv_heads`, `causal`: the fields of units.attention.Extras (a per-distance bias table, a sliding
+    window, rotary cos/sin, DeBERTa's c2p/p2c terms, grouped key/value heads: qkv [T, nh + 2 kv, hd], keys at or
+    before each query only)."""
     padded = None
     if return_probs:
         padded = "output_attentions=True needs the probabilities (flash attention never forms them)"
     elif isinstance(attn, AttentionMask) and attn.custom:
         padded = "a custom 3-D/4-D attention mask was given (the kernel takes a [B, S] key mask)"
-    extras = Extras(bias, window, rotary, disentangled, kv_heads)
+    extras = Extras(bias, window, rotary, disentangled, kv_heads, causal)
     twin = lambda: _attention.twin(qkv, attn, scale, dropout_p, return_probs, extras)  # noqa: E731
     tables = (bias, *(rotary or ()), *(() if disentangled is None else (disentangled.c2p, disentangled.p2c)))
     train = _needs_grad(qkv, *tables) or dropout_p > 0

@@ -68,6 +68,12 @@ A padded query (key_valid given) gets HF's value when `uniform_padded_queries` i
 mask_i * mask_j, so such a query's scores are all finfo.min and its softmax is uniform over the row's S keys;
 `launch` writes the row's mean value there after the kernel (as for a window that holds only padding).
 
+Causal (optional, Qwen3's decoder layers). Query i sees key j only when j <= i (positions in the sequence). A query
+block stops its key loop at the block holding its last query: no key block above the diagonal is loaded or computed,
+so a causal forward costs about half the score tiles of a bidirectional one; inside the diagonal's block the keys
+after each query get -inf. Every query sees at least itself, so no live row is empty; with key_valid, a query before
+its row's first real key (left padding) sees no real key, and `launch` writes HF eager's uniform answer there.
+
 Layout. qkv is [T, 3, nh, hd]: the natural view of the QKV GEMM's [T, 3H] output, read through its strides (only hd
 must be unit-stride), so no transpose or .contiguous() copy is made. The output is [T, nh*hd], exactly what the
 attention output dense reads.
@@ -178,6 +184,7 @@ def _attention_fwd_kernel(
     HAS_P2C: tl.constexpr = False,  # add its position-to-content term, gathered from p2c per key column
     STORE_LSE: tl.constexpr = False,  # also store the log-sum-exp the backward reads (off: inference's code)
     DROPOUT: tl.constexpr = False,  # drop probabilities (training): keep bits from Philox at each (head, query, key)
+    CAUSAL: tl.constexpr = False,  # query i sees keys j <= i only: key blocks past the query block are not visited
 ):
     # Grid: (query blocks x sequences, heads), query blocks fastest, so the programs that run together share one
     # sequence's and one head's K/V. Sequences ride on grid x (up to 2^31 - 1), not y/z (65535).
@@ -272,6 +279,10 @@ def _attention_fwd_kernel(
         q_first = pid_m * BLOCK_M
         lo = tl.maximum(q_first - win, 0) // BLOCK_N * BLOCK_N
         hi = tl.minimum(hi, q_first + BLOCK_M + win)
+    if CAUSAL:
+        # No key block above the diagonal is visited: the last one holds the block's last query. About half of a
+        # sequence's blocks, so about half the work of attending both ways.
+        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M)
     for start_n in range(loop_bound(lo), loop_bound(hi), BLOCK_N):
         offs_n = start_n + offs_nb
         in_range = offs_n < n_end
@@ -300,6 +311,8 @@ def _attention_fwd_kernel(
                 key_valid = tl.load(key_valid_ptr + seq * stride_mask_b + offs_n * stride_mask_s,
                                     mask=offs_n < kv_end, other=0)
                 scores = tl.where((key_valid != 0)[None, :], scores, MASKED)
+            if CAUSAL:
+                near = near & (offs_n[None, :] <= offs_m[:, None])
             scores = tl.where(in_range[None, :] & near, scores, float("-inf"))
         else:
             if HAS_MASK:
@@ -309,7 +322,10 @@ def _attention_fwd_kernel(
                 keep = (key_valid != 0) & in_range
             else:
                 keep = in_range
-            scores = tl.where(keep[None, :], scores, float("-inf"))
+            if CAUSAL:  # the diagonal's block: the keys after each query
+                scores = tl.where(keep[None, :] & (offs_n[None, :] <= offs_m[:, None]), scores, float("-inf"))
+            else:
+                scores = tl.where(keep[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
@@ -426,7 +442,7 @@ def _prune(configs, named_args, **kwargs):
 # apart.
 _attention_fwd = utils.autotune(_attention_fwd_kernel, _all_configs(),
                                 ["HEAD_DIM", "INPUT_PRECISION", "seq_bucket", "HAS_WINDOW", "window", "HAS_ROTARY",
-                                 "HAS_C2P", "HAS_P2C", "DROPOUT"],
+                                 "HAS_C2P", "HAS_P2C", "DROPOUT", "CAUSAL"],
                                 _prune)
 
 # Under TRITON_INTERPRET=1 the autotuner would run every config several times through numpy (seconds to minutes
@@ -489,7 +505,7 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
            rotary=None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
            column: torch.Tensor | None = None, uniform_padded_queries: bool = False,
            kv_heads: int | None = None, lse: torch.Tensor | None = None, dropout_p: float = 0.0,
-           seed: torch.Tensor | None = None) -> torch.Tensor:
+           seed: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """`attention` without the checks: the caller guarantees what `attention` checks (the model does, once per
     forward). No host read: safe inside a CUDA graph capture, where a key the autotuner has not tuned takes the
     first config of attention_configs() for its dtype and head dim (benchmarking would sync), and a binary not loaded
@@ -558,6 +574,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         meta["STORE_LSE"] = True
     if dropout_p > 0:
         meta["DROPOUT"] = True
+    if causal:  # passed only when set, so the bidirectional launches keep their kwargs and their binaries
+        meta["CAUSAL"] = True
     if config is None and utils.INTERPRET:
         config = _INTERPRETER_CONFIG
     with utils.device_guard(qkv):
@@ -578,6 +596,8 @@ def launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
                                                                                                       **kwargs)
     if key_valid is not None and has_window:
         _uniform_where(qkv, kv_heads, _window_is_empty(key_valid, int(window)), out)
+    if key_valid is not None and causal:  # left padding: a query before the row's first real key sees none
+        _uniform_where(qkv, kv_heads, key_valid.to(torch.int32).cumsum(1) == 0, out)
     if key_valid is not None and uniform_padded_queries:
         _uniform_where(qkv, kv_heads, ~key_valid, out)
     return out
@@ -668,7 +688,7 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
               config: triton.Config | None = None, bias: torch.Tensor | None = None, window: int | None = None,
               rotary=None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
               column: torch.Tensor | None = None, uniform_padded_queries: bool = False,
-              kv_heads: int | None = None) -> torch.Tensor:
+              kv_heads: int | None = None, causal: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + B) v per sequence, for packed qkv [T, 3, nh, hd] (or grouped, below) -> out [T, nh*hd].
 
     cu_seqlens: [n + 1] int32 (on qkv's device): 0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = T; sequence i is tokens
@@ -694,6 +714,9 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
     kv_heads:   None, or grouped-query attention over kv key/value heads: qkv is then [T, nh + 2 kv, hd] (q heads,
                 k heads, v heads, in that order along dim 1; any strides but hd's), kv divides nh, and query head h
                 reads key/value head h // (nh / kv), never expanded (see the module docstring).
+    causal:     query i sees key j only when j <= i (positions in the sequence, in the row with key_valid): key
+                blocks past a query block's last query are not visited. With key_valid, a query before its row's
+                first real key (left padding) gets the mean of its row's S values (HF eager's answer there).
     """
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
@@ -790,6 +813,10 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
         _refuse_with_disentangled(bias, window, rotary)
     if not isinstance(uniform_padded_queries, bool):
         raise TypeError(f"uniform_padded_queries must be a bool, got {uniform_padded_queries!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if causal and (c2p is not None or p2c is not None):
+        raise ValueError("disentangled attention (c2p/p2c) cannot be combined with causal=True (no family does)")
 
     hidden = num_heads * head_dim
     if out is not None:
@@ -804,7 +831,7 @@ def attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
         if out.stride(-1) != 1:
             raise ValueError(f"out's last dim must be unit-stride, got strides {tuple(out.stride())}")
     return launch(qkv, cu_seqlens, max_seqlen, scale, key_valid, out, config, bias, window, rotary, c2p, p2c, column,
-                  uniform_padded_queries, kv_heads)
+                  uniform_padded_queries, kv_heads, causal=causal)
 
 
 _TERM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -874,6 +901,8 @@ def aot_specs() -> list[dict]:
 
 def _in_suite(spec: dict) -> bool:
     constexprs, qkv_type = spec["constexprs"], spec["signature"]["qkv_ptr"]
+    if constexprs["CAUSAL"]:  # Qwen3-Embedding's layers: hd 128, fp16/bf16
+        return constexprs["HEAD_DIM"] in CAUSAL_AOT_HEAD_DIMS and qkv_type in ("*fp16", "*bf16")
     if "kv_group" in spec["signature"]:
         return constexprs["HEAD_DIM"] in GQA_AOT_HEAD_DIMS and qkv_type in ("*fp16", "*bf16")
     if constexprs["HAS_C2P"] or constexprs["HAS_P2C"]:
@@ -898,16 +927,19 @@ DISENTANGLED_AOT = {(True, True, False): ("*fp16", "*bf16"), (True, True, True):
                     (True, False, False): ("*fp16",)}
 # Grouped-query attention with rotary q/k, as EuroBERT runs it (fp16/bf16): hd 64 (EuroBERT-210m/610m) and 128 (2.1B)
 GQA_AOT_HEAD_DIMS = (64, 128)
-# (HAS_MASK, HAS_BIAS, HAS_WINDOW, HAS_ROTARY, HAS_C2P, HAS_P2C, grouped): BERT's, the relative-bias families',
-# ModernBERT's local layers (window and rotary; window alone) and global layers (rotary alone), DeBERTa's (c2p and
-# p2c; either), EuroBERT's (rotary over grouped key/value heads)
-_VARIANTS = [(mask, bias, False, False, False, False, False) for bias in (False, True) for mask in (True, False)] + \
-    [(mask, False, window, rotary, False, False, False) for window, rotary in ((True, False), (True, True),
-                                                                              (False, True))
+# Causal rotary attention over grouped key/value heads, as Qwen3-Embedding runs it (hd 128 at 0.6B, 4B and 8B)
+CAUSAL_AOT_HEAD_DIMS = (128,)
+# (HAS_MASK, HAS_BIAS, HAS_WINDOW, HAS_ROTARY, HAS_C2P, HAS_P2C, grouped, CAUSAL): BERT's, the relative-bias
+# families', ModernBERT's local layers (window and rotary; window alone) and global layers (rotary alone), DeBERTa's
+# (c2p and p2c; either), EuroBERT's (rotary over grouped key/value heads), Qwen3's (the same, causal)
+_VARIANTS = [(mask, bias, False, False, False, False, False, False) for bias in (False, True)
+             for mask in (True, False)] + \
+    [(mask, False, window, rotary, False, False, False, False) for window, rotary in ((True, False), (True, True),
+                                                                                     (False, True))
      for mask in (True, False)] + \
-    [(mask, False, False, False, c2p, p2c, False) for c2p, p2c in ((True, True), (True, False), (False, True))
+    [(mask, False, False, False, c2p, p2c, False, False) for c2p, p2c in ((True, True), (True, False), (False, True))
      for mask in (True, False)] + \
-    [(mask, False, False, True, False, False, True) for mask in (True, False)]
+    [(mask, False, False, True, False, False, True, causal) for causal in (False, True) for mask in (True, False)]
 
 
 def all_aot_specs() -> list[dict]:
@@ -921,7 +953,7 @@ def _aot_specs() -> list[dict]:
         precisions = ("ieee", "tf32") if dtype == torch.float32 else ("ieee",)
         for precision in precisions:
             for head_dim in TRITON_HEAD_DIMS:
-                for has_mask, has_bias, has_window, has_rotary, has_c2p, has_p2c, grouped in _VARIANTS:
+                for has_mask, has_bias, has_window, has_rotary, has_c2p, has_p2c, grouped, causal in _VARIANTS:
                     for config in attention_configs(dtype, head_dim, precision, has_rotary, has_c2p or has_p2c):
                         bm, bn, warps, stages, maxnreg = _key(config)
                         name = "-".join(["attention", tag] + ([precision] if dtype == torch.float32 else []) +
@@ -929,6 +961,7 @@ def _aot_specs() -> list[dict]:
                                         (["bias"] if has_bias else []) + (["window"] if has_window else []) +
                                         (["rotary"] if has_rotary else []) + (["c2p"] if has_c2p else []) +
                                         (["p2c"] if has_p2c else []) + (["gqa"] if grouped else []) +
+                                        (["causal"] if causal else []) +
                                         [f"{bm}x{bn}-w{warps}-s{stages}" + (f"-r{maxnreg}" if maxnreg else "")])
                         bias_args = {"bias_reach": "i32", "stride_bias_h": "i32"} if has_bias else {}
                         # window: ModernBERT's 64 gets the JIT's divisibility-16 hint (the default here); so does
@@ -958,6 +991,7 @@ def _aot_specs() -> list[dict]:
                                            "HAS_WINDOW": has_window, "HAS_ROTARY": has_rotary,
                                            "HAS_C2P": has_c2p, "HAS_P2C": has_p2c,
                                            "STORE_LSE": False, "DROPOUT": False,  # inference's: the defaults
+                                           "CAUSAL": causal,
                                            "BLOCK_M": bm, "BLOCK_N": bn,
                                            **({} if has_bias else {"stride_bias_h": 1}),
                                            **({} if has_bias or reach_args else {"bias_reach": 1}),

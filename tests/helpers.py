@@ -1027,6 +1027,15 @@ def mask_row(kind: str, n: int, S: int, generator) -> torch.Tensor:
     return row
 
 
+def max_delta(got, want) -> float:
+    """max |got - want| over every component (float64), the shapes equal: how far a served vector is from its
+    reference, held to FP32_TOL (the project's fp32 bar) where both are fp32."""
+    import numpy as np
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float(np.abs(got - want).max())
+
+
 def cosines(a, b):
     """Row-wise cosine of two [n, dim] arrays, in float64."""
     import numpy as np
@@ -1062,6 +1071,40 @@ def real_texts_that_fit(model_path, n: int, max_tokens: int = 256) -> list:
     fits = [t for t, ids in zip(texts, tokenizer(texts)["input_ids"]) if len(ids) <= max_tokens]
     assert len(fits) >= n, f"{len(fits)} of {2 * n} real texts fit {max_tokens} tokens, {n} wanted"
     return fits[:n]
+
+
+def reranker_folder(minilm_path, root):
+    """A random-weight BERT cross-encoder (one label) with the bundled model's tokenizer, saved under root/reranker:
+    what the live reranker servers serve."""
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
+    cfg = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=100, num_labels=1)
+    torch.manual_seed(0)
+    folder = root / "reranker"
+    perturb_(transformers.BertForSequenceClassification(cfg), weight_std=0.05).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def splade_folder(minilm_path, root):
+    """A random-weight BertForMaskedLM SPLADE model (sentence-transformers' SparseEncoder: MLMTransformer then
+    SpladePooling, max over tokens of log1p(relu(logits))) with the bundled model's tokenizer, saved under
+    root/splade."""
+    import transformers
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
+    cfg = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=100)
+    torch.manual_seed(2)
+    mlm = root / "splade-mlm"
+    perturb_(transformers.BertForMaskedLM(cfg), weight_std=0.05).save_pretrained(mlm)
+    tokenizer.save_pretrained(mlm)
+    folder = root / "splade"
+    SparseEncoder(modules=[MLMTransformer(str(mlm), max_seq_length=256), SpladePooling(pooling_strategy="max")],
+                  device="cpu").save(str(folder))
+    return str(folder)
 
 
 class LiveServer:
@@ -1134,3 +1177,166 @@ def serving(app, headers=None, timeout: float = 120.0):
                 raise RuntimeError(f"not ready within {timeout:.0f} s: {client.get('/health').json()}")
             time.sleep(0.05)
         yield client
+
+
+# ---- the decoder-shaped embedders: Qwen3-Embedding, EmbeddingGemma (random weights, small, their folders' layout) ---
+# Qwen3-Embedding's query instruction and EmbeddingGemma's query / document prompts, as their
+# config_sentence_transformers.json hold them
+QWEN3_QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+GEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
+
+
+def has_decoder_embedders() -> bool:
+    """transformers 5 or later: Qwen3 and Gemma 3 as fastbert reads them (rope_parameters, Gemma's bidirectional
+    attention)."""
+    import transformers
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+def qwen3_config(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=2, intermediate=96, vocab=30522, **extra):
+    fields = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, attn_implementation="sdpa",
+                  tie_word_embeddings=True)
+    fields.update(extra)
+    import transformers
+    return transformers.Qwen3Config(**fields)
+
+
+def qwen3_model(seed=0, qk_gain=4.0, **config):
+    torch.manual_seed(seed)
+    import transformers
+    model = perturb_(transformers.Qwen3Model(qwen3_config(**config)), weight_std=0.05).eval()
+    return sharpen_qk_(model, qk_gain)
+
+
+def qwen3_st_folder(root, tokenizer):
+    """A Qwen3-Embedding folder as the Hub lays it out: model.safetensors with Qwen3Model's keys and no "model."
+    prefix, config.json naming Qwen3ForCausalLM, the tokenizer padding left; for sentence-transformers, modules.json
+    (Transformer, last-token Pooling, Normalize) and the query instruction prompt."""
+    import json
+
+    from safetensors.torch import save_file
+    hf = qwen3_model(vocab=len(tokenizer))
+    model_dir = root / "qwen3-embedding"
+    model_dir.mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, model_dir / "model.safetensors")
+    config = hf.config.to_dict()
+    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(model_dir)
+    # Qwen3-Embedding's tokenizer_config.json says "padding_side": "left" (save_pretrained does not write it)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "padding_side": "left"}))
+    (model_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256,
+                                                                      "do_lower_case": False}))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hf.config.hidden_size, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": True, "include_prompt": True}))
+    (model_dir / "2_Normalize").mkdir()
+    (model_dir / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {"query": QWEN3_QUERY_PROMPT, "document": ""}, "default_prompt_name": None,
+        "similarity_fn_name": "cosine"}))
+    return hf, model_dir
+
+
+def gemma3_config(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=3, intermediate=96, vocab=30522, window=16,
+                  **extra):
+    fields = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
+                  query_pre_attn_scalar=head_dim, sliding_window=window, use_bidirectional_attention=True,
+                  layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                  attn_implementation="sdpa")
+    fields.update(extra)
+    import transformers
+    return transformers.Gemma3TextConfig(**fields)
+
+
+def gemma3_model(seed=0, qk_gain=3.0, **config):
+    torch.manual_seed(seed)
+    import transformers
+    model = perturb_(transformers.Gemma3TextModel(gemma3_config(**config)), weight_std=0.05).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    return sharpen_qk_(model, qk_gain)
+
+
+def gemma3_st_folder(root, tokenizer):
+    """An EmbeddingGemma folder: the encoder saved as transformers saves Gemma3TextModel (the Hub's layout: keys
+    without a prefix, architectures Gemma3TextModel), then sentence-transformers' Transformer, mean Pooling, Dense
+    64 -> 256 and 256 -> 64 without bias or activation, Normalize, the query / document prompts."""
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    try:
+        from sentence_transformers.sentence_transformer import modules as st_modules
+    except ImportError:
+        st_modules = st.models
+    hf = gemma3_model(vocab=len(tokenizer))
+    hf.save_pretrained(root / "hf")
+    tokenizer.padding_side = "right"
+    tokenizer.save_pretrained(root / "hf")
+    torch.manual_seed(1)
+    word = st_modules.Transformer(str(root / "hf"), max_seq_length=256)
+    modules = [word, st_modules.Pooling(64, "mean"),
+               st_modules.Dense(64, 256, bias=False, activation_function=torch.nn.Identity()),
+               st_modules.Dense(256, 64, bias=False, activation_function=torch.nn.Identity()),
+               st_modules.Normalize()]
+    folder = root / "st"
+    st.SentenceTransformer(modules=modules, device="cpu", prompts=GEMMA_PROMPTS).save(str(folder))
+    return hf, root
+
+
+# ---- grouped qkv and its float64 pieces (the attention kernel tests: grouped key/value heads, causal) ------------
+def make_grouped(T, nh, kv, hd, dtype, layout="contiguous", seed=0):
+    """qkv [T, nh + 2 kv, hd], values ~ N(0, 1), in one of several memory layouts:
+
+    contiguous:  the view of the grouped GEMM's [T, (nh + 2 kv) hd] output (what the layer passes)
+    slice:       columns 8.. of a wider buffer (row stride (nh + 2 kv) hd + 24, base offset 8 elements)
+    heads_major: a permuted view of [nh + 2 kv, T, hd] memory (token stride hd, head stride T hd)
+    """
+    N = nh + 2 * kv
+    values = torch.randn(T, N, hd, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    if layout == "contiguous":
+        qkv = values.reshape(T, N * hd).to(DEVICE).view(T, N, hd)
+    elif layout == "slice":
+        big = torch.zeros(T, N * hd + 24, dtype=dtype, device=DEVICE)
+        big[:, 8:8 + N * hd] = values.reshape(T, N * hd)
+        qkv = big[:, 8:8 + N * hd].view(T, N, hd)
+    elif layout == "heads_major":
+        qkv = values.permute(1, 0, 2).contiguous().to(DEVICE).permute(1, 0, 2)
+    else:
+        raise ValueError(layout)
+    assert torch.equal(qkv.cpu(), values) and qkv.stride(-1) == 1
+    return qkv
+
+
+def rotary_for(positions, hd, theta=10000.0):
+    """HF's default RoPE tables for the given per-token positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    from fastbert import twins
+    return twins.rotary_tables(positions.to(DEVICE), inv_freq.to(DEVICE))
+
+
+def repeat_kv64(x, group):
+    """[L, kv, hd] -> [L, kv * group, hd]: key/value head j serves query heads j * group .. j * group + group - 1."""
+    L, kv, hd = x.shape
+    return x[:, :, None, :].expand(L, kv, group, hd).reshape(L, kv * group, hd)
+
+
+def rotate64(x, cos, sin):
+    """x [L, h, hd] rotated in float64 by cos/sin [L, hd/2] (rotate-half, the frequencies repeated)."""
+    cos, sin = torch.cat([cos, cos], -1).double()[:, None], torch.cat([sin, sin], -1).double()[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin

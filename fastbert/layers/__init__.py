@@ -4,7 +4,8 @@
     disentangled.py  post-norm, attention adds c2p + p2c terms            DeBERTa-v2/v3
     pre_norm.py      x = x + attention(LN(x)), x = x + gated MLP(LN(x))   ModernBERT
     rotary_post_norm.py  post-norm, rotary q/k, plain or gated MLP       Jina-Embeddings-v3, NomicBERT, GTE
-    rms_pre_norm.py  pre-norm with RMSNorm, grouped-query attention, SwiGLU    EuroBERT
+    rms_pre_norm.py  pre-norm with RMSNorm, grouped-query attention, SwiGLU    EuroBERT; Qwen3 (causal, q/k norms)
+    sandwich_norm.py a (1 + w) RMSNorm before and after each sublayer      Gemma 3 (EmbeddingGemma)
     base.py          what the shapes share: HF's module paths, the dropouts' p, the module at a role now
     embeddings.py    token ids -> the first layer's input, per family
     fused_qkv.py     query/key/value as HF's modules over one fused weight
@@ -22,13 +23,16 @@ from .post_norm import PostNormLayer
 from .pre_norm import PreNormLayer
 from .rms_pre_norm import RMSPreNormLayer
 from .rotary_post_norm import RotaryPostNormLayer
+from .sandwich_norm import SandwichNormLayer
 
 __all__ = ["DisentangledLayer", "PostNormLayer", "PreNormLayer", "RMSPreNormLayer", "RotaryPostNormLayer",
-           "embeddings_class", "layer_class"]
+           "SandwichNormLayer", "embeddings_class", "layer_class"]
 
 
 def layer_class(family: families.Family) -> type:
     """The layer shape a family's axes name (norm placement, MLP kind, attention bias kind, windows)."""
+    if family.norm == "sandwich" and family.mlp == "gated" and family.attention_bias == "none":
+        return SandwichNormLayer
     if family.norm == "pre" and family.norm_kind == "rms" and family.mlp == "gated" and family.attention_bias == "none":
         return RMSPreNormLayer
     if family.norm == "pre" and family.mlp == "gated" and family.attention_bias == "none":

@@ -44,6 +44,28 @@ class RMSNorm(nn.Module):
         return cls is RMSNorm or cls.__module__.startswith("transformers.") and is_rms_norm(module)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) times (1 + weight), all in float32, rounded back to x's dtype once
+    (transformers' Gemma3RMSNorm, operation for operation). The weight is stored as the offset from 1, so a fresh one
+    is zeros; HF's parameter and attribute names (`weight`, `eps`)."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def is_offset_rms_norm(module: nn.Module) -> bool:
+    """fastbert's OffsetRMSNorm or transformers' own of that definition (Gemma3RMSNorm): a `weight`, an `eps`."""
+    return type(module).__name__.endswith("RMSNorm") and set(module._parameters) == {"weight"} \
+        and isinstance(getattr(module, "eps", None), float) and not hasattr(module, "variance_epsilon")
+
+
 def is_rms_norm(module: nn.Module) -> bool:
     """fastbert's RMSNorm or a transformers one of the same definition (EuroBertRMSNorm, LlamaRMSNorm, ...): a
     `weight` and a `variance_epsilon`, no other parameter."""

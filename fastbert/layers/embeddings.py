@@ -4,7 +4,8 @@
     tokens  (ModernBERT)                                 the word table, LayerNorm, dropout; positions rotate q and k
     masked  (DeBERTa-v2)                                 the tables the config keeps, a projection, LayerNorm, times
                                                          the key mask, dropout
-    table   (EuroBERT)                                   the word table alone, at the model's top (embed_tokens)
+    table   (EuroBERT, Qwen3, Gemma 3)                   the word table alone, at the model's top (embed_tokens);
+                                                         Gemma's times sqrt(hidden_size) (ScaledEmbedding)
 
 Positions come from each token's index in its sequence, or (padding_idx, RoBERTa's family) counted from
 padding_idx + 1 over the real tokens.
@@ -182,6 +183,25 @@ class DebertaEmbeddings(nn.Module):
         return self.dropout(x)                                                    # [T, H]
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's token table: the rows times sqrt(hidden_size), that factor rounded to float32 and then to the table's
+    dtype before the product, as transformers' Gemma3TextScaledWordEmbedding computes it (which keeps the factor in a
+    buffer; here it is a float, so a model built on the meta device has nothing left to initialise)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, embed_scale: float = 1.0):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.scalar_embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.scalar_embed_scale, dtype=torch.float32, device=self.weight.device)
+        return super().forward(input_ids) * scale.to(self.weight.dtype)
+
+    @staticmethod
+    def is_hf(module: nn.Module) -> bool:
+        """transformers' scaled table of the same definition (Gemma3TextScaledWordEmbedding)."""
+        return isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+
+
 class TableEmbeddings:
     """EuroBERT: the token table alone (no norm, no token types, no dropout; positions rotate q and k), which HF's
     model holds at its top as `embed_tokens`. Not a module: the model registers the table itself (`attach`), so that
@@ -192,7 +212,12 @@ class TableEmbeddings:
     word_embeddings_name = "embed_tokens"
 
     def __init__(self, config, width: int, family: families.Family):
-        self._home = {"embed_tokens": nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)}
+        if family.embed_scale:  # Gemma: rows times sqrt(hidden_size)
+            table = ScaledEmbedding(config.vocab_size, width, config.pad_token_id,
+                                    embed_scale=config.hidden_size ** 0.5)
+        else:
+            table = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        self._home = {"embed_tokens": table}
         self.max_length = config.max_position_embeddings  # what it was trained for; longer input is not refused
 
     def attach(self, model: nn.Module) -> None:

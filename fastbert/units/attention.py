@@ -116,9 +116,10 @@ def disentangled_bias_padded(d: Disentangled, batch_size: int, seq_len: int) -> 
     return bias
 
 
-def _check_disentangled(d: Disentangled, bias, window, rotary) -> None:
-    if bias is not None or window is not None or rotary is not None:
-        given = [name for name, v in (("bias", bias), ("window", window), ("rotary", rotary)) if v is not None]
+def _check_disentangled(d: Disentangled, bias, window, rotary, causal=False) -> None:
+    if bias is not None or window is not None or rotary is not None or causal:
+        given = [name for name, v in (("bias", bias), ("window", window), ("rotary", rotary),
+                                      ("causal", causal or None)) if v is not None]
         raise ValueError(f"attention: disentangled= is never combined with {', '.join(given)} (DeBERTa has none)")
     if d.c2p is None and d.p2c is None:
         raise ValueError("attention: disentangled= needs at least one of c2p and p2c (pass disentangled=None)")
@@ -130,14 +131,24 @@ def _check_disentangled(d: Disentangled, bias, window, rotary) -> None:
 WINDOW_CHUNK = 64
 
 
-def _score_mask(bias, window, num_queries, num_keys, dtype, device, query_start=0, key_start=0):
-    """What sdpa adds to one sequence's scores: the bias [nh, nq, nk] (float), the window [nq, nk] (bool), both
-    (-inf outside the window), or None."""
+def _score_mask(bias, window, num_queries, num_keys, dtype, device, query_start=0, key_start=0, causal=False):
+    """What sdpa adds to one sequence's scores: the bias [nh, nq, nk] (float), the keys allowed [nq, nk] (bool: the
+    window, causal's j <= i, or both), both (-inf where a key is not allowed), or None."""
     rel = None if bias is None else relative_bias(bias, num_queries, num_keys, dtype, query_start, key_start)
-    if window is None:
+    allowed = None if window is None else window_mask(num_queries, num_keys, window, device, query_start, key_start)
+    if causal:
+        before = causal_mask(num_queries, num_keys, device, query_start, key_start)
+        allowed = before if allowed is None else allowed & before
+    if allowed is None:
         return rel
-    allowed = window_mask(num_queries, num_keys, window, device, query_start, key_start)
     return allowed if rel is None else rel.masked_fill(~allowed, float("-inf"))
+
+
+def causal_mask(num_queries: int, num_keys: int, device, query_start: int = 0, key_start: int = 0) -> torch.Tensor:
+    """bool [num_queries, num_keys]: True where key j is at or before query i (positions within the sequence)."""
+    i = torch.arange(query_start, query_start + num_queries, device=device)
+    j = torch.arange(key_start, key_start + num_keys, device=device)
+    return j[None, :] <= i[:, None]
 
 
 def _sdpa(q, k, v, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
@@ -161,20 +172,25 @@ def _sdpa(q, k, v, attn_mask, dropout_p: float, scale: float) -> torch.Tensor:
     return torch.matmul(dropout(torch.softmax(scores, dim=-1), dropout_p), v)
 
 
-def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out: torch.Tensor | None = None):
+def _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out: torch.Tensor | None = None, causal: bool = False):
     """q, k, v [b, nh, L, hd] of b sequences of one length L -> [b, nh, L, hd]. A window narrower than the sequence
-    runs WINDOW_CHUNK query rows at a time against only the keys their window reaches. `out`: a [b, L, nh, hd] view
-    to write the context into instead (no autograd: copies into it), returned."""
+    runs WINDOW_CHUNK query rows at a time against only the keys their window reaches (causal: none after the
+    chunk's last query). `out`: a [b, L, nh, hd] view to write the context into instead (no autograd: copies into
+    it), returned."""
     L = q.shape[2]
     if window is None or L - 1 <= window:  # every key is within every query's window
-        mask = _score_mask(bias, None, L, L, q.dtype, q.device)
+        if causal and bias is None and dropout_p == 0.0:  # sdpa's own causal form (its fused kernels take it)
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                 enable_gqa=int(q.shape[-3]) != int(k.shape[-3]))
+            return ctx if out is None else out.copy_(ctx.transpose(1, 2))
+        mask = _score_mask(bias, None, L, L, q.dtype, q.device, causal=causal)
         ctx = _sdpa(q, k, v, None if mask is None else mask[None], dropout_p, scale)
         return ctx if out is None else out.copy_(ctx.transpose(1, 2))
     chunks = []
     for start in range(0, L, WINDOW_CHUNK):
         stop = min(start + WINDOW_CHUNK, L)
-        k0, k1 = max(0, start - window), min(L, stop + window)
-        mask = _score_mask(bias, window, stop - start, k1 - k0, q.dtype, q.device, start, k0)
+        k0, k1 = max(0, start - window), min(L, stop if causal else stop + window)
+        mask = _score_mask(bias, window, stop - start, k1 - k0, q.dtype, q.device, start, k0, causal)
         ctx = _sdpa(q[:, :, start:stop], k[:, :, k0:k1], v[:, :, k0:k1], mask, dropout_p, scale)
         if out is None:
             chunks.append(ctx)
@@ -199,12 +215,16 @@ class Extras(NamedTuple):
         heads, v heads; kv divides nh) and query head h attends with key/value head h // (nh / kv); None: qkv is
         [T, 3, nh, hd]. A layout rather than a score term, carried here so that every backend, the custom op and
         "auto" see it with the rest of the call.
+    causal: query i sees only keys j <= i (positions within its sequence; Qwen3's decoder layers); False: both
+        ways. Padded rows: a query with no real key at or before it (left padding) gets HF eager's answer for a
+        query whose every key is masked, uniform over the row's S keys.
     """
     bias: torch.Tensor | None = None
     window: int | None = None
     rotary: Rotary | None = None
     disentangled: Disentangled | None = None
     kv_heads: int | None = None
+    causal: bool = False
 
 
 NONE = Extras()
@@ -215,36 +235,38 @@ def twin(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_p
     """qkv [T, 3, nh, hd] (grouped: [T, nh + 2 kv, hd]) -> (context [T, nh*hd], probs [B, nh, S, S] or None). `attn`
     is a TokenLayout (packed sequences, padding-free) or an AttentionMask (padded rows, T = B*S); `extras`: see Extras.
     `workspace`: see twins.Workspace (packed sequences only read it)."""
-    bias, window, rotary, disentangled, kv_heads = extras
+    bias, window, rotary, disentangled, kv_heads, causal = extras
     if disentangled is not None:
-        _check_disentangled(disentangled, bias, window, rotary)
+        _check_disentangled(disentangled, bias, window, rotary, causal)
     if isinstance(attn, TokenLayout):
         return attention_varlen_torch(qkv, attn, scale, dropout_p, bias, window, rotary, disentangled,
-                                      workspace, kv_heads), None
+                                      workspace, kv_heads, causal), None
     return attention_padded_torch(qkv, attn, scale, dropout_p, return_probs, bias, window, rotary, disentangled,
-                                  kv_heads)
+                                  kv_heads, causal)
 
 
 def attention_torch(qkv: torch.Tensor, attn, scale: float, dropout_p: float = 0.0, return_probs: bool = False,
                     bias: torch.Tensor | None = None, window: int | None = None, rotary: Rotary | None = None,
                     disentangled: Disentangled | None = None, workspace: Workspace | None = None,
-                    kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    kv_heads: int | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`twin` with the extras as keywords (Extras' fields)."""
-    return twin(qkv, attn, scale, dropout_p, return_probs, Extras(bias, window, rotary, disentangled, kv_heads),
-                workspace)
+    return twin(qkv, attn, scale, dropout_p, return_probs,
+                Extras(bias, window, rotary, disentangled, kv_heads, causal), workspace)
 
 
 def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float, dropout_p: float = 0.0,
                            bias: torch.Tensor | None = None, window: int | None = None,
                            rotary: Rotary | None = None, disentangled: Disentangled | None = None,
-                           workspace: Workspace | None = None, kv_heads: int | None = None) -> torch.Tensor:
+                           workspace: Workspace | None = None, kv_heads: int | None = None,
+                           causal: bool = False) -> torch.Tensor:
     """Packed sequences -> context [T, nh*hd]. Equal lengths run as one dense batch; otherwise one sdpa per sequence
     on its [1, nh, L, hd] view: on CPU faster than padding to the longest with a mask, and than the same loop on
     3-D [nh, L, hd] inputs (bench/RESULTS.md, "Measurements cited by the code"). A `bias` table becomes one
     sequence's [1, nh, L, L] attn_mask (shared by the dense batch), never one for the whole batch; a `window`, a band
     of keys per block of queries; `disentangled` terms: each sequence's own [1, nh, L, L] (they depend on its
     tokens). Grouped (`kv_heads`): k and v keep their kv heads, [.., kv, L, hd], which sdpa reads for each group
-    (enable_gqa)."""
+    (enable_gqa). `causal`: each query sees the keys at or before it in its sequence (sdpa's is_causal per sequence,
+    or that band in the masks above)."""
     T, nh, kv, hd = heads(qkv, kv_heads)
     parts, gqa = _parts(nh, kv_heads), kv < nh
     # BERT's inference: sdpa as it is, no host work around it (a forward of short rows is Python-bound)
@@ -254,32 +276,34 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
         q, k, v = split_heads(qkv, B, S, parts)  # q [B, nh, S, hd], k and v [B, kv, S, hd]: strided views
         if rotary is not None:
             q, k, v = rotated_qk(q, k, v, Rotary(rotary.cos.view(B, 1, S, -1), rotary.sin.view(B, 1, S, -1)))
-        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa) if plain else \
-            _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa, is_causal=causal) if plain \
+            else _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, causal=causal)
         return ctx.transpose(1, 2).reshape(T, nh * hd)
     if layout.lengths is None:
         raise RuntimeError("the PyTorch attention twin needs the sequence lengths on the host; this layout has none "
                            "(a captured CUDA graph runs the Triton kernel)")
     if workspace is not None:
-        return _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads)
+        return _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads,
+                                      causal)
     contexts, start = [], 0
     for piece in qkv.split(layout.lengths):  # views; under autograd one SplitBackward, not a zeroed [T, ...] each
         length = piece.shape[0]
         q, k, v = split_heads(piece, 1, length, parts)  # [1, nh, L, hd], k and v [1, kv, L, hd]
         q, k, v = rotated_qk(q, k, v, rotary, slice(start, start + length))
         if plain:
-            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa, is_causal=causal)
         elif disentangled is not None:
             mask = disentangled_bias(disentangled, start, length).to(q.dtype)[None]  # [1, nh, L, L]
             ctx = _sdpa(q, k, v, mask, dropout_p, scale)
         else:
-            ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window)
+            ctx = _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, causal=causal)
         contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
         start += length
     return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
 
 
-def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads) -> torch.Tensor:
+def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads,
+                           causal=False) -> torch.Tensor:
     """attention_varlen_torch's ragged case with q and k rotated for all tokens at once (float32) and every
     sequence's context written straight into one workspace buffer [T, nh*hd] (no per-sequence cat, no final cat)."""
     T, nh, kv, hd = heads(qkv, kv_heads)
@@ -295,7 +319,7 @@ def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, 
         if rotated is not None:
             q, k = split_heads(rotated[rows], 1, length, None if parts is None else parts[:2])
         q, k, v = rotated_qk(q, k, v, rotary, rows)
-        _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out=ctx_heads[rows].unsqueeze(0))
+        _sdpa_sequence(q, k, v, scale, dropout_p, bias, window, out=ctx_heads[rows].unsqueeze(0), causal=causal)
         start += length
     return ctx
 
@@ -303,7 +327,8 @@ def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, 
 def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: float, dropout_p: float = 0.0,
                            return_probs: bool = False, bias: torch.Tensor | None = None, window: int | None = None,
                            rotary: Rotary | None = None, disentangled: Disentangled | None = None,
-                           kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           kv_heads: int | None = None,
+                           causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Padded rows, qkv [B*S, 3, nh, hd] (grouped: [B*S, nh + 2 kv, hd]) -> (context [B*S, nh*hd], probs
     [B, nh, S, S] or None). A `bias` table and a `window` are read at the padded positions (as HF does: distances
     count padding); a fully padded row still attends uniformly to all S keys (HF eager's answer there). With
@@ -329,6 +354,11 @@ def attention_padded_torch(qkv: torch.Tensor, mask: "AttentionMask", scale: floa
         band = window_mask(S, S, window, qkv.device)
         additive = torch.zeros((), dtype=qkv.dtype, device=qkv.device) if mask.additive is None else mask.additive
         mask = dataclasses.replace(mask, additive=torch.where(band, additive, low))
+    if causal and not mask.custom:  # HF's causal mask: finfo.min on every key after the query (with the padding's:
+        # a left-padded query, which sees no real key, attends uniformly to all S keys, as HF eager computes it)
+        low = torch.finfo(qkv.dtype).min
+        additive = torch.zeros((), dtype=qkv.dtype, device=qkv.device) if mask.additive is None else mask.additive
+        mask = dataclasses.replace(mask, additive=torch.where(causal_mask(S, S, qkv.device), additive, low))
     if return_probs:  # HF's eager math, because the caller wants the probabilities themselves
         # grouped: HF's repeat_kv, for this call only, beside the [B, nh, S, S] probabilities formed anyway
         k, v = repeat_kv(k, nh // kv), repeat_kv(v, nh // kv)
@@ -398,18 +428,26 @@ def kernel(qkv, attn, scale, dropout_p=0.0, return_probs=False, extras: Extras =
 
 def _launch_extras(extras: Extras) -> dict:
     """Extras as the kernel's launcher takes them: DeBERTa's terms as plain tensors (the kernel is a leaf)."""
-    bias, window, rotary, dis, kv_heads = extras
+    bias, window, rotary, dis, kv_heads, causal = extras
     terms = {} if dis is None else dict(c2p=dis.c2p, p2c=dis.p2c, column=dis.column)
-    return dict(bias=bias, window=window, rotary=rotary, kv_heads=kv_heads, **terms)
+    return dict(bias=bias, window=window, rotary=rotary, kv_heads=kv_heads, causal=causal, **terms)
 
 
 # ---- training on the kernels ---------------------------------------------------------------------------------------
+# Qwen3's layers: the forward kernel takes causal=True, its backward (kernels/attention_backward.py) does not. The
+# model's plan says so before any kernel runs (train_reason, from the model's attention Variant): "triton" raises
+# with this reason, "auto" warns once and trains attention on its twin; the other ops train on their kernels.
+CAUSAL_NO_BACKWARD = ("causal attention has no backward in the kernels yet (its forward kernel is inference only): "
+                      "training a causal model runs attention on its twin (kernels='auto', or "
+                      "set_kernels(attention='torch'))")
 def train_unsupported(attn, dropout_p: float, return_probs: bool, extras: Extras) -> str | None:
     """Why `train_kernel` cannot serve this call (None when it can): what the kernels' backward does not build."""
     if return_probs:
         return "the probabilities were asked for (return_probs): the kernels never form them"
     if not 0.0 <= dropout_p < 1.0:
         return f"dropout_p={dropout_p} is outside [0, 1) (p = 1 drops everything: the twin serves it)"
+    if extras.causal:
+        return CAUSAL_NO_BACKWARD
     if extras.disentangled is not None:
         d = extras.disentangled
         if extras.bias is not None or extras.window is not None or extras.rotary is not None:
@@ -528,26 +566,29 @@ def _flat(extras: Extras) -> tuple:
     """Extras as the schema holds them: the window (-1: none), its tensors (None where absent), the key/value heads
     (-1: as many as the query heads). One optional tensor each, not a Tensor?[] (torch.jit.trace takes no list of
     optional tensors)."""
-    bias, window, rotary, dis, kv_heads = extras
+    bias, window, rotary, dis, kv_heads, causal = extras
     cos, sin = (None, None) if rotary is None else rotary
     c2p, p2c, column = (None, None, None) if dis is None else (dis.c2p, dis.p2c, dis.column)
-    return -1 if window is None else window, bias, cos, sin, c2p, p2c, column, -1 if kv_heads is None else kv_heads
+    return (-1 if window is None else window, bias, cos, sin, c2p, p2c, column, -1 if kv_heads is None else kv_heads,
+            bool(causal))
 
 
-def _unflat(window: int, bias, cos, sin, c2p, p2c, column, kv_heads: int) -> Extras:
+def _unflat(window: int, bias, cos, sin, c2p, p2c, column, kv_heads: int, causal: bool = False) -> Extras:
     return Extras(bias, None if window < 0 else window, None if cos is None else Rotary(cos, sin),
-                  None if column is None else Disentangled(c2p, p2c, column), None if kv_heads < 0 else kv_heads)
+                  None if column is None else Disentangled(c2p, p2c, column), None if kv_heads < 0 else kv_heads,
+                  causal)
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def custom_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
               key_valid: torch.Tensor | None, pairwise: bool, backend: str, window: int, bias: torch.Tensor | None,
               cos: torch.Tensor | None, sin: torch.Tensor | None, c2p: torch.Tensor | None,
-              p2c: torch.Tensor | None, column: torch.Tensor | None, kv_heads: int = -1) -> torch.Tensor:
+              p2c: torch.Tensor | None, column: torch.Tensor | None, kv_heads: int = -1,
+              causal: bool = False) -> torch.Tensor:
     """Packed qkv [T, 3, nh, hd] (grouped: [T, nh + 2 kv, hd]) -> [T, nh*hd]; key_valid [n, S] for padded rows (then
     every row has S tokens; pairwise: DeBERTa's mask_i * mask_j); window and the arguments after it: the Extras
     (`_flat`)."""
-    extras = _unflat(window, bias, cos, sin, c2p, p2c, column, kv_heads)
+    extras = _unflat(window, bias, cos, sin, c2p, p2c, column, kv_heads, causal)
 
     def twin_call():
         if key_valid is None:
@@ -569,7 +610,7 @@ def custom_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scal
 
 @custom_op.register_fake
 def _(qkv, cu_seqlens, max_seqlen, scale, key_valid, pairwise, backend, window, bias, cos, sin, c2p, p2c, column,
-      kv_heads=-1):
+      kv_heads=-1, causal=False):
     _, nh, _, hd = heads(qkv, None if kv_heads < 0 else kv_heads)
     return qkv.new_empty(qkv.shape[0], nh * hd)
 
@@ -601,6 +642,8 @@ def train_reason(situation) -> str | None:
     the situation already shows); a window over padded rows comes as situation.padded (the model's forward)."""
     if situation.attention_dropout >= 1.0:
         return f"the attention dropout is {situation.attention_dropout} (p = 1 drops everything: the twin serves it)"
+    if any(isinstance(v, Variant) and v.causal for v in situation.variants):
+        return CAUSAL_NO_BACKWARD
     return None
 
 
@@ -611,6 +654,7 @@ class Variant(NamedTuple):
     rotary: bool = False  # q and k rotated by per-token cos/sin tables
     disentangled: int = 0  # c2p and p2c terms over P columns, or 0 for none
     group: int = 1  # query heads per key/value head (grouped-query attention), 1 for none
+    causal: bool = False  # each query sees the keys at or before it only
 
 
 def key(dtype: torch.dtype, shapes) -> str:
@@ -628,6 +672,8 @@ def key(dtype: torch.dtype, shapes) -> str:
     key += f"|dis{v.disentangled}" if v.disentangled else ""
     # grouped key/value heads: the kernel reads each one for its group, the twin hands sdpa the groups (enable_gqa)
     key += f"|gqa{v.group}" if v.group > 1 else ""
+    # causal: the kernel visits the key blocks up to the diagonal only (about half), the twin runs sdpa's causal form
+    key += "|causal" if v.causal else ""
     return key + ("|rotary" if v.rotary else "")
 
 
@@ -650,7 +696,8 @@ def contenders(dtype, shapes, device, kernel, twin):
         column = torch.randint(0, P, (2 * L - 1,), generator=g, device=device, dtype=torch.int32)
         dis = Disentangled(rand(layout.num_tokens, shapes.heads, P).float(),
                            rand(layout.num_tokens, shapes.heads, P).float(), column)
-    args = (qkv, layout, shapes.head_dim ** -0.5, 0.0, False, Extras(bias, v.window, rotary, dis, kv_heads))
+    args = (qkv, layout, shapes.head_dim ** -0.5, 0.0, False,
+            Extras(bias, v.window, rotary, dis, kv_heads, v.causal))
     return (lambda: kernel(*args)), (lambda: twin(*args))
 
 

@@ -15,7 +15,7 @@ Outputs are poisoned with NaN first, and NaN never passes. bf16: the interpreter
 """
 import pytest
 import torch
-from helpers import DEVICE, assert_kernel_matches, max_error, poisoned
+from helpers import DEVICE, assert_kernel_matches, make_grouped, max_error, poisoned, repeat_kv64, rotary_for, rotate64
 
 from fastbert import dispatch, ops, twins
 from fastbert.kernels.attention import attention, uniform_cu_seqlens
@@ -33,48 +33,6 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_
 # --------------------------------------------------------------------------------------------------------------------
 # Inputs and the float64 reference
 # --------------------------------------------------------------------------------------------------------------------
-def make_grouped(T, nh, kv, hd, dtype, layout="contiguous", seed=0):
-    """qkv [T, nh + 2 kv, hd], values ~ N(0, 1), in one of several memory layouts:
-
-    contiguous:  the view of the grouped GEMM's [T, (nh + 2 kv) hd] output (what the layer passes)
-    slice:       columns 8.. of a wider buffer (row stride (nh + 2 kv) hd + 24, base offset 8 elements)
-    heads_major: a permuted view of [nh + 2 kv, T, hd] memory (token stride hd, head stride T hd)
-    """
-    N = nh + 2 * kv
-    values = torch.randn(T, N, hd, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
-    if layout == "contiguous":
-        qkv = values.reshape(T, N * hd).to(DEVICE).view(T, N, hd)
-    elif layout == "slice":
-        big = torch.zeros(T, N * hd + 24, dtype=dtype, device=DEVICE)
-        big[:, 8:8 + N * hd] = values.reshape(T, N * hd)
-        qkv = big[:, 8:8 + N * hd].view(T, N, hd)
-    elif layout == "heads_major":
-        qkv = values.permute(1, 0, 2).contiguous().to(DEVICE).permute(1, 0, 2)
-    else:
-        raise ValueError(layout)
-    assert torch.equal(qkv.cpu(), values) and qkv.stride(-1) == 1
-    return qkv
-
-
-def rotary_for(positions, hd, theta=10000.0):
-    """HF's default RoPE tables for the given per-token positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-    return twins.rotary_tables(positions.to(DEVICE), inv_freq.to(DEVICE))
-
-
-def repeat_kv64(x, group):
-    """[L, kv, hd] -> [L, kv * group, hd]: key/value head j serves query heads j * group .. j * group + group - 1."""
-    L, kv, hd = x.shape
-    return x[:, :, None, :].expand(L, kv, group, hd).reshape(L, kv * group, hd)
-
-
-def rotate64(x, cos, sin):
-    """x [L, h, hd] rotated in float64 by cos/sin [L, hd/2] (rotate-half, the frequencies repeated)."""
-    cos, sin = torch.cat([cos, cos], -1).double()[:, None], torch.cat([sin, sin], -1).double()[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 def attend64(q, k, v, scale, key_real=None):
     """One sequence, q, k, v [L, nh, hd] in float64 -> [L, nh*hd]; padded keys (key_real False) get finfo.min."""
     L, nh, hd = q.shape

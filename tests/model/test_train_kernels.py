@@ -13,12 +13,16 @@ from helpers import (
     NEEDS_DEBERTA,
     NEEDS_MODERNBERT,
     NEEDS_ROTARY_POST_NORM,
+    OP_KERNELS,
     arch_inputs,
     assert_trained_on_kernels,
     eurobert_config,
+    gemma3_model,
+    has_decoder_embedders,
     launches,
     modernbert_config,
     perturb_,
+    qwen3_model,
     random_arch_model,
     torch_dropout_off,
     type_kwargs,
@@ -92,6 +96,81 @@ def test_grouped_qkv_projection_trains_on_its_kernel():
     ids, tt, mask = arch_inputs(hf, "right")
     _, forward, backward = gradients(hf, "triton", ids, tt, mask, True)
     assert_trained_on_kernels(forward, backward)
+
+
+def hf_gradients(hf, ids, mask):
+    """transformers' own gradients of gradients()'s loss (train mode; these configs draw no dropout)."""
+    hf = hf.train()
+    hf.zero_grad(set_to_none=True)
+    out = hf(ids, attention_mask=mask)
+    target = torch.randn(out.last_hidden_state.shape, generator=torch.Generator().manual_seed(1)).to(ids.device)
+    (out.last_hidden_state * target * mask[..., None]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    hf.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_gradients_equal(got: dict, want: dict):
+    assert got.keys() == want.keys() and len(got) > 10
+    for name, g in got.items():
+        assert torch.isfinite(g).all(), f"{name}: NaN/inf"
+        err = (g - want[name]).abs().max().item()
+        assert err <= FP32_TOL * max(1.0, want[name].abs().max().item()), f"{name}: {err:.3g}"
+
+
+NEEDS_DECODER_EMBEDDERS = pytest.mark.skipif(not has_decoder_embedders(),
+                                             reason="fastbert runs Qwen3 and Gemma 3 from transformers 5 on")
+
+
+@NEEDS_DECODER_EMBEDDERS
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+def test_qwen3_trains_on_the_kernels_but_causal_attention(padding_free, monkeypatch):
+    """Qwen3's causal attention has no backward kernel: kernels="triton" in a training forward is refused by name
+    before anything runs; "auto" says so once and trains attention on its twin. The other ops (the grouped QKV
+    GEMM, the RMSNorm residual form, the SwiGLU epilogue) train on their kernels, forward and backward, and every
+    gradient equals transformers' own (its parameter names are fastbert's)."""
+    hf = qwen3_model()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1000, 30000, (3, 40), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, 25:] = 0
+    mask[2, 9:] = 0  # short rows: query and key blocks partly padding
+    ids = ids.masked_fill(mask == 0, 0)
+    with pytest.raises(RuntimeError, match="causal attention has no backward in the kernels"):
+        gradients(hf, "triton", ids, None, mask, padding_free)
+    want = hf_gradients(hf.to(DEVICE), ids, mask)
+    others = {op: "triton" for op in OP_KERNELS if op != "attention"}
+    got, forward, backward = gradients(hf, {**others, "attention": "torch"}, ids, None, mask, padding_free)
+    assert_trained_on_kernels(forward, backward, ops=tuple(others))
+    assert not any(launch.op == "attention" for launch in (*forward, *backward))
+    assert_gradients_equal(got, want)
+    monkeypatch.setattr(dispatch, "_WARNED", set())  # "auto" says once why attention takes its twin
+    with pytest.warns(UserWarning, match="'attention' runs on the PyTorch twin because causal attention has no "
+                                         "backward"):
+        auto, *_ = gradients(hf, "auto", ids, None, mask, padding_free)
+    assert_gradients_equal(auto, want)
+
+
+@NEEDS_DECODER_EMBEDDERS
+def test_gemma3_trains_on_the_kernels():
+    """Gemma 3 run both ways (EmbeddingGemma's layer at head_dim 32: the 300m's 256 is a head the attention kernel
+    does not take): the QKV GEMM, attention (the window on the sliding layers included; packed rows: a window over
+    padded rows is the twin's, said by the model) and the GeGLU epilogue train on their kernels, forward and
+    backward, and every gradient equals transformers' own. Its sandwich norms sit between a GEMM and the residual
+    add, where residual_layernorm's fused form does not apply: they run as modules (fastbert/layers/sandwich_norm.py),
+    so that op launches nothing."""
+    hf = gemma3_model()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1000, 30000, (3, 40), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, 25:] = 0
+    mask[2, 9:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    want = hf_gradients(hf.to(DEVICE), ids, mask)
+    got, forward, backward = gradients(hf, "triton", ids, None, mask, True)
+    assert_trained_on_kernels(forward, backward, ops=("qkv_projection", "attention", "bias_gelu"))
+    assert not any(launch.op == "residual_layernorm" for launch in (*forward, *backward))
+    assert_gradients_equal(got, want)
 
 
 P = 0.1  # every dropout probability of the dropout test's models

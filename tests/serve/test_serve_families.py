@@ -1,20 +1,25 @@
 """Every family fastbert runs, served through the ASGI app in this process (the bundled MiniLM, BERT, is served by a
 live process in test_serve_live.py): a sentence-transformers folder of each family (random weights, saved by
-sentence-transformers itself) answers /v1/embeddings with SentenceTransformer.encode's vectors (cosine >= 0.99999,
+sentence-transformers itself) answers /v1/embeddings with SentenceTransformer.encode's vectors (max |delta| <= 1e-5,
 the same norms) and /embed with them normalised; a *ForSequenceClassification folder of other families answers
 /predict with the softmax of transformers' own logits, under the checkpoint's labels. fp32, CPU, the PyTorch path."""
 import numpy as np
 import pytest
 import torch
 from helpers import (
-    cosines,
+    FP32_TOL,
+    _family_tokenizer,
     deberta_config,
     family_st_folder,
+    gemma3_st_folder,
+    has_decoder_embedders,
     has_modernbert,
     has_rotary_post_norm,
+    max_delta,
     modernbert_config,
     optional,
     perturb_,
+    qwen3_st_folder,
     real_texts,
     serving,
 )
@@ -32,7 +37,7 @@ def texts():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_serves_sentence_transformers_vectors(family, minilm_path, tmp_path, texts):
     st = optional("sentence_transformers", "sentence-transformers is a test extra")
-    serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
+    serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn) is a test extra")
     folder = family_st_folder(family, minilm_path, tmp_path)
     want = st.SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=4)
     # auto_truncate: a text past max_seq_length is cut there, as sentence-transformers cuts it
@@ -40,10 +45,11 @@ def test_every_family_serves_sentence_transformers_vectors(family, minilm_path, 
         openai = client.post("/v1/embeddings", json={"input": texts}).json()
         tei = client.post("/embed", json={"inputs": texts}).json()
     got = np.array([d["embedding"] for d in openai["data"]], dtype=np.float32)
-    assert got.shape == want.shape and cosines(got, want).min() >= 0.99999, family
+    assert got.shape == want.shape and max_delta(got, want) <= FP32_TOL, family
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1), rtol=1e-5)
     tei = np.array(tei, dtype=np.float64)
-    assert cosines(tei, want).min() >= 0.99999
+    unit = want / np.linalg.norm(want.astype(np.float64), axis=1, keepdims=True)  # normalize: true, TEI's default
+    assert max_delta(tei, unit) <= FP32_TOL, family
     np.testing.assert_allclose(np.linalg.norm(tei, axis=1), 1.0, rtol=1e-6)  # normalize: true, TEI's default
 
 
@@ -82,7 +88,7 @@ HEAD_FAMILIES = ["distilbert", "roberta", "deberta-v2", *(["modernbert"] if has_
 @pytest.mark.parametrize("family", HEAD_FAMILIES)
 def test_classifiers_of_other_families_predict_transformers_softmax(family, minilm_path, tmp_path, texts):
     import transformers
-    serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
+    serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn) is a test extra")
     folder = head_folder(family, minilm_path, tmp_path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
@@ -105,3 +111,33 @@ def test_classifiers_of_other_families_predict_transformers_softmax(family, mini
             assert by_label.keys() == expected.keys()
             assert max(abs(by_label[k] - expected[k]) for k in expected) <= 1e-5, (family, by_label, expected)
             assert [p["score"] for p in predictions] == sorted(by_label.values(), reverse=True)
+
+
+@pytest.mark.skipif(not has_decoder_embedders(), reason="fastbert runs Qwen3 and Gemma 3 from transformers 5 on")
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_decoder_embedders_serve_their_prompts_per_request(family, minilm_path, tmp_path, texts):
+    """Qwen3-Embedding's folder (last-token pooling, Normalize, the query instruction) and EmbeddingGemma's (mean
+    pooling, two Dense layers, Normalize, query / document prompts): /v1/embeddings and /embed with the prompt chosen
+    per request equal SentenceTransformer.encode with that prompt_name, every component within 1e-5; a request
+    without a prompt_name gets the plain vectors, which differ."""
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
+    tokenizer = _family_tokenizer(family, minilm_path)
+    if family == "qwen3":
+        folder = qwen3_st_folder(tmp_path, tokenizer)[1]
+    else:
+        folder = gemma3_st_folder(tmp_path, tokenizer)[1] / "st"
+    stock = st.SentenceTransformer(str(folder), device="cpu")
+    real = [t for t in texts if t]  # sentence-transformers pools an empty text's specials only; kept to real text
+    want = {name: stock.encode(real, batch_size=4, prompt_name=name) for name in ("query", "document")}
+    plain = stock.encode(real, batch_size=4)
+    with serving(serve.app(str(folder), device="cpu", kernels="torch", auto_truncate=True)) as client:
+        for name in ("query", "document"):
+            openai = client.post("/v1/embeddings", json={"input": real, "prompt_name": name}).json()
+            got = np.array([d["embedding"] for d in openai["data"]], dtype=np.float32)
+            assert np.abs(got - want[name]).max() <= 1e-5, (family, name)
+            tei = np.array(client.post("/embed", json={"inputs": real, "prompt_name": name}).json())
+            assert np.abs(tei - want[name]).max() <= 1e-5, (family, name)
+        unprompted = np.array(client.post("/embed", json={"inputs": real}).json())
+    assert np.abs(unprompted - plain).max() <= 1e-5
+    assert np.abs(want["query"] - plain).max() > 1e-3  # the query prompt moves the vectors far past the bar

@@ -63,9 +63,12 @@ MARKERS = ("slow", "is_pipeline_test", "is_staging_test", "accelerate_tests", "n
 def claimed() -> list[str]:
     """The tests/models folder of every model_type fastbert claims (fastbert/families.py)."""
     sys.path.insert(0, REPO)
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
     from fastbert import families
 
-    return list(dict.fromkeys(t.replace("-", "_") for t in families.MODEL_TYPES))
+    # transformers' folder of each model_type (gemma3_text's tests are tests/models/gemma3)
+    return list(dict.fromkeys(model_type_to_module_name(t) for t in families.MODEL_TYPES))
 
 
 def _is_git_dir(path: str) -> bool:
