@@ -220,7 +220,57 @@ def hf_config(model: str):
         # SwiGLU 3,072, RMSNorm, rotary theta 250,000
         return _config_class("EuroBertConfig")(rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
                                                pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)
+    if model == "qwen3-embedding-0.6b":  # Qwen3-Embedding-0.6B's layer geometry: hidden 1,024, 16 query heads and 8
+        # key/value heads of head_dim 128, SwiGLU 3,072, q/k RMSNorm, rotary theta 1,000,000, causal; 2 of its 28
+        # layers (the FLOP ratio is per layer), its real vocabulary
+        return _config_class("Qwen3Config")(
+            vocab_size=151669, hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
+            head_dim=128, intermediate_size=3072, max_position_embeddings=32768, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
+            use_cache=False, pad_token_id=0)
+    if model == "embeddinggemma-300m":  # EmbeddingGemma-300m's layer geometry: hidden 768, 3 query heads and 1
+        # key/value head of head_dim 256, GeGLU 1,152, query_pre_attn_scalar 256, bidirectional, windows of 512 on the
+        # sliding layers; 6 of its 24 layers, the config's layer_types pattern (5 sliding, then 1 full), its real
+        # vocabulary and rope thetas (1,000,000 full, 10,000 sliding)
+        return _config_class("Gemma3TextConfig")(
+            vocab_size=262144, hidden_size=768, num_hidden_layers=6, num_attention_heads=3, num_key_value_heads=1,
+            head_dim=256, intermediate_size=1152, max_position_embeddings=2048, rms_norm_eps=1e-6,
+            query_pre_attn_scalar=256, sliding_window=512, use_bidirectional_attention=True,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            hidden_activation="gelu_pytorch_tanh", use_cache=False, pad_token_id=0, bos_token_id=2, eos_token_id=1)
     raise ValueError(f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+
+
+def flop_ceiling(config, lengths: list[int]) -> dict:
+    """The FLOP ratio of a ragged batch: the work HF does on it padded over the work of the padding-free forward.
+
+    Per layer, the linear work is 2 (H q + 2 H kv + q H + 3 H I) FLOP a token (q, k, v, o and a gated MLP's gate, up
+    and down; q = heads x head_dim, kv = key/value heads x head_dim) and the attention 4 q FLOP per (query, key)
+    pair (QK^T and PV). HF pads every row to the longest, S, and computes all S^2 pairs of every row under its mask.
+    `padding`: the padding-free forward on each sequence's own L^2 pairs (GTE's and EuroBERT's ceilings in
+    RESULTS.md); `useful`: only the pairs the model reads, i <= j for a causal model, |i - j| <= window on sliding
+    layers, the most any attention that skips masked pairs could gain."""
+    H, I = config.hidden_size, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, getattr(config, "num_key_value_heads", config.num_attention_heads) * hd
+    linear = 2 * (H * q + 2 * H * kv + q * H + 3 * H * I)
+    causal = not getattr(config, "use_bidirectional_attention", config.model_type != "qwen3")
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    S, B = max(lengths), len(lengths)
+
+    def pairs(L: int, sliding: bool) -> int:
+        if sliding:  # |i - j| <= window, inclusive (HF's bidirectional sliding window)
+            return sum(min(L - 1, i + window) - max(0, i - window) + 1 for i in range(L))
+        return L * (L + 1) // 2 if causal else L * L
+
+    hf = sum(B * S * linear + 4 * q * B * S * S for _ in layer_types)
+    padding = sum(sum(L * linear + 4 * q * L * L for L in lengths) for _ in layer_types)
+    useful = sum(sum(L * linear + 4 * q * pairs(L, t == "sliding_attention") for L in lengths) for t in layer_types)
+    return {"hf_flops": hf, "padding_free_flops": padding, "useful_flops": useful,
+            "ceiling_padding": hf / padding, "ceiling_useful": hf / useful}
 
 
 def nomic_st_folder(root) -> str:
@@ -271,21 +321,87 @@ def bert_st_folder(root, model: str = "bert-base") -> str:
     return folder
 
 
+def decoder_st_folder(root, model: str) -> str:
+    """A sentence-transformers folder of a decoder embedder's shape (`qwen3-embedding-0.6b`, `embeddinggemma-300m`:
+    hf_config's layers, random weights, seed 0) over the bundled MiniLM's uncased WordPiece vocabulary without token
+    types (no Qwen BPE or Gemma sentencepiece vocabulary is on this machine; the model sees token ids either way),
+    laid out as the Hub's: Qwen3-Embedding's last-token Pooling and Normalize, its tokenizer padding left;
+    EmbeddingGemma's mean Pooling, Dense 768 -> 3,072 and 3,072 -> 768 without bias or activation, Normalize. Both
+    cut at 2,048 tokens. Built under `root` once."""
+    import json
+
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Dense, Normalize, Pooling, Transformer
+
+    folder = os.path.join(root, f"{model}-st")
+    if os.path.isdir(folder):
+        return folder
+    with open(os.path.join(minilm_path(), "vocab.txt"), encoding="utf-8") as f:
+        words = f.read().splitlines()
+    tokenizer = transformers.DistilBertTokenizer(vocab={w: i for i, w in enumerate(words)})
+    config = hf_config(model)
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    hf_folder = os.path.join(root, f"{model}-hf")
+    getattr(transformers, HF_CLASSES[config.model_type])(config).save_pretrained(hf_folder)
+    qwen = config.model_type == "qwen3"
+    tokenizer.padding_side = "left" if qwen else "right"
+    tokenizer.save_pretrained(hf_folder)
+    if qwen:  # Qwen3-Embedding's tokenizer_config.json says "padding_side": "left" (save_pretrained does not write it)
+        path = os.path.join(hf_folder, "tokenizer_config.json")
+        with open(path) as f:
+            tokenizer_config = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**tokenizer_config, "padding_side": "left"}, f)
+    word = Transformer(hf_folder, max_seq_length=2048)
+    H = config.hidden_size
+    if qwen:
+        modules = [word, Pooling(H, "lasttoken"), Normalize()]
+    else:
+        torch.manual_seed(1)
+        modules = [word, Pooling(H, "mean"), Dense(H, 4 * H, bias=False, activation_function=torch.nn.Identity()),
+                   Dense(4 * H, H, bias=False, activation_function=torch.nn.Identity()), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(folder)
+    return folder
+
+
+def texts_of_lengths(tokenizer, lengths: list[int]) -> list[str]:
+    """Real text (corpus's paragraphs, joined) cut into one text per length, each `length` tokens long as `tokenizer`
+    counts them with its specials, up to the detokenized text's own re-tokenization (a token or two either way; the
+    benchmarks record the lengths they compute)."""
+    stream = tokenizer(" ".join(corpus(512)), add_special_tokens=False)["input_ids"]
+    specials = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
+    if len(stream) < sum(lengths):
+        raise Unavailable(f"the corpus gives {len(stream)} tokens, {sum(lengths)} wanted")
+    texts, start = [], 0
+    for n in lengths:
+        texts.append(tokenizer.decode(stream[start:start + n - specials]))
+        start += n - specials
+    return texts
+
+
 # pad id 0 (the random ids start at 1000), the specials inside any vocabulary: ModernBERT's positions do not depend
 # on the pad id, so this changes nothing it computes
 _MODERNBERT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
 MODELS = ("bert-base", "minilm", "distilbert-base", "mpnet-base", "modernbert-base", "deberta-v3-base",
-          "nomic-embed-base", "gte-base", "eurobert-210m", *TINY_MODELS, "host")
+          "nomic-embed-base", "gte-base", "eurobert-210m", "qwen3-embedding-0.6b", "embeddinggemma-300m", *TINY_MODELS,
+          "host")
 # transformers' encoder class for each model_type the bank builds
 HF_CLASSES = {"bert": "BertModel", "distilbert": "DistilBertModel", "mpnet": "MPNetModel",
               "modernbert": "ModernBertModel", "deberta-v2": "DebertaV2Model", "nomic_bert": "NomicBertModel",
-              "gte": "GteModel", "eurobert": "EuroBertModel"}
+              "gte": "GteModel", "eurobert": "EuroBertModel", "qwen3": "Qwen3Model", "gemma3_text": "Gemma3TextModel"}
+
+
+# the decoder embedders' shapes: their fp32 reference is HF's sdpa too (eager's 2,048^2 scores per head would only
+# slow the check, and sdpa is the baseline they are timed against)
+DECODER_EMBEDDERS = ("qwen3-embedding-0.6b", "embeddinggemma-300m")
 
 
 def reference_attention(model: str) -> str:
     """HF's implementation the fp32 reference runs: eager, except for ModernBERT, whose eager scores at 8,192 tokens
     would be 3 GB per head-batch and layer; its sdpa in fp32 is the reference there."""
-    return "sdpa" if "modernbert" in model or model in ("gte-base", "eurobert-210m") else "eager"
+    return "sdpa" if "modernbert" in model or model in ("gte-base", "eurobert-210m", *DECODER_EMBEDDERS) else "eager"
 
 
 def hf_attention(model: str) -> tuple[str, ...]:
@@ -853,3 +969,50 @@ def one_minus_cosine(a, b):
     import numpy as np
 
     return 1 - (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def _debian_descriptions(path: str = "/var/lib/dpkg/status") -> list[tuple[str, str]]:
+    """(short description, long description) of each installed Debian package."""
+    if not os.path.exists(path):
+        return []
+    pairs = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for block in f.read().split("\n\n"):
+            m = re.search(r"^Description: (.*)\n((?: .*\n?)*)", block, re.MULTILINE)
+            if m:
+                body = " ".join(line.strip() for line in m.group(2).splitlines() if line.strip() != ".")
+                pairs.append((m.group(1).strip(), body))
+    return pairs
+
+
+def _python_descriptions() -> list[tuple[str, str]]:
+    """(Summary, the first 1,500 characters of the long description, URLs and badges dropped) of each installed
+    Python distribution."""
+    pairs = []
+    for dist in importlib.metadata.distributions():
+        summary = (dist.metadata.get("Summary") or "").strip()
+        body = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
+        body = re.sub(r"https?://\S+|\|[^|\n]*\||\[!\[[^\]]*\]\([^)]*\)\]\([^)]*\)|[#=*`_>\-]{2,}", " ", body)
+        pairs.append((summary, " ".join(body.split())[:1500]))
+    return pairs
+
+
+def retrieval_task(max_queries: int | None = None) -> tuple[list[str], list[str], list[int]]:
+    """A labelled retrieval task from real text on this machine: each installed Debian package's one-line summary
+    and each installed Python distribution's Summary is a query; its own long description is the one relevant
+    document among all of them. Pairs with a summary under 4 words or a description under 30 are dropped, and so
+    are repeated summaries or descriptions. -> (queries, documents, relevant document of each query); every document
+    is relevant to exactly one query, in order."""
+    seen_q, seen_d, queries, documents = set(), set(), [], []
+    for summary, body in sorted(_debian_descriptions() + _python_descriptions()):
+        if len(summary.split()) < 4 or len(body.split()) < 30 or summary in seen_q or body in seen_d:
+            continue
+        seen_q.add(summary)
+        seen_d.add(body)
+        queries.append(summary)
+        documents.append(body)
+    if len(queries) < 50:
+        raise Unavailable(f"the installed packages give {len(queries)} (summary, description) pairs, 50 wanted")
+    if max_queries is not None:
+        queries, documents = queries[:max_queries], documents[:max_queries]
+    return queries, documents, list(range(len(queries)))

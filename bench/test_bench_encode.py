@@ -13,6 +13,12 @@ Both run as users run them: sentence-transformers with its defaults (batches of 
 fastbert with its defaults (sorted by tokens, batches of up to 16,384 real tokens, padding-free: it computes the
 real tokens only, sentence-transformers each batch padded to its longest text).
 With --benchmark-disable (CI) a small slice of the corpus is checked and encoded once per side.
+
+The decoder embedders (Qwen3-Embedding-0.6B's and EmbeddingGemma-300m's layer geometry, 2 of 28 and 6 of 24 layers:
+bench/harness.py hf_config; their folders as the Hub lays them out, harness.decoder_st_folder) encode 16 texts of
+64..2,048 tokens, the lengths of the A/B cell 16xvar64-2048 (the corpus's text cut to them), no prompt: one
+sentence-transformers batch padded to its longest, against fastbert's padding-free batches; the cell's FLOP ratio
+(harness.flop_ceiling, from the lengths computed) is in extra_info.
 """
 from __future__ import annotations
 
@@ -29,7 +35,10 @@ from bench.conftest import skip_reason_for_device
 # device, dtype, texts, model: the bundled MiniLM folder, or a nomic-embed-text-v1.5-shaped one encoding with its
 # "search_document: " prompt
 CASES = [("cpu", "fp32", 512, "minilm"), ("cuda", "fp16", 8192, "minilm"), ("cuda", "bf16", 8192, "minilm"),
-         ("cpu", "fp32", 256, "nomic-embed-base")]
+         ("cpu", "fp32", 256, "nomic-embed-base"), ("cpu", "fp32", 16, "qwen3-embedding-0.6b"),
+         ("cpu", "fp32", 16, "embeddinggemma-300m")]
+DECODER_CELL = harness._varlen(16, 64, 2048)  # the decoder embedders' texts: the lengths of their A/B cell
+DECODER_ROUNDS = 2  # a round of both takes about a minute on 2 cores; the check already warmed both sides
 CI_TEXTS = 48
 CI_TEXTS_BASE = 8  # a base-size model's check in CI
 ROUNDS = {"cpu": 5, "cuda": 10}
@@ -56,12 +65,19 @@ def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_
 
     torch_dtype = harness.DTYPES[dtype]
     try:
+        root = tmp_path_factory.getbasetemp()
+        decoder = model in harness.DECODER_EMBEDDERS
         path = str(harness.minilm_path()) if model == "minilm" else \
-            harness.nomic_st_folder(tmp_path_factory.getbasetemp())
-        texts = harness.corpus((CI_TEXTS if model == "minilm" else CI_TEXTS_BASE) if benchmark.disabled else size)
+            harness.decoder_st_folder(root, model) if decoder else harness.nomic_st_folder(root)
+        if decoder:
+            cell = harness.ci_cell(DECODER_CELL) if benchmark.disabled else DECODER_CELL
+            texts = harness.texts_of_lengths(sentence_transformers.SentenceTransformer(path).tokenizer,
+                                             cell.lengths())
+        else:
+            texts = harness.corpus((CI_TEXTS if model == "minilm" else CI_TEXTS_BASE) if benchmark.disabled else size)
     except harness.Unavailable as e:
         pytest.skip(str(e))
-    prompt = {} if model == "minilm" else {"prompt_name": "document"}
+    prompt = {"prompt_name": "document"} if model == "nomic-embed-base" else {}
     # on CPU the PyTorch path: "auto" would take Triton's interpreter where TRITON_INTERPRET=1 is set
     encoder = fastbert.SentenceEncoder.from_pretrained(path, device=device, dtype=torch_dtype,
                                                        kernels="torch" if device == "cpu" else "auto")
@@ -98,9 +114,10 @@ def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_
             cpu_times[name].append(time.process_time() - c0)
 
     benchmark.group = f"encode a corpus: {model} {dtype} {device}"
-    benchmark.pedantic(one_round, rounds=1 if benchmark.disabled else ROUNDS[device],
-                       warmup_rounds=0 if benchmark.disabled else 1)
-    kept = 1 if benchmark.disabled else ROUNDS[device]  # the warm-up round is dropped
+    rounds = DECODER_ROUNDS if decoder else ROUNDS[device]
+    benchmark.pedantic(one_round, rounds=1 if benchmark.disabled else rounds,
+                       warmup_rounds=0 if benchmark.disabled or decoder else 1)
+    kept = 1 if benchmark.disabled else rounds  # the warm-up round is dropped
     timed = {name: t[-kept:] for name, t in times.items()}
     medians = {name: statistics.median(t) for name, t in timed.items()}
     cpu_medians = {name: statistics.median(t[-kept:]) for name, t in cpu_times.items()}
@@ -127,3 +144,5 @@ def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_
         round_cpu_s={name: t[-kept:] for name, t in cpu_times.items()},
         cpu_time_ratio_fastbert_over_sentence_transformers=(cpu_medians["sentence-transformers"]
                                                             / cpu_medians["fastbert"]))
+    if decoder:  # one sentence-transformers batch (16 texts): the cell's FLOP ratio over its computed lengths
+        benchmark.extra_info.update(harness.flop_ceiling(harness.hf_config(model), lengths))

@@ -143,6 +143,43 @@ def test_base_family_configs_have_the_published_shapes():
     assert harness.reference_attention("modernbert-base") == "sdpa"
 
 
+def test_decoder_embedder_configs_have_the_real_layer_geometry():
+    """Qwen3-Embedding-0.6B's and EmbeddingGemma-300m's layers as their Hub configs give them, fewer of them."""
+    qwen = harness.hf_config("qwen3-embedding-0.6b")
+    assert (type(qwen).__name__, qwen.hidden_size, qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim,
+            qwen.intermediate_size, qwen.rope_parameters["rope_theta"], qwen.vocab_size, qwen.num_hidden_layers) == \
+        ("Qwen3Config", 1024, 16, 8, 128, 3072, 1000000.0, 151669, 2)
+    gemma = harness.hf_config("embeddinggemma-300m")
+    assert (type(gemma).__name__, gemma.hidden_size, gemma.num_attention_heads, gemma.num_key_value_heads,
+            gemma.head_dim, gemma.intermediate_size, gemma.query_pre_attn_scalar, gemma.use_bidirectional_attention,
+            gemma.vocab_size) == ("Gemma3TextConfig", 768, 3, 1, 256, 1152, 256, True, 262144)
+    assert gemma.layer_types == ["sliding_attention"] * 5 + ["full_attention"]  # the 300m's pattern, once
+    assert harness.hf_variant("qwen3-embedding-0.6b") == harness.hf_variant("embeddinggemma-300m") == "hf-sdpa"
+
+
+def test_flop_ceiling_counts_by_hand():
+    """flop_ceiling on lengths small enough to count: linear 2 (H q + 2 H kv + q H + 3 H I) a token, 4 q a pair; HF
+    pads to the longest and computes every pair; causal reads j <= i, a window |i - j| <= w."""
+    import types
+
+    base = dict(hidden_size=4, intermediate_size=8, num_attention_heads=2, head_dim=2, num_key_value_heads=1,
+                layer_types=["full_attention"], num_hidden_layers=1, sliding_window=1)
+    linear = 2 * (4 * 4 + 2 * 4 * 2 + 4 * 4 + 3 * 4 * 8)  # q = 4, kv = 2: 320 a token
+    both = types.SimpleNamespace(**base, model_type="gte")
+    got = harness.flop_ceiling(both, [2, 3])
+    assert got["hf_flops"] == 2 * 3 * linear + 4 * 4 * 2 * 9
+    assert got["padding_free_flops"] == got["useful_flops"] == 5 * linear + 4 * 4 * (4 + 9)
+    causal = harness.flop_ceiling(types.SimpleNamespace(**base, model_type="qwen3"), [2, 3])
+    assert causal["useful_flops"] == 5 * linear + 4 * 4 * (3 + 6)  # 1 + 2 and 1 + 2 + 3 pairs
+    window = harness.flop_ceiling(types.SimpleNamespace(**{**base, "layer_types": ["sliding_attention"]},
+                                                        model_type="gemma3_text", use_bidirectional_attention=True),
+                                  [2, 3])
+    assert window["useful_flops"] == 5 * linear + 4 * 4 * (4 + 7)  # L = 3, w = 1: 2 + 3 + 2 pairs
+    # GTE's cell in bench/RESULTS.md: 1.83x
+    assert harness.flop_ceiling(harness.hf_config("gte-base"), harness._varlen(16, 64, 2048).lengths())[
+        "ceiling_padding"] == pytest.approx(1.83, abs=0.005)
+
+
 @pytest.mark.parametrize("model, hf_class", [("tiny-distilbert", "DistilBertModel"), ("tiny-mpnet", "MPNetModel"),
                                              ("tiny-modernbert", "ModernBertModel"), ("tiny-nomic", "NomicBertModel")])
 def test_bank_builds_families_with_transformers_classes(bank, model, hf_class):
@@ -447,6 +484,108 @@ def test_backward_check_fails_a_wrong_gradient(monkeypatch):
     result = checks.autograd(checks.bias_gelu_backward)(torch.float16, 13, 32, 48, "gelu")
     assert not result["ok"] and result["tensors"]["dx"]["err"] > result["tensors"]["dx"]["bound"]
     assert result["tensors"]["dweight"]["err"] <= result["tensors"]["dweight"]["bound"]
+
+
+def test_cpu_twin_trains_a_score_bias_in_fp32():
+    """Why the dry run's trained-score-term checks take HF's eager attention as their 16-bit baseline: with a bias
+    table that requires grad, the CPU twin's fp16 gradient is bit for bit its fp32 gradient rounded once (sdpa's math
+    fallback upcasts), while with the table frozen (sdpa's fused CPU kernel) it rounds inside and differs."""
+    import torch
+
+    from fastbert.layout import TokenLayout
+    from fastbert.units import attention
+
+    L, nh, hd = 20, 2, 16
+    g = torch.Generator().manual_seed(0)
+    qkv, table = torch.randn(L, 3, nh, hd, generator=g).half(), torch.randn(nh, 2 * L - 1, generator=g)
+    up = torch.randn(L, nh * hd, generator=g).half()
+    layout = TokenLayout.from_cu_seqlens(torch.tensor([0, L], dtype=torch.int32), L, [L])
+
+    def dqkv(dtype, bias, trained):
+        with torch.inference_mode(False), torch.enable_grad():  # whatever mode the session runs the tests in
+            x, b = qkv.to(dtype).clone().requires_grad_(), bias.clone().requires_grad_(trained)
+            out = attention.twin(x, layout, hd ** -0.5, 0.0, False, attention.Extras(b, None, None, None, None))[0]
+            return torch.autograd.grad(out, x, up.to(dtype).clone())[0]
+
+    fp32_rounded = dqkv(torch.float32, table.half().float(), True).half()  # the twin casts the table to fp16
+    assert torch.equal(dqkv(torch.float16, table, True), fp32_rounded)
+    assert not torch.equal(dqkv(torch.float16, table, False), fp32_rounded)
+    assert set(gpu_check.TRAINED_SCORE_TERMS) == {"bias", "disentangled"} <= set(BACKWARD_VARIANTS_ATTENTION)
+
+
+BACKWARD_VARIANTS_ATTENTION = [v.removeprefix("attention-") for v in BACKWARD_VARIANTS if v.startswith("attention-")]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("variant", ["bias", "disentangled"])
+def test_trained_score_term_backward_checks_hold_on_other_draws(variant, seed):
+    """MPNet's bias and DeBERTa's terms on the kernels within 2x HF's eager fp16 error, per tensor, on three draws
+    of the inputs (draw 0 is the dry run's own); the record says which baseline it measured."""
+    import torch
+
+    checks = gpu_check.KernelChecks("cpu", dry_run=True, seed=seed)
+    result = checks.autograd(lambda: checks.attention_backward(torch.float16, [1, 7, 20], 2, 16, variant))()
+    assert result["baseline"] == "eager"
+    assert result["ok"], result["tensors"]
+    assert all(t["finite"] and 0 < t["err"] <= t["bound"] for t in result["tensors"].values()), result["tensors"]
+
+
+def test_trained_score_term_backward_check_fails_a_wrong_gradient(monkeypatch):
+    """The eager baseline is no free pass: a train_kernel whose qkv and bias-table gradients are 1% off fails the
+    bias check on both, while the same kernel unchanged passes it."""
+    import torch
+
+    from fastbert.units import attention
+
+    right = attention.train_kernel
+
+    def wrong(qkv, attn, scale, dropout_p, return_probs, extras):
+        for leaf in (qkv, extras.bias):
+            leaf.register_hook(lambda grad: grad * 1.01)
+        return right(qkv, attn, scale, dropout_p, return_probs, extras)
+
+    checks = gpu_check.KernelChecks("cpu", dry_run=True)
+    run = checks.autograd(lambda: checks.attention_backward(torch.float16, [1, 7, 20], 2, 16, "bias"))
+    assert run()["ok"]
+    monkeypatch.setattr(attention, "train_kernel", wrong)
+    tensors = run()["tensors"]
+    assert tensors["dqkv"]["err"] > tensors["dqkv"]["bound"] and tensors["dbias"]["err"] > tensors["dbias"]["bound"]
+    assert tensors["out"]["err"] <= tensors["out"]["bound"]
+
+
+def test_summary_names_the_tensor_a_backward_check_failed_on():
+    """A failed backward check's line in summary.md gives each tensor over its bound with its figures, not None."""
+    tensors = {"out": {"err": 7.5e-4, "twin_err": 7.7e-4, "bound": 1.5e-3, "finite": True},
+               "dqkv": {"err": 1.36e-3, "twin_err": 5.96e-4, "bound": 1.19e-3, "finite": True}}
+    records = [{"stage": "1", "step": "smoke-backward-bf16", "check": "attention-bias-fp16", "status": "failed",
+                "tensors": tensors, "baseline": "eager"}]
+    failed = [line for line in gpu_check.check_summary(records).splitlines() if "FAILED" in line]
+    assert failed == ["  - FAILED smoke-backward-bf16 attention-bias-fp16: dqkv err 0.00136 > bound 0.00119 "
+                      "(the eager's 0.000596; finite: True)"]
+
+
+def test_ci_runs_the_dry_runs_kernel_checks_and_fails_on_a_failed_one(tmp_path, monkeypatch):
+    """.ci/run's dry-run stage names steps that exist (every kernel-check step of the plan, nothing else), asks for
+    all of them to run, and the script's exit status is what that stage reads: 1 for a crashed check and, with
+    --require-all, for a step left out for lack of time; an --only that names no step is an error, never a run that
+    checks nothing."""
+    import re
+
+    with open(os.path.join(gpu_check.REPO, ".ci", "run")) as f:
+        script = f.read()
+    steps = re.search(r"^GPU_CHECK_STEPS=(\S+)$", script, re.M).group(1)
+    assert '--only "$GPU_CHECK_STEPS" --require-all' in script and '"$rcdry" -ne 0' in script
+    chosen = [s.name for s in gpu_check.select(gpu_check.plan(True), steps)]
+    assert chosen == [s.name for s in gpu_check.plan(True) if s.name.startswith(("smoke-", "configs-"))]
+    with pytest.raises(SystemExit):
+        gpu_check.main([str(tmp_path / "none"), "--dry-run", "--only", "smoke-bf16,no-such-step"])
+    # a step the deadline leaves out: a skip for the GPU run, a failure where every step must run
+    no_time = [str(tmp_path / "late"), "--dry-run", "--only", "smoke-bf16", "--budget-s", "1"]
+    assert gpu_check.main(no_time) == 0 and gpu_check.main(no_time + ["--require-all"]) == 1
+    assert _records(tmp_path / "late")[-1] == {"stage": "1", "step": "smoke-bf16", "status": "skipped",
+                                               "why": "0 s left of the budget", "over_budget": True}
+    monkeypatch.setenv(gpu_check.FAULT_ENV, "smoke-bf16:residual_layernorm-postnorm-bf16=crash")
+    assert gpu_check.main([str(tmp_path / "out"), "--dry-run", "--only", "smoke-bf16", "--require-all"]) == 1
 
 
 def test_train_goals_read_each_cell():

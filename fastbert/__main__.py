@@ -6,6 +6,7 @@
     python -m fastbert encode --ray [ADDRESS] --input FILE_OR_FOLDER --output FOLDER [options]
     python -m fastbert serve [MODEL] [--host 127.0.0.1] [--port 8080] [options]   (serve --help lists them)
     python -m fastbert serve [MODEL] --ray [ADDRESS] [--replicas N | --min-replicas A --max-replicas B] [options]
+    python -m fastbert quality [MODEL] --quantize bf16|int8 [--quality-texts FILE] [--pairs FILE.tsv]
 
 The first loads the model (the bundled all-MiniLM-L6-v2 by default), encodes a fixed set of real sentences with
 Hugging Face's BertModel and with fastbert on every backend available here (on a GPU through CUDA graphs, as users
@@ -26,9 +27,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default model is bundled; ne
 from .cli.common import USER_ERRORS  # noqa: E402
 from .cli.encode import encode, encode_parser  # noqa: E402
 from .cli.main_job import check, check_parser  # noqa: E402
+from .cli.quality import quality_command, quality_parser  # noqa: E402
 from .cli.serve import serve, serve_parser  # noqa: E402
 
-COMMANDS = {"encode": (encode_parser, encode), "serve": (serve_parser, serve)}
+COMMANDS = {"encode": (encode_parser, encode), "serve": (serve_parser, serve),
+            "quality": (quality_parser, quality_command)}
 
 
 def main(argv=None) -> int:

@@ -36,10 +36,13 @@ class TransformersModelMixin:
     # ---- loading and saving (fastbert/loading.py does the work) -------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,
-                        torch_dtype=None, padding_free=True, attn_implementation=None) -> "BertModel":
+                        torch_dtype=None, padding_free=True, attn_implementation=None, quantize=None,
+                        quality_texts=None) -> "BertModel":
         """A local folder (config.json + model.safetensors / pytorch_model.bin) or a Hub id from the local cache, of
         any model_type in fastbert.MODEL_TYPES. add_pooling_layer=None: a pooler when the checkpoint has one.
-        attn_implementation= is taken as transformers takes it, and ignored (with a warning)."""
+        attn_implementation= is taken as transformers takes it, and ignored (with a warning). quantize: "bf16" or
+        "int8" runs the GEMMs in that format (set_format), measured against fp32 at load on quality_texts (None: the
+        built-in sample; `format_quality`)."""
         from .loading import from_pretrained
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; give one of them")
@@ -49,7 +52,7 @@ class TransformersModelMixin:
                           f"attention (the fused kernel or its PyTorch twin, chosen by kernels=)", stacklevel=2)
         return from_pretrained(cls, name_or_path, dtype=dtype if dtype is not None else torch_dtype,
                                device=device, kernels=kernels, add_pooling_layer=add_pooling_layer,
-                               padding_free=padding_free)
+                               padding_free=padding_free, quantize=quantize, quality_texts=quality_texts)
 
     @classmethod
     def from_hf(cls, hf_model, kernels="auto", padding_free=True) -> "BertModel":

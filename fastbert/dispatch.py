@@ -11,6 +11,7 @@ reason.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from typing import Callable, NamedTuple
@@ -130,6 +131,11 @@ class Situation(NamedTuple):
     padded: str | None  # why attention runs on padded rows ("output_attentions=True needs ...", a custom mask), or None
     shapes: object = None  # measure.Shapes where "auto" measures (a forward on CUDA), else None
     variants: tuple = ()  # the model's Variant of each op that has one (attention's, bias_gelu's, ...), by type
+    fmt: object = None  # the number format of the GEMMs (a formats.Format), or None: the weights' own dtype
+
+
+# The ops that hold a GEMM, which a number format (fastbert/formats.py) runs in torch: its int8 / bf16 GEMM
+GEMM_OPS = ("qkv_projection", "bias_gelu", "residual_layernorm")
 
 
 # Where "auto" picks by measuring (fastbert/measure.py): on a GPU. Elsewhere it takes the kernel wherever one can run
@@ -176,20 +182,31 @@ def traced_as_aten():
 def plan(situation: Situation) -> Ops:
     """The four ops for one situation, decided here once. Each op's callables are its unit's (fastbert/units/),
     looked up now: tests may patch a unit's twin or kernel."""
+    fmt = situation.fmt
+    if fmt is not None and tracing():
+        raise NotImplementedError(f"fastbert: a forward in the {fmt.name} format is not traced (its GEMMs read "
+                                  f"weights prepared outside the graph): trace or export the fp32 model")
     if tracing() and not TRACE_AS_CUSTOM_OPS:  # an ONNX export (traced_as_aten): every op on its twin
         return Ops(*(unit.twin for unit in UNITS.values()), frozenset(), traced=True)
     why = reasons(situation)
     training = {op: trains(op, situation) for op in OPS}
-    use = {op: resolve(op, backend, situation.device, why[op]) for op, backend in zip(OPS, situation.kernels)}
+    kernels = situation.kernels
+    if fmt is not None:
+        for op, backend in zip(OPS, kernels):
+            if op in GEMM_OPS and backend == "triton":
+                raise RuntimeError(f"op {op!r}: backend 'triton' was requested, but the {fmt.name} format runs this "
+                                   f"op's GEMM in torch; use backend 'torch' or 'auto' for it")
+        kernels = tuple("torch" if op in GEMM_OPS else backend for op, backend in zip(OPS, kernels))
+    use = {op: resolve(op, backend, situation.device, why[op]) for op, backend in zip(OPS, kernels)}
     inference = not any(training.values())
-    for op, backend in zip(OPS, situation.kernels):
+    for op, backend in zip(OPS, kernels):
         if backend != "auto" or not use[op]:
             continue
         if situation.shapes is not None:  # a GPU: measured (forward + backward where the op trains)
             use[op] = _measured(op, situation, training[op])
         elif training[op]:  # unmeasured (the interpreter): a forward that trains keeps the twin, as on a CPU
             use[op] = False
-    requested = dict(zip(OPS, situation.kernels))
+    requested = dict(zip(OPS, kernels))
     backends = {op: requested[op] if use[op] else "torch" for op in OPS}  # "auto" here: the kernel, with its net
     triton = frozenset(op for op, on in use.items() if on)
     if tracing() and inference and TRACE_AS_CUSTOM_OPS:
@@ -201,7 +218,7 @@ def plan(situation: Situation) -> Ops:
     def chosen(op):
         unit = UNITS[op]
         if backends[op] == "torch":
-            return unit.twin
+            return unit.twin if fmt is None or op not in GEMM_OPS else functools.partial(unit.twin, fmt=fmt)
         kernel = unit.train_kernel if training[op] else unit.kernel  # the autograd function where the op trains
         if backends[op] == "triton":  # asked for: the kernel's own error reaches the caller
             return kernel

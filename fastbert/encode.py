@@ -5,9 +5,12 @@
     encoder.encode(texts, prompt_name="query")
 
 What a sentence-transformers folder says, and what fastbert does with it:
-    modules.json                        Transformer -> Pooling -> optional Normalize. Those three modules are
-                                        reproduced exactly; any other (Dense, LayerNorm, Router, ...) is refused,
-                                        never skipped: skipping it would return a different vector without a word.
+    modules.json                        Transformer -> Pooling -> Dense (any number) -> optional Normalize. Those
+                                        modules are reproduced exactly; any other (LayerNorm, Router, ...) is
+                                        refused, never skipped: skipping it would return a different vector
+                                        without a word.
+    N_Dense/config.json, weights        in_features, out_features, bias, activation_function (Identity or Tanh),
+                                        its linear's weight (and bias): applied to the pooled vector in float32
     sentence_bert_config.json           max_seq_length (texts are truncated to it, special tokens included),
                                         do_lower_case (a Lowercase normaliser in front of the tokenizer's own)
     1_Pooling/config.json               pooling mode(s): cls, max, mean, mean_sqrt_len_tokens, weightedmean, lasttoken
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import adapters
+from . import adapters, formats, quality
 from .graphs import graphed, stats_of
 from .loading import resolve_folder
 from .modeling import BertModel
@@ -80,10 +83,41 @@ class Pipeline:
     prompts: dict = field(default_factory=lambda: dict(_DEFAULT_PROMPTS))
     default_prompt_name: str | None = None
     source: str = "defaults"                # "sentence-transformers" or "defaults"
+    dense: tuple = ()                       # Dense modules after pooling, in order (DenseLayer)
 
     def describe(self) -> str:
-        return (f"pooling {'+'.join(self.pooling)}, {'Normalize' if self.normalize else 'no Normalize'}, "
+        dense = "".join(f", Dense {d.weight.shape[1]}->{d.weight.shape[0]}" for d in self.dense)
+        return (f"pooling {'+'.join(self.pooling)}{dense}, {'Normalize' if self.normalize else 'no Normalize'}, "
                 f"max_seq_length {self.max_seq_length}")
+
+    def after_pooling(self, vectors: torch.Tensor) -> torch.Tensor:
+        """The Dense modules on pooled vectors [n, D] (float32): each act(v @ W^T + b), as sentence-transformers'
+        Dense computes it; the vectors themselves without any."""
+        for layer in self.dense:
+            vectors = layer(vectors)
+        return vectors
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """sentence-transformers' Dense module: activation(x @ weight^T + bias). `activation`: "identity" or "tanh"."""
+
+    weight: torch.Tensor                    # [out_features, in_features]
+    bias: torch.Tensor | None
+    activation: str = "identity"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(x.device, x.dtype)
+        h = F.linear(x, weight, None if self.bias is None else self.bias.to(x.device, x.dtype))
+        return torch.tanh(h) if self.activation == "tanh" else h
+
+    def to(self, device) -> "DenseLayer":
+        return DenseLayer(self.weight.to(device), None if self.bias is None else self.bias.to(device),
+                          self.activation)
+
+
+# sentence-transformers' Dense activation_function -> what DenseLayer runs
+_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
 
 
 def locate(name_or_path):
@@ -171,20 +205,23 @@ def read_folder(folder: str):
     module_folders = [os.path.join(folder, m.get("path") or "") for m in modules]
     st_config, tokenizer_kwargs, dtype = _read_transformer(module_folders[0])
     modes, include_prompt, dimension = _read_pooling(module_folders[1])
-    normalize = len(modules) == 3
+    kinds = [_module_kind(m, i, "modules.json") for i, m in enumerate(modules)]
+    dense = tuple(_read_dense(f) for f, kind in zip(module_folders, kinds) if kind == "Dense")
+    normalize = kinds[-1] == "Normalize"
     if normalize:
-        _check_normalize(module_folders[2])
+        _check_normalize(module_folders[-1])
     prompts, default_prompt_name = _read_prompts(folder)
     pipeline = Pipeline(pooling=modes, include_prompt=include_prompt, normalize=normalize,
                         max_seq_length=st_config.get("max_seq_length"),
                         do_lower_case=bool(st_config.get("do_lower_case", False)),
-                        prompts=prompts, default_prompt_name=default_prompt_name, source="sentence-transformers")
+                        prompts=prompts, default_prompt_name=default_prompt_name, source="sentence-transformers",
+                        dense=dense)
     return module_folders[0], (pipeline, dimension), tokenizer_kwargs, dtype
 
 
 def _read_modules(folder: str) -> list | None:
-    """modules.json: Transformer -> Pooling -> optional Normalize, else NotImplementedError naming the modules
-    (None when the folder has no modules.json)."""
+    """modules.json: Transformer -> Pooling -> Dense (any number) -> optional Normalize, else NotImplementedError
+    naming the modules (None when the folder has no modules.json)."""
     modules_path = os.path.join(folder, "modules.json")
     if not os.path.isfile(modules_path):
         return None
@@ -192,12 +229,13 @@ def _read_modules(folder: str) -> list | None:
     if not isinstance(modules, list) or not modules:
         raise ValueError(f"{modules_path}: expected a non-empty list of modules, got {type(modules).__name__}")
     kinds = [_module_kind(m, i, modules_path) for i, m in enumerate(modules)]
-    supported = ["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]
-    if kinds not in supported:
+    middle = kinds[2:-1] if kinds[-1] == "Normalize" else kinds[2:]
+    if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Dense" for k in middle):
         other = [f"{i}: {m['type']}" for i, (m, k) in enumerate(zip(modules, kinds))
-                 if k not in ("Transformer", "Pooling", "Normalize")]
+                 if k not in ("Transformer", "Pooling", "Dense", "Normalize")]
         raise NotImplementedError(
-            f"{modules_path}: fastbert reproduces Transformer -> Pooling -> optional Normalize, this model has "
+            f"{modules_path}: fastbert reproduces Transformer -> Pooling -> Dense ... -> optional Normalize, this "
+            f"model has "
             f"{' -> '.join(kinds)}" + (f" ({'; '.join(other)} not implemented)" if other else "")
             + "; its embeddings would differ from sentence-transformers', so it is refused")
     return modules
@@ -229,6 +267,36 @@ def _read_pooling(module_folder: str):
     if not os.path.isfile(pooling_path):
         raise FileNotFoundError(f"no Pooling config: {pooling_path} is missing (modules.json names it)")
     return parse_pooling(_read_json(pooling_path, "the Pooling module's settings"), pooling_path)
+
+
+def _read_dense(module_folder: str) -> DenseLayer:
+    """A Dense module's config.json and its linear's weights (model.safetensors, or pytorch_model.bin)."""
+    path = os.path.join(module_folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no Dense config: {path} is missing (modules.json names it)")
+    config = _read_json(path, "the Dense module's settings")
+    activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")  # Dense's default
+    if activation not in _DENSE_ACTIVATIONS:
+        raise NotImplementedError(f"{path}: Dense with activation_function = {activation!r} is not implemented "
+                                  f"(fastbert reproduces {', '.join(_DENSE_ACTIVATIONS)})")
+    weights = os.path.join(module_folder, "model.safetensors")
+    if os.path.isfile(weights):
+        from safetensors.torch import load_file
+        state = load_file(weights)
+    elif os.path.isfile(os.path.join(module_folder, "pytorch_model.bin")):
+        state = torch.load(os.path.join(module_folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{module_folder}: the Dense module's weights (model.safetensors or "
+                                f"pytorch_model.bin) are missing")
+    weight, bias = state.get("linear.weight"), state.get("linear.bias")
+    shape = (config.get("out_features"), config.get("in_features"))
+    if weight is None or tuple(weight.shape) != shape:
+        raise ValueError(f"{module_folder}: the Dense weight 'linear.weight' must have shape {shape} (out_features, "
+                         f"in_features), got {None if weight is None else tuple(weight.shape)}")
+    if bool(config.get("bias", True)) != (bias is not None):
+        raise ValueError(f"{module_folder}: bias = {config.get('bias', True)} in config.json, but the weights "
+                         f"{'lack' if bias is None else 'hold'} 'linear.bias'")
+    return DenseLayer(weight.float(), None if bias is None else bias.float(), _DENSE_ACTIVATIONS[activation])
 
 
 def _check_normalize(module_folder: str) -> None:
@@ -372,7 +440,7 @@ def embed(model, pipeline: Pipeline, input_ids: torch.Tensor, attention_mask: to
     if skip:
         attention_mask = attention_mask.clone()
         attention_mask[:, :skip] = 0
-    vectors = pool(hidden, attention_mask, pipeline.pooling)
+    vectors = pipeline.after_pooling(pool(hidden, attention_mask, pipeline.pooling))
     return F.normalize(vectors, p=2, dim=-1) if pipeline.normalize else vectors
 
 
@@ -380,7 +448,7 @@ def embed(model, pipeline: Pipeline, input_ids: torch.Tensor, attention_mask: to
 # The encoder
 # --------------------------------------------------------------------------------------------------------------------
 _LOAD_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "include_prompt", "dtype", "device",
-                 "kernels", "cuda_graphs", "tokenizer")
+                 "kernels", "cuda_graphs", "tokenizer", "quantize", "quality_texts")
 
 
 def check_truncate_dim(value) -> int | None:
@@ -422,6 +490,8 @@ class SentenceEncoder:
                      if v is not None}
         self.pipeline = replace(base, **overrides)
         self.pipeline = replace(self.pipeline, max_seq_length=self._check_max_seq_length())
+        if self.pipeline.dense:  # the Dense weights where the pooled vectors are: the model's device
+            self.pipeline = replace(self.pipeline, dense=tuple(d.to(self.device) for d in self.pipeline.dense))
         default = self.pipeline.default_prompt_name
         if default is not None and default not in self.pipeline.prompts:
             raise ValueError(f"default_prompt_name {default!r} is not one of the prompts "
@@ -446,14 +516,19 @@ class SentenceEncoder:
     def from_pretrained(cls, name_or_path, *, pooling=None, normalize=None, max_seq_length=None, do_lower_case=None,
                         include_prompt=None, dtype=None, device=None, kernels="auto",
                         cuda_graphs: bool = True, truncate_dim: int | None = None,
-                        task: str | None = None) -> "SentenceEncoder":
+                        task: str | None = None, quantize=None, quality_texts=None) -> "SentenceEncoder":
         """A sentence-transformers folder (modules.json) or a plain Hugging Face BERT folder, or a Hub id in the
         local cache. dtype: None = what the folder says (sentence_bert_config's model_kwargs, else the checkpoint's
         own, like transformers' dtype="auto"); device: None = cuda when available, else cpu. cuda_graphs: False runs
-        the model eagerly on CUDA too."""
+        the model eagerly on CUDA too. quantize: "bf16" or "int8" runs the GEMMs in that format (fastbert/formats.py;
+        the model loads in float32), and measures what it costs against fp32 at load on `quality_texts` (a file, one
+        text per line, or a list; None: the built-in sample): `format_quality`."""
         import transformers
 
         model_folder, st, tokenizer_kwargs, folder_dtype = locate(name_or_path)
+        fmt = formats.format_of(quantize)
+        if fmt is not None:
+            dtype = formats.load_dtype(quantize, dtype)
         model = BertModel.from_pretrained(model_folder, add_pooling_layer=False, kernels=kernels,
                                           dtype=dtype if dtype is not None else (folder_dtype or "auto"),
                                           device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -466,9 +541,28 @@ class SentenceEncoder:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_folder, **tokenizer_kwargs)
         if "model_max_length" in tokenizer_kwargs and pipeline is not None:  # wins over max_seq_length, as in s-t
             pipeline = replace(pipeline, max_seq_length=tokenizer_kwargs["model_max_length"])
-        return cls(model, tokenizer, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length,
-                   do_lower_case=do_lower_case, include_prompt=include_prompt, pipeline=pipeline,
-                   name=os.fspath(name_or_path), cuda_graphs=cuda_graphs, truncate_dim=truncate_dim, task=task)
+        encoder = cls(model, tokenizer, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length,
+                      do_lower_case=do_lower_case, include_prompt=include_prompt, pipeline=pipeline,
+                      name=os.fspath(name_or_path), cuda_graphs=cuda_graphs, truncate_dim=truncate_dim, task=task)
+        if fmt is not None:
+            encoder.set_format(fmt, quality_texts)
+        return encoder
+
+    def set_format(self, quantize, quality_texts=None):
+        """Run the model's GEMMs in `quantize` ("fp32", "bf16", "int8": BertModel.set_format) and, for a format
+        other than fp32, measure its cost against fp32 on `quality_texts` (None: the built-in sample):
+        `format_quality`."""
+        self.model.set_format(quantize)
+        if self.model.quantize != "fp32":
+            texts, source = quality.quality_texts(quality_texts)
+            quality.measure(self.model, lambda t: torch.from_numpy(self.encode(t, progress=False)), "embedding",
+                            texts, source)
+        return self
+
+    @property
+    def format_quality(self):
+        """What the GEMMs' number format costs against fp32 (quality.Quality), or None in fp32."""
+        return self.model.__dict__.get("format_quality")
 
     def _check_max_seq_length(self) -> int:
         limit = self.model.embeddings.max_length  # the position table's usable length (RoBERTa's starts after pad)
@@ -485,6 +579,8 @@ class SentenceEncoder:
 
     @property
     def dimension(self) -> int:
+        if self.pipeline.dense:  # the last Dense module's out_features
+            return self.pipeline.dense[-1].weight.shape[0]
         return len(self.pipeline.pooling) * self.model.config.hidden_size
 
     @property
@@ -569,7 +665,7 @@ class SentenceEncoder:
 
 
     def embed_tokenized(self, ids: Sequence[Sequence[int]], *, prompts: Sequence[str] | None = None,
-                        tasks: Sequence[str | None] | None = None) -> torch.Tensor:
+                        tasks: Sequence[str | None] | None = None, token_vectors: bool = False):
         """Texts tokenized already (ids[i]: text i's token ids, special tokens included, at most max_seq_length of
         them) as one padding-free packed batch: the model runs on their real tokens only (input_ids [T] with
         cu_seqlens [n + 1]), whoever sent them, and each is pooled as `encode` pools it -> [len(ids), dimension]
@@ -577,7 +673,8 @@ class SentenceEncoder:
         sentence-transformers normalises). prompts[i]: the prompt text i starts with, when it has one (its tokens are
         left out of the pooling when include_prompt is False). tasks[i]: the task adapter text i runs with (None:
         the model as loaded; a model without adapters refuses any name, `tasks` says which there are), so one batch
-        mixes tasks freely."""
+        mixes tasks freely. token_vectors: also every token's vector, the packed last hidden state [T, hidden] float32
+        (sentence-transformers' token_embeddings, text after text) -> (pooled, tokens)."""
         adapter_mask = self.adapter_mask(tasks) if tasks is not None else None
         lengths = [len(x) for x in ids]
         if not lengths or min(lengths) < 1:
@@ -593,8 +690,9 @@ class SentenceEncoder:
             tasks = {} if adapter_mask is None else {"adapter_mask": adapter_mask}
             hidden = self._forward(input_ids=flat, cu_seqlens=cu_seqlens, max_seqlen=max(lengths),
                                    **tasks).last_hidden_state
-            return pool_packed(hidden, lengths_t, torch.tensor(skips, dtype=torch.long, device=device),
-                               self.pipeline.pooling)
+            pooled = self.pipeline.after_pooling(pool_packed(hidden, lengths_t, torch.tensor(
+                skips, dtype=torch.long, device=device), self.pipeline.pooling))
+            return (pooled, hidden.float()) if token_vectors else pooled
 
 
 def _check_texts(texts) -> list[str]:
@@ -644,7 +742,9 @@ def encode(model_or_path, texts: Sequence[str], *, prompt: str | None = None, pr
         or a fastbert.BertModel together with tokenizer=.
     options, when loading (see SentenceEncoder.from_pretrained): pooling (a mode or a list of modes), normalize,
         max_seq_length, do_lower_case, include_prompt (each overrides the folder's setting), dtype, device, kernels,
-        cuda_graphs (False: no CUDA graphs; with a BertModel too); tokenizer (with a BertModel).
+        cuda_graphs (False: no CUDA graphs; with a BertModel too); tokenizer (with a BertModel); quantize ("bf16" /
+        "int8": the GEMMs' number format, its cost against fp32 measured on load) and quality_texts (the texts it
+        is measured on).
     prompt / prompt_name: a text put before every text, or the name of one of the model's prompts (the folder's
         default_prompt_name applies when neither is given; prompt="" turns it off).
     max_tokens_per_batch: the token budget of one forward (padding counted while the forward is padded);

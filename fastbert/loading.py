@@ -7,12 +7,14 @@ import logging
 import os
 import re
 import types
+import warnings
 
 import torch
 
-from . import adapters, families
+from . import adapters, families, formats, quality
 from . import config as configs
-from .layers.base import RMSNorm, is_rms_norm
+from .layers.base import OffsetRMSNorm, RMSNorm, is_offset_rms_norm, is_rms_norm
+from .layers.embeddings import ScaledEmbedding
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -349,8 +351,10 @@ def read_config(folder: str):
 
 
 def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto", add_pooling_layer=None,
-                    padding_free=True):
+                    padding_free=True, quantize=None, quality_texts=None):
     folder = resolve_folder(name_or_path)
+    if formats.format_of(quantize) is not None:
+        dtype = formats.load_dtype(quantize, dtype)
     config, values = read_config(folder)
     raw, task_adapters = task_adapter_layout(read_checkpoint(folder), config)
     if add_pooling_layer is None:
@@ -377,13 +381,44 @@ def from_pretrained(cls, name_or_path, *, dtype=None, device=None, kernels="auto
     model.load_state_dict(state, strict=True, assign=True)
     if device is not None:
         model.to(device)
-    return model.eval()  # like HF's from_pretrained
+    model.eval()  # like HF's from_pretrained
+    if formats.format_of(quantize) is not None:
+        model.set_format(quantize)
+        measure_encoder(model, folder, quality_texts)
+    return model
+
+
+def measure_encoder(model, folder: str, quality_texts=None) -> None:
+    """A bare encoder's format cost (quality.measure): its mean-pooled last hidden states, on texts tokenized by the
+    folder's tokenizer (none there: said, and not measured)."""
+    import transformers
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        warnings.warn(f"fastbert: quantize={model.quantize!r}: {folder} has no tokenizer to measure the format's "
+                      f"cost with ({type(error).__name__}); measure it with fastbert.SentenceEncoder or "
+                      f"`python -m fastbert quality`", stacklevel=3)
+        return
+    device = model.embeddings.word_embeddings.weight.device
+
+    def pooled(texts):
+        rows = []
+        for start in range(0, len(texts), 64):
+            batch = tokenizer(texts[start:start + 64], padding=True, truncation=True, max_length=256,
+                              return_tensors="pt").to(device)
+            h = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            m = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
+            rows.append((h * m).sum(1) / m.sum(1))
+        return torch.cat(rows)
+
+    texts, source = quality.quality_texts(quality_texts)
+    quality.measure(model, pooled, "embedding", texts, source)
 
 
 # The module types fastbert takes over from an HF encoder by reference: every module of it, query/key/value included
 # (their weights become rows of the fused QKV weight). An RMSNorm's place takes transformers' own class of the same
 # definition (EuroBertRMSNorm: is_rms_norm).
-_SHARED_LEAVES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding, torch.nn.Dropout, RMSNorm)
+_SHARED_LEAVES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding, torch.nn.Dropout, RMSNorm, OffsetRMSNorm)
 
 
 def shared_leaves(model):
@@ -454,7 +489,9 @@ def check_hf(cls, base, kernels="auto", padding_free=True, where: str = "the mod
         theirs = hf_modules.get(name)
         theirs = None if theirs is None else adapters.base_layer(theirs)
         same = theirs is not None and (theirs.__class__ is ours.__class__
-                                       or isinstance(ours, RMSNorm) and is_rms_norm(theirs))
+                                       or isinstance(ours, RMSNorm) and is_rms_norm(theirs)
+                                       or isinstance(ours, OffsetRMSNorm) and is_offset_rms_norm(theirs)
+                                       or isinstance(ours, ScaledEmbedding) and ScaledEmbedding.is_hf(theirs))
         if not same:
             raise ValueError(f"{where}: {type(base).__name__}.{name} is {type(theirs).__name__}, not the "
                              f"{type(ours).__name__} fastbert runs")

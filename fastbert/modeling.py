@@ -31,18 +31,32 @@ import torch.nn as nn
 import transformers
 from transformers.modeling_outputs import (
     BaseModelOutput,
+    BaseModelOutputWithPast,
     BaseModelOutputWithPastAndCrossAttentions,
     BaseModelOutputWithPooling,
     BaseModelOutputWithPoolingAndCrossAttentions,
 )
 
-from . import adapters, dispatch, fallback, families, installed, layers, measure, relative, rotary, twins, units
+from . import (
+    adapters,
+    dispatch,
+    fallback,
+    families,
+    formats,
+    installed,
+    layers,
+    measure,
+    relative,
+    rotary,
+    twins,
+    units,
+)
 from . import config as configs
 from .compat import TransformersModelMixin
 from .dispatch import OPS
 from .inputs import Batch, prepare
 from .layers import host
-from .layers.base import NO_DROPOUT, RMSNorm
+from .layers.base import NO_DROPOUT, OffsetRMSNorm, RMSNorm
 from .layout import first_tokens, pad, unpad
 from .mask import AttentionMask, tracing
 
@@ -171,7 +185,7 @@ class BertModel(TransformersModelMixin, nn.Module):
         self._warned_autograd = False  # said once per model (BertModel._warn_autograd_in_eval)
         H = config.hidden_size
         width = config.embedding_size if family.projection else H
-        self.head_dim = H // config.num_attention_heads
+        self.head_dim = family.head_dim(config)
         embeddings = layers.embeddings_class(family)(config, width, family)
         if isinstance(embeddings, nn.Module):
             self.embeddings = embeddings
@@ -191,7 +205,8 @@ class BertModel(TransformersModelMixin, nn.Module):
         self.__dict__["_final_norm_name"] = family.final_norm_name if family.final_norm else None
         if family.final_norm:
             eps = family.get(config, "layer_norm_eps")
-            self.add_module(family.final_norm_name, RMSNorm(H, eps) if family.norm_kind == "rms"
+            norm = {"rms": RMSNorm, "rms_offset": OffsetRMSNorm}.get(family.norm_kind)
+            self.add_module(family.final_norm_name, norm(H, eps) if norm is not None
                             else nn.LayerNorm(H, eps=eps, bias=config.norm_bias))
         self.__dict__["_inv_freq"] = {}  # (layer type, device) -> rotary (inv_freq, factor), made on first use
         # DeBERTa: the column each distance j - i reads, one table for every length (relative.deberta_column_table)
@@ -211,7 +226,7 @@ class BertModel(TransformersModelMixin, nn.Module):
             units.attention.Variant(RELATIVE_REACH if family.attention_bias == "buckets" else 0, window,
                                     family.positions == "rotary",
                                     2 * relative.deberta_span(config) if self._disentangled else 0,
-                                    config.num_attention_heads // kv_heads if kv_heads else 1),
+                                    config.num_attention_heads // kv_heads if kv_heads else 1, family.causal),
             units.bias_gelu.Variant(gated=family.mlp == "gated"),
             units.residual_layernorm.Variant(pre_norm=family.norm == "pre", rms=family.norm_kind == "rms"))
         self.pooler = BertPooler(config) if add_pooling_layer else None
@@ -281,6 +296,25 @@ class BertModel(TransformersModelMixin, nn.Module):
             if b == "triton" and dispatch.triton_import_error():
                 raise RuntimeError(f"kernels: op {op!r} asked for 'triton' but {dispatch.triton_import_error()}")
         self._kernels.update(wanted)
+        return self
+
+    # ---- the number format of the GEMMs (fastbert/formats.py) ---------------------------------------------------
+    @property
+    def quantize(self) -> str:
+        """The GEMMs' number format: "fp32" (the weights as they are, in the model's dtype), "bf16" or "int8"."""
+        fmt = self.__dict__.get("number_format")
+        return "fp32" if fmt is None else fmt.name
+
+    def set_format(self, quantize) -> "BertModel":
+        """Run the GEMMs of the three ops that hold one in `quantize` ("fp32", "bf16", "int8"), for inference; the
+        parameters stay as they are (state_dict, save_pretrained: the checkpoint's). The weights are prepared on the
+        first forward. fastbert.quality measures what a format costs against the model's own weights."""
+        fmt = formats.format_of(quantize)
+        if fmt is not None and self.dtype != torch.float32:
+            raise ValueError(f"quantize={quantize!r} takes a float32 model (its GEMMs round the fp32 weights); this "
+                             f"one is {self.dtype}: load it with dtype=torch.float32")
+        self.__dict__["number_format"] = fmt
+        self.__dict__["format_quality"] = None  # measured for the format it was measured in only
         return self
 
     # ---- forward -----------------------------------------------------------------------------------------------
@@ -460,6 +494,8 @@ class BertModel(TransformersModelMixin, nn.Module):
         kind = self.family.output  # HF's output class of the family: its fields and its tuple order
         if kind == "BaseModelOutput":  # DistilBERT: no pooler output at all
             return BaseModelOutput(**out)
+        if kind == "BaseModelOutputWithPast":  # Qwen3: a decoder's output, with no cache (an encoder keeps none)
+            return BaseModelOutputWithPast(**out)
         cross = _EMPTY_CROSS_ATTENTIONS if output_attentions else None  # as the installed transformers reports it
         if kind == "BaseModelOutputWithPastAndCrossAttentions":  # ELECTRA: no pooler either
             return BaseModelOutputWithPastAndCrossAttentions(**out, cross_attentions=cross)
@@ -498,7 +534,7 @@ class BertModel(TransformersModelMixin, nn.Module):
                                     ragged, *self._variants)
         p_attn, p_hidden = self._largest_dropouts() if self.training else (0.0, 0.0)
         situation = dispatch.Situation(kernels, weight.device, weight.dtype, self.head_dim, needs_grad, p_attn,
-                                       p_hidden, padded, shapes, self._variants)
+                                       p_hidden, padded, shapes, self._variants, self.__dict__.get("number_format"))
         if dispatch.tracing():  # a compiled graph bakes the choice in; no cache to mutate inside it
             return dispatch.plan(situation)
         if self._plans_failures != len(fallback._FAILED):

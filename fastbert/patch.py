@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from . import config as configs
-from . import families
+from . import families, quality
 from .graphs import Graphed
 from .loading import check_hf, share_hf, shared_leaves
 from .modeling import BertModel
@@ -99,11 +99,26 @@ def _describe(path: str) -> str:
     return f"module {path!r}" if path else "the model"
 
 
-def optimize(model, kernels="auto", padding_free: bool = True, cuda_graphs: bool = True):
+def optimize(model, kernels="auto", padding_free: bool = True, cuda_graphs: bool = True, quantize=None,
+             quality_texts=None, tokenizer=None):
     """Swap fastbert in for every supported transformers encoder inside `model`; returns the model (for a bare
     encoder, the fastbert module). `kernels`, `padding_free`: as BertModel takes them. cuda_graphs: on CUDA, the
     swapped-in modules replay CUDA graphs for inference calls (fastbert/graphs.py, Graphed); False keeps them eager.
-    On a model optimized already, only cuda_graphs is applied."""
+    On a model optimized already, only cuda_graphs (and quantize) is applied. quantize: "bf16" or "int8" runs the
+    encoders' GEMMs in that format (BertModel.set_format), measured against fp32 on quality_texts (None: the
+    built-in sample) with `tokenizer` (None: the one in the model's folder): labels for a classifier, top-1 and order
+    for a reranker (one label), pooled vectors otherwise (quality.measure_transformers)."""
+    model = _swap(model, kernels, padding_free, cuda_graphs)
+    if quantize is not None:
+        encoders = [m for m in model.modules() if isinstance(m, BertModel)]
+        for fb in encoders:
+            fb.set_format(quantize)
+        if encoders and encoders[0].quantize != "fp32":
+            quality.measure_transformers(model, tokenizer, quality_texts)
+    return model
+
+
+def _swap(model, kernels, padding_free: bool, cuda_graphs: bool):
     root = _root(model)
     references = _references(root)
     found, others = {}, []
@@ -126,6 +141,12 @@ def optimize(model, kernels="auto", padding_free: bool = True, cuda_graphs: bool
         raise ValueError(f"fastbert.optimize: no supported encoder in {type(root).__name__} (fastbert runs "
                          f"{', '.join(SUPPORTED_CLASSES)}, model_type {', '.join(configs.MODEL_TYPES)}){what}")
 
+    generates = getattr(root, "can_generate", None)
+    decoders = [p for p, m in found.values() if families.of(m.config).output == "BaseModelOutputWithPast"]
+    if decoders and callable(generates) and generates():  # Qwen3ForCausalLM, Gemma3ForCausalLM, ...
+        raise ValueError(f"fastbert.optimize: {type(root).__name__} generates text, with a key/value cache; "
+                         f"fastbert runs its decoder for embeddings, without one. Optimize the base model instead "
+                         f"({', '.join(_describe(p) for p in decoders)})")
     # Check every encoder before changing any: an error leaves the model as it was.
     built = [(path, hf, check_hf(OptimizedBertModel, hf, kernels, padding_free, where=_describe(path)))
              for path, hf in found.values()]

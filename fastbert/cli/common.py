@@ -13,6 +13,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def add_format_options(group) -> None:
+    """--quantize and --quality-texts (fastbert/formats.py, fastbert/quality.py)."""
+    group.add_argument("--quantize", choices=("fp32", "bf16", "int8"), default=None,
+                       help="run the GEMMs in this number format, on the float32 model; its cost against fp32 is "
+                       "measured at load and printed (default: fp32)")
+    group.add_argument("--quality-texts", metavar="FILE", default=None,
+                       help="texts (one per line) to measure --quantize's cost on (default: a built-in sample)")
+
+
 class UsageError(Exception):
     """A user's mistake (a missing file, a bad option): one line on stderr and exit code 2, never a traceback."""
 

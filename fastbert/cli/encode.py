@@ -11,6 +11,7 @@ from .common import (
     DTYPES,
     Parser,
     UsageError,
+    add_format_options,
     add_ray_address,
     count,
     default_model,
@@ -159,7 +160,7 @@ def encode(args) -> int:
             args.model or default_model(), pooling=args.pooling, normalize=args.normalize,
             max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
             dtype=args.dtype, device=device, kernels=args.kernels or "auto", cuda_graphs=not args.no_cuda_graphs,
-            truncate_dim=args.truncate_dim)
+            truncate_dim=args.truncate_dim, quantize=args.quantize, quality_texts=args.quality_texts)
         result = encoder.encode(texts, prompt=args.prompt, prompt_name=args.prompt_name,
                                 max_tokens_per_batch=args.max_tokens_per_batch, batch_size=args.batch_size,
                                 progress=False if args.no_progress else None)
@@ -196,7 +197,7 @@ def encode_on_ray(args) -> int:
         progress=not args.no_progress, pooling=args.pooling, normalize=args.normalize,
         max_seq_length=args.max_seq_length, do_lower_case=args.lowercase, include_prompt=args.include_prompt,
         dtype=args.dtype, kernels=args.kernels, cuda_graphs=False if args.no_cuda_graphs else None,
-        truncate_dim=args.truncate_dim)
+        truncate_dim=args.truncate_dim, quantize=args.quantize, quality_texts=args.quality_texts)
     done = (f"{result.written} written by {len(result.workers)} worker(s) in {result.seconds:.1f} s"
             + (f", {result.skipped} already there (resumed)" if result.skipped else "")) if result.written else \
         "all already there (nothing left to do)"
@@ -261,6 +262,7 @@ def encode_parser() -> Parser:
                        "folder says, else the checkpoint's own, as transformers' dtype='auto'); pooling runs in fp32")
     model.add_argument("--kernels", type=parse_kernels, default=None,
                        help="auto (default), torch, triton, or op=backend,...")
+    add_format_options(model)
     model.add_argument("--no-cuda-graphs", action="store_true",
                        help="run the model eagerly on CUDA too (by default it replays CUDA graphs over token buckets)")
     pipe = parser.add_argument_group("how token vectors become one vector (each overrides the folder's setting)")

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, formats, quality
 from ..graphs import GRAPH_CLASSES, graphed, stats_of
 from ..modeling import BertModel
 from ..numerics import error_bound, max_error
@@ -149,7 +149,45 @@ def check(args) -> int:
         stats = stats_of(call)
         if stats is not None and device.type in GRAPH_CLASSES:
             print(f"{'':<8} CUDA graphs: {stats.describe()}")
+    if dtype == torch.float32 and not isinstance(args.kernels, dict):
+        failed |= formats_table(model, tokenizer, encodings, args, device, max_length)
     return 1 if failed else 0
+
+
+def formats_table(model, tokenizer, encodings, args, device, max_length) -> bool:
+    """The number formats side by side on this model: fastbert's tokens/s on the sentences in each, and what each
+    costs against fp32 on the built-in sample (fastbert/quality.py: min cos of the mean-pooled vectors, agreement
+    with fp32's ten nearest neighbours, each format's bar). -> True when a format measures under its bar."""
+    texts = quality.sample_texts()
+
+    def pooled(rows):
+        out = []
+        for _, enc in batches(tokenizer, rows, 64, device, max_length):
+            out.append(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
+        return torch.cat(out)
+
+    print(f"\nnumber formats (quantize=; GEMMs in the format, the rest fp32; cost on the built-in sample of "
+          f"{len(texts)} texts against fp32):")
+    header = f"{'format':<7} {'fastbert tok/s':>15} {'vs fp32':>8} {'min cos':>9} {'neighbours':>11}  verdict"
+    print(header + "\n" + "-" * len(header))
+    model.set_kernels("auto")
+    base, under = None, False
+    for name in formats.FORMATS:
+        model.set_format(name)
+        with torch.inference_mode():
+            _, tps = run(model, encodings, args.repeats)
+            cost = None if name == "fp32" else quality.measure(model, pooled, "embedding", texts, "built-in sample")
+        base = tps if base is None else base
+        speed = "-" if tps != tps else f"{tps / base:.2f}x"
+        if cost is None:
+            print(f"{name:<7} {'-' if tps != tps else f'{tps:.0f}':>15} {speed:>8} {'1':>9} {'1':>11}  reference")
+            continue
+        below = cost.below_bar()
+        under |= bool(below)
+        print(f"{name:<7} {'-' if tps != tps else f'{tps:.0f}':>15} {speed:>8} {cost.min_cos:>9.5f} "
+              f"{cost.neighbours:>11.4f}  " + ("ok" if not below else "UNDER BAR: " + ", ".join(below)))
+    model.set_format("fp32")
+    return under
 
 
 def check_parser() -> Parser:

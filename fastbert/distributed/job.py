@@ -18,6 +18,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
+from .. import formats
 from ..encode import Pipeline, SentenceEncoder, check_counts, check_pooling, check_truncate_dim, locate, resolve_prompt
 from . import cluster, corpus, shards
 from .corpus import CorpusError, CorpusFile, Split
@@ -31,9 +32,9 @@ INSTALL_HINT = "pip install 'ray[data]>=2.60' (or, in a fastbert checkout, pip i
 # The loading options that change the vectors: a rerun with different ones is a different job. (device, kernels,
 # cuda_graphs, max_tokens_per_batch and batch_size change only the rounding.)
 _VECTOR_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "include_prompt", "dtype")
-# truncate_dim changes the vectors too, but enters a job's key only when given, so that a job planned without it
-# resumes as the same job.
-_OPTIONS = _VECTOR_OPTIONS + ("truncate_dim", "kernels", "cuda_graphs")
+# truncate_dim and quantize change the vectors too, but enter a job's key only when given, so that a job planned
+# without them resumes as the same job.
+_OPTIONS = _VECTOR_OPTIONS + ("truncate_dim", "quantize", "kernels", "cuda_graphs")
 
 
 def require_ray():
@@ -196,6 +197,9 @@ def _validate(options: dict, *, rows_per_shard, workers, cpus_per_worker, gpus_p
         vector_options["pooling"] = list(check_pooling(vector_options["pooling"]))
     if options.get("truncate_dim") is not None:
         vector_options["truncate_dim"] = check_truncate_dim(options["truncate_dim"])
+    if options.get("quantize") is not None:
+        fmt = formats.format_of(options["quantize"])
+        vector_options["quantize"] = "fp32" if fmt is None else fmt.name
     return vector_options
 
 

@@ -16,11 +16,17 @@ OP = "bias_gelu"
 
 
 def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "gelu",
-         gated: bool = False, workspace: Workspace | None = None) -> torch.Tensor:
+         gated: bool = False, workspace: Workspace | None = None, fmt=None) -> torch.Tensor:
     """x [T, H] -> act(x @ W[I, H]^T + b) [T, I]; activation in {"gelu" (erf), "gelu_tanh", "relu", "silu"}. gated:
     W is [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for
-    [a, g] = x @ W^T + b (GeGLU; SwiGLU with "silu"). `workspace`: see twins.Workspace."""
-    h = F.linear(x, weight, bias) if workspace is None else linear_into(x, weight, bias, workspace, "ffn")
+    [a, g] = x @ W^T + b (GeGLU; SwiGLU with "silu"). `workspace`: see twins.Workspace. `fmt`: the GEMM's number
+    format (a formats.Format; None: F.linear on the weights as they are)."""
+    if fmt is not None:  # the GEMM in a number format (fastbert/formats.py)
+        h = fmt.linear(x, weight, bias)
+    elif workspace is None:
+        h = F.linear(x, weight, bias)
+    else:
+        h = linear_into(x, weight, bias, workspace, "ffn")
     if gated and workspace is not None:
         a, g = h.chunk(2, dim=-1)
         out = workspace.take("gated", a.shape, a)

@@ -22,9 +22,15 @@ def heads_view(out: torch.Tensor, num_heads: int, kv_heads: int | None = None) -
 
 
 def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
-         workspace: Workspace | None = None, kv_heads: int | None = None) -> torch.Tensor:
-    """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy)."""
-    h = F.linear(x, weight, bias) if workspace is None else linear_into(x, weight, bias, workspace, "qkv")
+         workspace: Workspace | None = None, kv_heads: int | None = None, fmt=None) -> torch.Tensor:
+    """x [T, H] @ W_qkv[3*nh*hd, H]^T + b -> [T, 3, nh, hd] (a view of the GEMM output, no copy). `fmt`: the GEMM's
+    number format (a formats.Format; None: F.linear on the weights as they are)."""
+    if fmt is not None:  # the GEMM in a number format (fastbert/formats.py)
+        h = fmt.linear(x, weight, bias)
+    elif workspace is None:
+        h = F.linear(x, weight, bias)
+    else:
+        h = linear_into(x, weight, bias, workspace, "qkv")
     return heads_view(h, num_heads, kv_heads)
 
 

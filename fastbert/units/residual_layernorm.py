@@ -17,13 +17,19 @@ OP = "residual_layernorm"
 
 def twin(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
          ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
-         pre_norm: bool = False, rms: bool = False, workspace: Workspace | None = None):
+         pre_norm: bool = False, rms: bool = False, workspace: Workspace | None = None, fmt=None):
     """LayerNorm(dropout(y [T, K] @ W[H, K]^T + b) + residual [T, H]) -> [T, H] (post-norm: the new residual stream
     is the LayerNorm). pre_norm: (s, LayerNorm(s)) for s = dropout(y @ W^T + b) + residual, the new residual stream
     and the next sublayer's input. ln_bias None: a LayerNorm without bias. rms: `rms_norm` (weight ln_weight,
     ln_bias None) in LayerNorm's place, in either form. `workspace`: see twins.Workspace (s is then its buffer: the
-    layer must not return it)."""
-    h = F.linear(y, weight, bias) if workspace is None else linear_into(y, weight, bias, workspace, "stream")
+    layer must not return it). `fmt`: the GEMM's number format (a formats.Format; None: F.linear on the weights as
+    they are)."""
+    if fmt is not None:  # the GEMM in a number format (fastbert/formats.py)
+        h = fmt.linear(y, weight, bias)
+    elif workspace is None:
+        h = F.linear(y, weight, bias)
+    else:
+        h = linear_into(y, weight, bias, workspace, "stream")
     if dropout_p > 0:
         h = dropout(h, dropout_p)
     h += residual  # in place: h is a fresh tensor that autograd does not save, so this only saves an allocation

@@ -1,0 +1,209 @@
+"""Number formats of the ops' GEMMs: fp32 (the model's own weights), bf16 and int8.
+
+A format is an axis of the three ops that hold a GEMM (qkv_projection, bias_gelu, residual_layernorm), never a
+second model: the parameters stay the checkpoint's fp32 tensors (so state_dict, save_pretrained and adapters see
+HF's layout), and the format keeps a prepared copy of each weight it has met, made once and re-made only when the
+weight changes (its version counter moves). Each op's twin calls `fmt.linear(x, weight, bias)` in place of F.linear;
+everything around the GEMM (the bias, the activation, the residual, LayerNorm's statistics, attention's softmax,
+pooling) stays fp32. docs/formats.md has the bars, the measured cost and when to pick which.
+
+    bf16   x and W rounded to bf16, products accumulated in fp32, the output fp32. Where the CPU has bf16 dot
+           products (avx512_bf16, AMX) or on CUDA the GEMM runs in bf16 through oneDNN / cuBLAS; elsewhere the same
+           numbers come from an fp32 GEMM over the rounded operands (no speed, said once).
+    int8   W symmetric per output channel, quantized at preparation; x symmetric per token, quantized on the way in
+           (dynamic, so a text's vector never depends on its batch). The int32 products are scaled back to fp32
+           per token and channel, then the bias is added. CPU: oneDNN's int8 linear (torch.ops.onednn, the path
+           Inductor's x86 lowering takes); CUDA: torch._int_mm.
+
+On x86 CPUs without VNNI the int8 dot product (vpmaddubsw) adds pairs of u8 x s8 products into a saturating int16:
+full-range weights would overflow it, so there the weights take 7 bits (|q| <= 63); with VNNI they take 8.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("fp32", "bf16", "int8")
+ALIASES = {None: "fp32", "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "int8": "int8"}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset:
+    """The x86 feature flags of this machine's CPU (empty where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    """bf16 dot products in hardware: oneDNN's bf16 GEMM is then faster than fp32 (else ~9x slower)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_vnni() -> bool:
+    """int8 dot products that accumulate in int32 without saturation (VNNI, or AMX)."""
+    flags = cpu_flags()
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+
+
+def _version(weight: torch.Tensor):
+    """The weight's in-place write counter; an inference tensor (a model built under inference_mode) has none, and
+    is keyed by its storage instead, as its values can change only in place under inference_mode."""
+    return ("inference", weight.data_ptr()) if weight.is_inference() else weight._version
+
+
+class Format:
+    """One GEMM format. `linear(x [T, K] fp32, weight [N, K], bias [N] | None)` -> [T, N] fp32. The weights are
+    prepared once per tensor (`prepared`); `name` is what the surfaces take."""
+
+    name = "fp32"
+
+    def __init__(self):
+        self._prepared: dict = {}  # id(weight) -> (weight, its _version, the prepared form)
+
+    def prepared(self, weight: torch.Tensor):
+        entry = self._prepared.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != _version(weight):
+            if weight.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(f"fastbert: the {self.name} format is for inference (its GEMMs read a prepared "
+                                   f"copy of the weights, which autograd cannot reach): train the fp32 model, or run "
+                                   f"under torch.no_grad() / inference_mode()")
+            with torch.no_grad():
+                entry = self._prepared[id(weight)] = (weight, _version(weight), self.prepare(weight.detach()))
+        return entry[2]
+
+    def prepare(self, weight: torch.Tensor):
+        return weight
+
+    def linear(self, x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    def __repr__(self):
+        return f"Format({self.name!r})"
+
+
+class BF16(Format):
+    name = "bf16"
+
+    def native(self, device: torch.device) -> bool:
+        return device.type != "cpu" or cpu_has_bf16()
+
+    def prepare(self, weight):
+        if self.native(weight.device):
+            return weight.to(torch.bfloat16)
+        _warn_once("bf16", "this CPU has no bf16 dot products (avx512_bf16 / AMX), so the bf16 format computes its "
+                           "numbers with fp32 GEMMs over bf16-rounded operands: bf16's results, slower than fp32 "
+                           "(the rounding is extra work)")
+        return weight.to(torch.bfloat16).float()
+
+    def linear(self, x, weight, bias):
+        w = self.prepared(weight)
+        if w.dtype == torch.bfloat16:  # oneDNN / cuBLAS: bf16 operands, fp32 accumulation
+            out = F.linear(x.to(torch.bfloat16), w).float()
+            return out if bias is None else out.add_(bias)
+        xr = x.to(torch.bfloat16).float()
+        return torch.mm(xr, w.t()) if bias is None else torch.addmm(bias, xr, w.t())
+
+
+class Int8Weight:
+    """A weight in int8: the device's packed form, one fp32 scale per output channel."""
+
+    __slots__ = ("packed", "scale", "zero_point", "columns")
+
+    def __init__(self, packed, scale, zero_point, columns):
+        self.packed, self.scale, self.zero_point, self.columns = packed, scale, zero_point, columns
+
+
+def weight_levels(device: torch.device) -> int:
+    """The largest |q| a weight takes: 127, or 63 on x86 CPUs without VNNI (see the module's docstring)."""
+    if device.type == "cpu" and os.environ.get("FASTBERT_INT8_WEIGHT_LEVELS"):
+        return int(os.environ["FASTBERT_INT8_WEIGHT_LEVELS"])
+    return 127 if device.type != "cpu" or cpu_has_vnni() else 63
+
+
+def quantize_rows(t: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (q int8 [R, C], scale fp32 [R, 1]) with t ~ q * scale and |q| <= levels."""
+    scale = t.abs().amax(1, keepdim=True).float().clamp_min_(1e-12).div_(levels)
+    q = torch.round(t / scale).clamp_(-levels, levels).to(torch.int8)
+    return q, scale
+
+
+# torch.quantize_per_channel rounds and saturates in one vectorised pass (3x the eager round(x / s).to(int8) here);
+# torch has deprecated its quantized tensors, so the eager form takes over once it is gone (the same integers)
+warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel", category=UserWarning)
+_FUSED_QUANTIZE = [hasattr(torch, "quantize_per_channel")]
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of x [T, K] fp32: (q int8 [T, K], scale fp32 [T, 1]), q = round(x / scale) with
+    scale = max |x_t| / 127 (round half to even, as torch.round)."""
+    scale = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-12).div_(127)
+    if _FUSED_QUANTIZE[0] and x.device.type == "cpu":
+        try:
+            zero = torch.zeros(x.shape[0], dtype=torch.int64)
+            return torch.quantize_per_channel(x, scale.view(-1), zero, 0, torch.qint8).int_repr(), scale
+        except (RuntimeError, NotImplementedError):
+            _FUSED_QUANTIZE[0] = False
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+class Int8(Format):
+    name = "int8"
+
+    def prepare(self, weight):
+        q, scale = quantize_rows(weight.float(), weight_levels(weight.device))
+        if weight.device.type == "cpu":
+            packed = torch.ops.onednn.qlinear_prepack(q, None)
+            return Int8Weight(packed, scale.view(-1), torch.zeros(q.shape[0], dtype=torch.int64), q.shape[1])
+        return Int8Weight(q, scale.view(1, -1), None, q.shape[1])  # q.t(): the column-major [K, N] _int_mm takes
+
+    def linear(self, x, weight, bias):
+        w = self.prepared(weight)
+        qx, sx = quantize_tokens(x.contiguous())
+        if x.device.type == "cpu":
+            acc = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, w.packed, w.scale, w.zero_point, None, 1.0, 0,
+                                                     torch.float32, "none", [], "")
+            return acc.mul_(sx) if bias is None else torch.addcmul(bias, acc, sx, out=acc)
+        rows = qx.shape[0]
+        if rows <= 16:  # cuBLASLt's int8 GEMM takes more than 16 rows
+            qx = F.pad(qx, (0, 0, 0, 17 - rows))
+        acc = torch._int_mm(qx, w.packed.t())[:rows].float().mul_(sx).mul_(w.scale)
+        return acc if bias is None else acc.add_(bias)
+
+
+_WARNED: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"fastbert: {message}", stacklevel=4)
+
+
+def format_of(name) -> Format | None:
+    """The Format a surface's option names (None, "fp32": None, the model's own weights), or a ValueError."""
+    if isinstance(name, Format):
+        return None if name.name == "fp32" else name
+    key = ALIASES.get(name if name is None else str(name).replace("torch.", ""))
+    if key is None:
+        raise ValueError(f"quantize={name!r} is not a number format; the formats are {', '.join(FORMATS)}")
+    return {"fp32": None, "bf16": BF16, "int8": Int8}[key]() if key != "fp32" else None
+
+
+def load_dtype(quantize, dtype):
+    """The dtype a model loads in to run in format `quantize`: float32, the weights the format prepares from (an
+    explicit other dtype is refused: the format would round weights that were rounded already)."""
+    if dtype is None or dtype == "auto" or dtype in (torch.float32, "float32", "fp32", "torch.float32"):
+        return torch.float32
+    raise ValueError(f"quantize={quantize!r} loads the model in float32 and runs its GEMMs in {quantize}; "
+                     f"dtype={dtype!r} asks for another dtype: leave dtype unset")

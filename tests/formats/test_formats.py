@@ -1,0 +1,145 @@
+"""The number formats of the GEMMs (fastbert/formats.py): each format's linear against a float64 reference, and
+every family on random weights in bf16 and int8 against its own fp32 forward, held to the format's bar
+(docs/formats.md says why each bar is where it is). CPU, the PyTorch path."""
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    ARCHS,
+    _family_tokenizer,
+    arch_inputs,
+    gemma3_model,
+    has_decoder_embedders,
+    qwen3_model,
+    random_arch_model,
+    real_texts,
+    type_kwargs,
+)
+
+import fastbert
+from fastbert import formats
+
+# Per-token relative error of the last hidden state against the same model's fp32 GEMMs, worst real token
+# (docs/formats.md, "Bars"): bf16 rounds each GEMM operand to 8 significant bits (relative 2^-9 per element);
+# int8 quantizes weights per channel and activations per token (a step of 1/127 of the row's largest |value|,
+# 1/63 for weights on CPUs without VNNI).
+BARS = {"bf16": 0.01, "int8": 0.08}
+# Gemma 3 random weights amplify a GEMM's rounding ~3x more than the encoders (its whole-bf16 model: 0.032)
+DECODER_INT8_BAR = 0.1
+
+
+def relative_error(got, want):
+    return float(((got.double() - want.double()).norm(dim=-1) / want.double().norm(dim=-1)).max())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("shape", [(1, 64, 96), (37, 384, 1536), (300, 1536, 384), (5, 33, 7)])
+def test_linear_against_float64(fmt, shape):
+    """Each format's GEMM on ragged shapes (rows below a SIMD width, odd K and N) with a bias, against float64: the
+    error of one rounding of the operands, well below what a wrong scale or a saturating dot product gives."""
+    T, K, N = shape
+    g = torch.Generator().manual_seed(T + K)
+    x = torch.randn(T, K, generator=g) * torch.linspace(0.1, 3.0, K)  # uneven channels, as hidden states have
+    x[0, 0] = 12.0  # an outlier: the per-token scale must follow it
+    w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
+    want = F.linear(x.double(), w.double(), b.double())
+    got = formats.format_of(fmt).linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (T, N)
+    # per output row: |error| / (|x| |w| summed magnitude scale), bounded by the operands' rounding steps
+    scale = (x.double().abs() @ w.double().abs().t())
+    err = float(((got.double() - want).abs() / scale).max())
+    bound = {"bf16": 2 * 2 ** -8, "int8": 2 * (1 / 127 + 1 / formats.weight_levels(x.device))}[fmt]
+    assert err <= bound, (fmt, shape, err, bound)
+    assert err >= bound / 1000, "the format changed nothing: its GEMM did not run"
+
+
+def test_token_quantization_paths_agree():
+    """The fused quantization (torch.quantize_per_channel) and the eager one give the same integers and scales."""
+    x = torch.randn(50, 70) * 3
+    x[3] = 0.0  # an all-zero token: scale clamped, q = 0
+    fused = formats.quantize_tokens(x)
+    saved = formats._FUSED_QUANTIZE[0]
+    try:
+        formats._FUSED_QUANTIZE[0] = False
+        eager = formats.quantize_tokens(x)
+    finally:
+        formats._FUSED_QUANTIZE[0] = saved
+    assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
+    assert fused[0].abs().max() == 127 and not fused[0][3].any()
+
+
+def test_int_mm_path_matches_onednn():
+    """The CUDA path's arithmetic (torch._int_mm over the same integers, scaled per token and channel), run here on
+    CPU, equals the oneDNN path's up to float rounding: the two devices compute one format."""
+    x, w, b = torch.randn(40, 64), torch.randn(48, 64) * 0.1, torch.randn(48)
+    q, s = formats.quantize_rows(w, formats.weight_levels(x.device))
+    qx, sx = formats.quantize_tokens(x)
+    int_mm = torch._int_mm(qx, q.t()).float() * sx * s.view(1, -1) + b
+    onednn = formats.Int8().linear(x, w, b)
+    assert (int_mm - onednn).abs().max() <= 1e-4 * int_mm.abs().max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_every_family_in_each_format(arch, fmt):
+    """Every family's encoder (random weights, real HF shapes, padded batches) in the format against its own fp32
+    GEMMs: within the format's bar and not equal to fp32 (the format ran); set_format("fp32") gives fp32's bits
+    back; the state dict is untouched."""
+    hf = random_arch_model(arch)
+    fb = fastbert.BertModel.from_hf(hf)
+    ids, tt, mask = arch_inputs(hf, "right")
+    state = {k: v.clone() for k, v in fb.state_dict().items()}
+    with torch.inference_mode():
+        want = fb(ids, attention_mask=mask, **type_kwargs(tt)).last_hidden_state
+        fb.set_format(fmt)
+        got = fb(ids, attention_mask=mask, **type_kwargs(tt)).last_hidden_state
+        fb.set_format("fp32")
+        back = fb(ids, attention_mask=mask, **type_kwargs(tt)).last_hidden_state
+    real = mask.bool()
+    err = relative_error(got[real], want[real])
+    assert 1e-6 < err <= BARS[fmt], (arch, fmt, err)
+    assert torch.equal(back, want)
+    assert all(torch.equal(v, state[k]) for k, v in fb.state_dict().items())
+
+
+@pytest.mark.skipif(not has_decoder_embedders(), reason="fastbert runs these families from transformers 5 on")
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_decoder_embedders_in_each_format(family, fmt, minilm_path):
+    """Qwen3 (causal, q/k norms, grouped k/v, SwiGLU) and Gemma 3 (sandwich norms, sliding layers, tanh-GELU gated
+    MLP) on real text, left padded, in the format against their own fp32. bf16 is held to what transformers' own
+    bf16 model loses on the same tokens (its worst token: 0.032 for this Gemma, whose q/k gain and four norms a layer
+    amplify rounding, 0.0085 for this Qwen3); int8 to DECODER_INT8_BAR."""
+    hf = qwen3_model() if family == "qwen3" else gemma3_model()
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    tokenizer = _family_tokenizer(family, minilm_path)
+    tokenizer.padding_side = "left"
+    enc = tokenizer(real_texts(6), padding=True, truncation=True, max_length=128, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    real = mask.bool()
+    with torch.inference_mode():
+        want = fb(ids, attention_mask=mask).last_hidden_state
+        fb.set_format(fmt)
+        got = fb(ids, attention_mask=mask).last_hidden_state
+        bar = DECODER_INT8_BAR
+        if fmt == "bf16":
+            whole = hf.to(torch.bfloat16)(ids, attention_mask=mask).last_hidden_state
+            bar = relative_error(whole[real], want[real])
+    err = relative_error(got[real], want[real])
+    assert 1e-6 < err <= bar, (family, fmt, err, bar)
+
+
+def test_formats_refuse_what_they_cannot_do():
+    hf = random_arch_model("bert")
+    fb = fastbert.BertModel.from_hf(hf).set_format("int8")
+    ids, tt, mask = arch_inputs(hf, "right")
+    with pytest.raises(RuntimeError, match="for inference"):
+        fb(ids, attention_mask=mask, token_type_ids=tt)  # autograd on: the prepared weights have no gradient
+    with pytest.raises(ValueError, match="not a number format"):
+        fb.set_format("int4")
+    with pytest.raises(ValueError, match="float32 model"):
+        fastbert.BertModel.from_hf(random_arch_model("bert").to(torch.bfloat16)).set_format("int8")
+    with pytest.raises(RuntimeError, match="backend 'triton'.*int8"):
+        fb.set_kernels(qkv_projection="triton") if fastbert.dispatch.triton_import_error() is None else None
+        fb.__dict__["_kernels"]["qkv_projection"] = "triton"
+        fb.resolve_ops()
