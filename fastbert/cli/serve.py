@@ -12,6 +12,7 @@ replica (each answers the requests it holds, then its worker finishes its queue)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from .common import (
     DTYPES,
     Parser,
     UsageError,
+    add_format_options,
     add_ray_address,
     count,
     default_model,
@@ -58,8 +60,11 @@ def serve_parser() -> Parser:
     net.add_argument("--api-key", metavar="KEY", default=os.environ.get("FASTBERT_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on every route but GET /health (default: the "
                      "FASTBERT_API_KEY environment variable, which keeps the key off the process list; none: open)")
-    net.add_argument("--served-model-name", metavar="NAME", help="the model's name on /v1 (default: the folder's "
-                     "name)")
+    net.add_argument("--served-model-name", metavar="NAME", help="the model's name on /v1/models, /info and in "
+                     "answers (default: a cached Hub folder's repo id; a sentence-transformers folder's name as its "
+                     "model card gives it, the bundled model's all-MiniLM-L6-v2; else the folder's name)")
+    net.add_argument("--strict-model-name", action="store_true", help="refuse (404) a /v1 request whose `model` is "
+                     "not the served name (by default, as TEI, any `model` is answered by the one model served)")
     net.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                      help="uvicorn's and the server's log level; debug logs one line per batch (default: info)")
     model = parser.add_argument_group("model")
@@ -68,6 +73,7 @@ def serve_parser() -> Parser:
                        "folder says, else the checkpoint's own); pooling runs in fp32")
     model.add_argument("--kernels", type=parse_kernels, default="auto",
                        help="auto (default), torch, triton, or op=backend,...")
+    add_format_options(model)
     model.add_argument("--no-cuda-graphs", action="store_true",
                        help="run the model eagerly on CUDA too (by default it replays CUDA graphs over token buckets)")
     limits = parser.add_argument_group("batching and limits")
@@ -106,6 +112,16 @@ def serve_parser() -> Parser:
     return parser
 
 
+def app_options(args, device) -> dict:
+    """fastbert.serve.Options' fields from the parsed flags: each flag is named as its field (--max-batch-tokens:
+    max_batch_tokens), but --no-cuda-graphs (cuda_graphs) and the device, given. The one place the command maps its
+    flags onto the app, for one process and for every Ray replica alike."""
+    from ..serve.server import Options
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Options)
+              if f.name not in ("device", "cuda_graphs")}
+    return {**values, "device": device, "cuda_graphs": not args.no_cuda_graphs}
+
+
 RAY_ONLY = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "gpus_per_replica",
             "cpus_per_replica")
 
@@ -142,12 +158,7 @@ def serve(args) -> int:
     if given:
         raise UsageError(f"{given[0]} is an option of --ray (replicas of the server on a Ray cluster)")
     device = device_of(args)
-    asgi = app(args.model or args.model_option, device=str(device), dtype=args.dtype, kernels=args.kernels,
-               max_batch_tokens=args.max_batch_tokens, max_concurrent_requests=args.max_concurrent_requests,
-               max_client_batch_size=args.max_client_batch_size, auto_truncate=args.auto_truncate,
-               payload_limit=args.payload_limit,
-               api_key=args.api_key, served_model_name=args.served_model_name, cuda_graphs=not args.no_cuda_graphs,
-               tokenization_workers=args.tokenization_workers)
+    asgi = app(args.model or args.model_option, **app_options(args, device=str(device)))
     service = asgi.state.service
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -229,11 +240,7 @@ def serve_on_ray(args) -> int:
             model, replicas=replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests or on_ray.DEFAULT_TARGET_ONGOING_REQUESTS,
             gpus_per_replica=gpus, cpus_per_replica=cpus, log_level=args.log_level,
-            device=args.device, dtype=args.dtype, kernels=args.kernels, max_batch_tokens=args.max_batch_tokens,
-            max_concurrent_requests=args.max_concurrent_requests, max_client_batch_size=args.max_client_batch_size,
-            auto_truncate=args.auto_truncate, payload_limit=args.payload_limit, api_key=args.api_key,
-            served_model_name=args.served_model_name, cuda_graphs=not args.no_cuda_graphs,
-            tokenization_workers=args.tokenization_workers)
+            **app_options(args, device=args.device))
         scale = f"{replicas} replica(s)" if replicas else f"{args.min_replicas} to {args.max_replicas} replicas"
         if on_ray.serve_running():
             print("fastbert serve: Ray Serve already runs on this cluster: its proxies keep the host and port they "

@@ -7,7 +7,7 @@ gathers every client's texts into padding-free batches.
     fastbert.serve.ray.deployment(FOLDER, replicas=N, ...)        the same, for serve.run (fastbert/serve/ray.py,
                                                                   imported only when asked for: it needs Ray Serve)
 
-Needs the `serve` extra (FastAPI, uvicorn, prometheus-client): pip install "fastbert-triton[serve]". The rest of
+Needs the `serve` extra (FastAPI, uvicorn): pip install "fastbert-triton[serve]". The rest of
 fastbert never imports this package. docs/serve.md: the routes, the options, the scheduler, the numbers.
 """
 from .server import Options, app

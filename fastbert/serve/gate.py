@@ -13,7 +13,7 @@ import hmac
 
 from starlette.datastructures import Headers
 
-from .errors import FAILURE_LABELS, ServeError, error_response
+from .errors import Overloaded, ServeError, TooLarge, Unauthorized, Unavailable, error_response
 
 
 def _route_path(scope) -> str:
@@ -32,9 +32,15 @@ class Gate:
         return hmac.compare_digest(given, self._key)
 
     async def _refuse(self, scope, receive, send, error: ServeError, counted: bool) -> None:
-        if counted:
-            self.service.metrics.failure(FAILURE_LABELS.get(error.status, "validation"))
-        await error_response(_route_path(scope), error)(scope, receive, send)
+        """counted: te_request_count (with no method: its inputs were never read) and te_request_failure, for an
+        inference route; te_request_failure only for /tokenize, as TEI counts it."""
+        path, metrics = _route_path(scope), self.service.metrics
+        if counted and error.label is not None:  # a 503 (not ready, draining) is not counted, as TEI serves none
+            if path in self.service.counted_paths:
+                metrics.request(None)
+            if path in self.service.counted_paths or path == "/tokenize":
+                metrics.failure(error.label)
+        await error_response(path, error)(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -44,24 +50,23 @@ class Gate:
         if self._key is not None and not (path == "/health" and scope["method"] in ("GET", "HEAD")) \
                 and not self._authorized(headers):
             given = "no Authorization header" if "authorization" not in headers else "a wrong key"
-            return await self._refuse(scope, receive, send, ServeError(
-                401, f"this server needs an API key (Authorization: Bearer KEY); the request sent {given}",
+            return await self._refuse(scope, receive, send, Unauthorized(
+                f"this server needs an API key (Authorization: Bearer KEY); the request sent {given}",
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}), counted=False)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
 
-        service.metrics.request()
         if not service.ready:
-            return await self._refuse(scope, receive, send, ServeError(503, service.unready_reason()), True)
+            return await self._refuse(scope, receive, send, Unavailable(service.unready_reason()), True)
         limit = service.options.payload_limit
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._refuse(scope, receive, send, ServeError(
-                413, f"body: {int(declared):,} bytes, more than the payload limit of {limit:,} bytes",
+            return await self._refuse(scope, receive, send, TooLarge(
+                f"body: {int(declared):,} bytes, more than the payload limit of {limit:,} bytes",
                 param="body"), True)
         if service.in_flight >= service.options.max_concurrent_requests:
-            return await self._refuse(scope, receive, send, ServeError(
-                429, f"the server is at its limit of {service.options.max_concurrent_requests} requests in flight; "
+            return await self._refuse(scope, receive, send, Overloaded(
+                f"the server is at its limit of {service.options.max_concurrent_requests} requests in flight; "
                      f"retry later"), True)
 
         received = 0
@@ -72,7 +77,7 @@ class Gate:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise ServeError(413, f"body: more than the payload limit of {limit:,} bytes", param="body")
+                    raise TooLarge(f"body: more than the payload limit of {limit:,} bytes", param="body")
             return message
 
         service.in_flight += 1

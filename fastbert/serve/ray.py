@@ -6,10 +6,11 @@ is sent padding-free as the single process does.
     fastbert.serve.ray.deployment(MODEL, replicas=N, **options)   -> a Ray Serve Application, for serve.run
     fastbert.serve.ray.Server                                     -> the Deployment itself, to compose with others
 
-Ray Serve does the rest: a proxy on every node that holds a replica, routing each request to a replica with room for
-it, autoscaling on the requests ongoing per replica, health checks (check_health below) and replacing a replica
-that dies. The only module of fastbert that imports ray.serve (pip install 'fastbert-triton[ray,serve]').
-docs/serve.md: what Ray Serve does with a request whose replica dies, and what each replica holds.
+Ray Serve does the rest: a proxy on every node that holds a replica, routing each request to the Front deployment,
+which hands it to a Server replica with room for it (and to another if that replica dies), autoscaling on the
+requests ongoing per replica, health checks (check_health below) and replacing a replica that dies. The only
+module of fastbert that imports ray.serve (pip install 'fastbert-triton[ray,serve]'). docs/serve.md: what happens
+to a request whose replica dies, and what each replica holds.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class Server:
         self._model, self._options, self._service = model, options, None
 
     def __serve_build_asgi_app__(self):
-        api = build_app(self._model, **self._options)
+        api = self._api = build_app(self._model, **self._options)
         self._service = api.state.service
         self._service.load_before_serving = True
         return api
@@ -76,12 +77,72 @@ class Server:
                 raise RuntimeError(f"the model failed to load: {self._service.error}") from None
             raise
 
+    async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> tuple:
+        """One HTTP request through this replica's app, in process (the front's way in) -> (status, raw headers,
+        body)."""
+        import asyncio
+        sent, messages = False, []
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client never leaves: the front holds its connection
+
+        async def send(message):
+            messages.append(message)
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+                 "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+        await self._api(scope, receive, send)
+        start = next(m for m in messages if m["type"] == "http.response.start")
+        return start["status"], list(start.get("headers", [])), b"".join(
+            m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose model worker stopped is replaced (while draining, it is
         stopping anyway)."""
         service = self._service
         if service is not None and service.state == "ready" and not service.ready:
             raise RuntimeError(f"pid {os.getpid()}: {service.unready_reason()}")
+
+
+# A request whose replica died is sent again, to another replica, this many times (every request is idempotent)
+RETRIES = 3
+
+
+@serve.deployment(name="Front", max_ongoing_requests=1_000_000, max_queued_requests=-1,
+                  ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S)
+class Front:
+    """What Ray Serve's proxy routes to: each HTTP request, whole, handed to a Server replica through a deployment
+    handle; a request whose replica dies on the way (its actor lost) is handed to another, up to RETRIES times, so a
+    dying replica costs its requests a retry, not an error. Every route is idempotent (embed, rerank, classify,
+    tokenize, read), so sending one again is always safe. Past the replicas' room: 429, as the proxy answers."""
+
+    def __init__(self, server):
+        self._server = server
+
+    async def __call__(self, request):
+        import asyncio
+
+        from ray.serve.exceptions import BackPressureError
+        from starlette.responses import Response
+        body = await request.body()
+        call = (request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
+        for attempt in range(RETRIES + 1):
+            try:
+                status, headers, answer = await self._server.forward.remote(*call)
+                break
+            except BackPressureError:
+                return Response("the replicas are at their limit of requests in flight; retry later", 429)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                if attempt == RETRIES:
+                    return Response(f"the request's replica was lost {RETRIES + 1} times", 503)
+                await asyncio.sleep(0.2 * (attempt + 1))  # the router learns the replica is gone
+        response = Response(answer, status)
+        response.raw_headers = headers + ([(b"x-fastbert-retries", b"%d" % attempt)] if attempt else [])
+        return response
 
 
 def deployment(model=None, *, replicas: Optional[int] = None, min_replicas: Optional[int] = None,
@@ -102,7 +163,7 @@ def deployment(model=None, *, replicas: Optional[int] = None, min_replicas: Opti
     settings, init = _settings(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
                                target_ongoing_requests=target_ongoing_requests, gpus_per_replica=gpus_per_replica,
                                cpus_per_replica=cpus_per_replica, options=options)
-    return Server.options(**settings).bind(model, log_level=log_level, **init)
+    return Front.bind(Server.options(**settings).bind(model, log_level=log_level, **init))
 
 
 def _settings(*, replicas, min_replicas, max_replicas, target_ongoing_requests, gpus_per_replica, cpus_per_replica,

@@ -50,7 +50,9 @@ class Ticket:
         self.results: list = [None] * count
         self.remaining = count
         self.queued_at = time.perf_counter()
-        self.started = False    # its first text reached a batch (te_queue_duration observed)
+        # per batch that held its texts: (texts, seconds queued, seconds in the model, seconds from queueing to the
+        # batch's end), filled before its results: the request's timings (TEI's headers and per-input histograms)
+        self.batches: list = []
         self.dropped = False    # its client went away
 
     def _settle(self, value=None, error: BaseException | None = None) -> None:
@@ -92,7 +94,7 @@ class Scheduler:
             if self._stopping:
                 raise StoppedError("the server is shutting down")
             self._queue.extend(texts)
-            self.metrics.queue_size.set(len(self._queue))
+            self.metrics.queue_size(len(self._queue))
             self._ready.notify()
 
     def drop(self, ticket: Ticket) -> int:
@@ -101,7 +103,7 @@ class Scheduler:
             ticket.dropped = True
             before = len(self._queue)
             self._queue = collections.deque(t for t in self._queue if t.ticket is not ticket)
-            self.metrics.queue_size.set(len(self._queue))
+            self.metrics.queue_size(len(self._queue))
             return before - len(self._queue)
 
     @property
@@ -141,7 +143,7 @@ class Scheduler:
                 text = self._queue.popleft()
                 batch.append(text)
                 tokens += text.tokens
-            self.metrics.queue_size.set(len(self._queue))
+            self.metrics.queue_size(len(self._queue))
             return batch
 
     def _work(self) -> None:
@@ -150,11 +152,10 @@ class Scheduler:
             if batch is None:
                 return
             start = time.perf_counter()
-            tickets = list(dict.fromkeys(text.ticket for text in batch))
-            for ticket in tickets:
-                if not ticket.started:
-                    ticket.started = True
-                    self.metrics.queue_duration.observe(start - ticket.queued_at)
+            per_ticket: dict = {}  # each request's texts in this batch, in the order they came
+            for text in batch:
+                per_ticket[text.ticket] = per_ticket.get(text.ticket, 0) + 1
+            tickets = list(per_ticket)
             try:
                 results = self.run([text.payload for text in batch])
             except Exception as e:  # noqa: BLE001 - the batch's requests get the error; the server stays up
@@ -163,11 +164,12 @@ class Scheduler:
                 for ticket in tickets:
                     ticket.fail(error)
                 continue
-            seconds = time.perf_counter() - start
+            end = time.perf_counter()
+            seconds = end - start
             tokens = sum(text.tokens for text in batch)
-            self.metrics.inference_duration.observe(seconds)
-            self.metrics.batch_size.observe(len(batch))
-            self.metrics.batch_tokens.observe(tokens)
+            self.metrics.batch(len(batch), tokens)
+            for ticket, count in per_ticket.items():
+                ticket.batches.append((count, start - ticket.queued_at, seconds, end - ticket.queued_at))
             logger.debug("batch: %d texts, %d tokens, from %d requests, %.1f ms", len(batch), tokens, len(tickets),
                          seconds * 1e3)
             for text, result in zip(batch, results):

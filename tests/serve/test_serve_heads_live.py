@@ -7,10 +7,10 @@ model's tokenizer, a DeBERTa-v2 classifier with three named labels), fp32."""
 import numpy as np
 import pytest
 import torch
-from helpers import LiveServer, deberta_config, optional, perturb_, real_texts
+from helpers import LiveServer, deberta_config, optional, perturb_, real_texts, reranker_folder
 
 httpx = optional("httpx", "httpx is a test extra")
-optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
+optional("fastbert.serve", "the serve extra (fastapi, uvicorn) is a test extra")
 
 LABELS = ("contradiction", "entailment", "neutral")
 
@@ -39,18 +39,6 @@ print(f"mounted on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
 signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn raises the signal again after its clean stop: exit 0
 uvicorn.Server(uvicorn.Config(root, log_level="warning")).run(sockets=[sock])
 """
-
-
-def reranker_folder(minilm_path, root):
-    import transformers
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path)
-    cfg = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=100, num_labels=1)
-    torch.manual_seed(0)
-    folder = root / "reranker"
-    perturb_(transformers.BertForSequenceClassification(cfg), weight_std=0.05).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def classifier_folder(minilm_path, root):
@@ -152,7 +140,8 @@ def test_inference_client_text_classification(server, folders, texts, monkeypatc
 def test_two_apps_in_one_process_count_apart(server):
     def requests(name):
         text = httpx.get(server.url + f"/{name}/metrics").text
-        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("te_request_count "))
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.split(" ")[0].split("{")[0] == "te_request_count")
     before = requests("reranker"), requests("classifier")
     assert httpx.post(server.url + "/reranker/rerank", json={"query": "a", "texts": ["b", "c"]}).status_code == 200
     assert (requests("reranker"), requests("classifier")) == (before[0] + 1, before[1])

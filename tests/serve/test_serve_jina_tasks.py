@@ -23,7 +23,7 @@ def jina(tmp_path_factory, minilm_path):
 
 
 def test_requests_of_different_tasks_in_flight_at_once(jina):
-    serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
+    serve = optional("fastbert.serve", "the serve extra (fastapi, uvicorn) is a test extra")
     folder, references = jina
     tasks = [*JINA_TASKS, None] * 2
     results = [None] * len(tasks)

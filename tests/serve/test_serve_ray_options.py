@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_one_line_error, main_in_process, optional
 
 optional("ray.serve", reason="Ray Serve comes with the ray extra: pip install -e '.[test]'")
-optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
+optional("fastbert.serve", "the serve extra (fastapi, uvicorn) is a test extra")
 
 import ray  # noqa: E402
 from ray.serve.config import AutoscalingConfig  # noqa: E402

@@ -1,17 +1,19 @@
 """A live `python -m fastbert serve` that takes at most 2 requests in flight: the next ones are refused at once with
 429 (TEI's body on TEI's routes, OpenAI's on /v1, where openai's SDK raises RateLimitError), never queued, and the
 server answers /health after; then SIGTERM while requests are in flight: each accepted request is answered in full,
-no new connection is taken, and the process exits 0."""
+no new connection is taken, and the process exits 0. In this process, the command's server with its model held: on
+the stop signal /health turns 503 and a new connection is refused while the accepted requests are unanswered."""
 import os
 import signal
 import threading
 import time
+import types
 
 import pytest
-from helpers import LiveServer, cosines, optional, real_texts
+from helpers import FP32_TOL, LiveServer, max_delta, optional, real_texts
 
 httpx = optional("httpx", "httpx is a test extra")
-optional("fastbert.serve", "the serve extra (fastapi, uvicorn, prometheus-client) is a test extra")
+optional("fastbert.serve", "the serve extra (fastapi, uvicorn) is a test extra")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_past_the_limit_in_flight_a_request_is_refused_at_once(server, texts, re
             assert response.json() == {"error": "the server is at its limit of 2 requests in flight; retry later",
                                        "error_type": "Overloaded"}
         else:
-            assert cosines(response.json(), reference).min() >= 0.99999
+            assert max_delta(response.json(), reference) <= FP32_TOL
     openai = optional("openai", "openai's SDK is a test extra")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     threads, _ = fire(server, 2, body)  # two in flight (the limit) ...
@@ -97,8 +99,104 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(server, texts, refe
         t.join(timeout=300)
     assert [r.status_code for r in responses] == [200, 200]
     for response in responses:
-        assert cosines(response.json(), reference).min() >= 0.99999
+        assert max_delta(response.json(), reference) <= FP32_TOL
     assert server.process.wait(timeout=120) == 0, server.output()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
     assert "Finished server process" in server.output()
+
+
+class _Held:
+    """A SentenceEncoder whose batches wait at a latch (open unless the test closes it)."""
+
+    def __init__(self, encoder):
+        self.encoder, self.open, self.entered = encoder, threading.Event(), threading.Event()
+        self.open.set()
+
+    def __getattr__(self, name):
+        return getattr(self.encoder, name)
+
+    def embed_tokenized(self, ids, **kwargs):
+        self.entered.set()
+        assert self.open.wait(timeout=300), "the test never released the batch"
+        return self.encoder.embed_tokenized(ids, **kwargs)
+
+
+def _asgi_get(app, path):
+    """GET `path` through the ASGI app itself, beside the server (no connection needed) -> (status, body)."""
+    import asyncio
+    messages = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        messages.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    return messages[0]["status"], b"".join(m.get("body", b"") for m in messages[1:])
+
+
+def test_sigterm_refuses_new_connections_and_turns_health_503_while_accepted_requests_drain(minilm_path, texts,
+                                                                                           reference):
+    """The command's uvicorn server (fastbert/cli/serve.py) in this process, its model held at a latch with two
+    requests accepted: on the stop signal, /health answers 503 and a new connection is refused while both are still
+    unanswered; released, both are answered with their vectors and the server ends."""
+    import json
+    import socket
+
+    import uvicorn
+
+    import fastbert
+    import fastbert.serve
+    from fastbert.cli.serve import _server
+    encoder = fastbert.SentenceEncoder.from_pretrained(minilm_path, device="cpu", kernels="torch")
+    app = fastbert.serve.app(encoder, auto_truncate=True)
+    service = app.state.service
+    held = service._encoder = _Held(encoder)  # the model the worker loads: behind the latch
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = _server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=None),
+                     service)
+    runner = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.05)
+    held.open.clear()
+    held.entered.clear()
+    threads, responses = fire(types.SimpleNamespace(url=url), 2, {"inputs": texts, "truncate": True})
+    deadline = time.monotonic() + 120
+    while service.in_flight < 2 or not held.entered.is_set():  # both accepted, the worker holds a batch
+        assert time.monotonic() < deadline, (service.in_flight, held.entered.is_set())
+        time.sleep(0.01)
+    server.handle_exit(signal.SIGTERM, None)
+    status, body = _asgi_get(app, "/health")
+    assert status == 503 and json.loads(body)["error"] == "the server is shutting down", body
+    deadline = time.monotonic() + 60
+    while True:  # uvicorn closes its listening socket on the next tick of its loop
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            break
+        assert time.monotonic() < deadline, "a new connection was still taken"
+        time.sleep(0.01)
+    assert responses == [None, None]  # both still unanswered: the model is held
+    held.open.set()
+    for t in threads:
+        t.join(timeout=300)
+    runner.join(timeout=120)
+    assert not runner.is_alive()
+    assert [r.status_code for r in responses] == [200, 200]
+    for response in responses:
+        assert max_delta(response.json(), reference) <= FP32_TOL
