@@ -53,19 +53,25 @@ def test_linear_against_float64(fmt, shape):
     assert err >= bound / 1000, "the format changed nothing: its GEMM did not run"
 
 
-def test_token_quantization_paths_agree():
-    """The fused quantization (torch.quantize_per_channel) and the eager one give the same integers and scales."""
+@pytest.mark.parametrize("offset", [0, formats.ZERO_POINT])
+def test_token_quantization_paths_agree(offset):
+    """The fused quantization (torch.quantize_per_channel) and the eager one give the same integers and scales, as
+    int8 and as the u8 form (q + 128) oneDNN takes; each is round(x / scale) computed in float64 here."""
     x = torch.randn(50, 70) * 3
     x[3] = 0.0  # an all-zero token: scale clamped, q = 0
-    fused = formats.quantize_tokens(x)
+    fused = formats.quantize_tokens(x, offset)
     saved = formats._FUSED_QUANTIZE[0]
     try:
         formats._FUSED_QUANTIZE[0] = False
-        eager = formats.quantize_tokens(x)
+        eager = formats.quantize_tokens(x, offset)
     finally:
         formats._FUSED_QUANTIZE[0] = saved
     assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
-    assert fused[0].abs().max() == 127 and not fused[0][3].any()
+    q = fused[0].long() - offset
+    want = torch.round(x.double() / (x.double().abs().amax(1, keepdim=True).clamp_min(1e-12) / 127))
+    assert (q - want).abs().max() <= 1  # a tie may round either way between float32 and float64
+    assert q.abs().max() == 127 and not q[3].any()
+    assert fused[0].dtype == (torch.uint8 if offset else torch.int8)
 
 
 def test_int_mm_path_matches_onednn():
