@@ -170,7 +170,9 @@ def formats_table(model, tokenizer, encodings, args, device, max_length) -> bool
           f"{len(texts)} texts against fp32):")
     header = f"{'format':<7} {'fastbert tok/s':>15} {'vs fp32':>8} {'min cos':>9} {'neighbours':>11}  verdict"
     print(header + "\n" + "-" * len(header))
-    model.set_kernels("auto")
+    # the backend asked for (a format runs the GEMM ops in torch either way); on a CPU the torch path, as Triton
+    # runs there only through its interpreter, too slow for the sample
+    model.set_kernels("torch" if device.type == "cpu" else (args.kernels or "auto"))
     base, under = None, False
     for name in formats.FORMATS:
         model.set_format(name)
