@@ -33,8 +33,8 @@ INSTALL_HINT = "pip install 'ray[data]>=2.60' (or, in a fastbert checkout, pip i
 # cuda_graphs, max_tokens_per_batch and batch_size change only the rounding.)
 _VECTOR_OPTIONS = ("pooling", "normalize", "max_seq_length", "do_lower_case", "include_prompt", "dtype")
 # truncate_dim and quantize change the vectors too, but enter a job's key only when given, so that a job planned
-# without them resumes as the same job.
-_OPTIONS = _VECTOR_OPTIONS + ("truncate_dim", "quantize", "kernels", "cuda_graphs")
+# without them resumes as the same job. quality_texts only says what each worker measures a format's cost on.
+_OPTIONS = _VECTOR_OPTIONS + ("truncate_dim", "quantize", "quality_texts", "kernels", "cuda_graphs")
 
 
 def require_ray():
@@ -132,7 +132,8 @@ def encode_dataset(model, input, output, *, text_field: str = "text", id_field: 
         "ray://host:10001"); None follows ray.init: $RAY_ADDRESS, else a cluster started on this machine with
         `ray start`, else a new local one, which is shut down again at the end.
     prompt, prompt_name, max_tokens_per_batch, batch_size, and options (pooling, normalize, max_seq_length,
-        do_lower_case, include_prompt, truncate_dim, dtype, kernels, cuda_graphs): as fastbert.encode.
+        do_lower_case, include_prompt, truncate_dim, dtype, quantize, quality_texts, kernels, cuda_graphs): as
+        fastbert.encode (quality_texts, a file, on a path every node can read).
     """
     started = time.time()
     vector_options = _validate(options, rows_per_shard=rows_per_shard, workers=workers,
@@ -200,6 +201,10 @@ def _validate(options: dict, *, rows_per_shard, workers, cpus_per_worker, gpus_p
     if options.get("quantize") is not None:
         fmt = formats.format_of(options["quantize"])
         vector_options["quantize"] = "fp32" if fmt is None else fmt.name
+    if options.get("quality_texts") is not None:  # every actor opens it, wherever its working folder is
+        if not os.path.isfile(options["quality_texts"]):
+            raise ValueError(f"quality_texts {options['quality_texts']!r}: no such file")
+        options["quality_texts"] = os.path.abspath(options["quality_texts"])
     return vector_options
 
 
