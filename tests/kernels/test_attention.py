@@ -373,10 +373,11 @@ def test_aot_specs_well_formed():
     the same tiles at head dim 64 (MPNet-base, DeBERTa-v3-base) with one: 12 more, and ModernBERT's window,
     window + rotary and rotary variants in fp16/bf16 at head dims 32 and 64: 48 more, and DeBERTa's at head dim 64
     (c2p + p2c in fp16 and bf16 packed, in fp16 padded; c2p alone in fp16 packed): 8 more, and EuroBERT's rotary
-    over grouped key/value heads in fp16/bf16 at head dims 64 and 128: 16 more."""
+    over grouped key/value heads in fp16/bf16 at head dims 64 and 128: 16 more, and Qwen3's, the same at head dim 128
+    with causal=True: 8 more."""
     specs = attention_module.aot_specs()
     names = [s["name"] for s in specs]
-    assert len(names) == len(set(names)) == 132
+    assert len(names) == len(set(names)) == 140
     arg_names = set(attention_module._attention_fwd_kernel.arg_names)  # JITFunction or, here, InterpretedFunction
     for spec in specs:
         assert not set(spec["signature"]) & set(spec["constexprs"]), spec["name"]
@@ -384,13 +385,13 @@ def test_aot_specs_well_formed():
         assert set(spec["hints"]) <= set(spec["signature"]), spec["name"]
     tags = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 
-    def covered(with_bias, window=False, rotary=False, c2p=False, p2c=False, grouped=False):
+    def covered(with_bias, window=False, rotary=False, c2p=False, p2c=False, grouped=False, causal=False):
         return sorted(str((s["signature"]["qkv_ptr"], s["constexprs"]["INPUT_PRECISION"], s["constexprs"]["HEAD_DIM"],
                            s["constexprs"]["HAS_MASK"], s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"],
                            s["num_warps"], s["num_stages"], s.get("maxnreg"))) for s in specs
                       if tuple(s["constexprs"][flag] for flag in ("HAS_BIAS", "HAS_WINDOW", "HAS_ROTARY", "HAS_C2P",
-                                                                   "HAS_P2C"))
-                      == (with_bias, window, rotary, c2p, p2c) and ("kv_group" in s["signature"]) == grouped)
+                                                                   "HAS_P2C", "CAUSAL"))
+                      == (with_bias, window, rotary, c2p, p2c, causal) and ("kv_group" in s["signature"]) == grouped)
 
     def expected(head_dims, dtypes=tuple(tags)):
         return sorted(str((tags[dtype], precision, hd, mask) + tile) for (dtype, precision, hd), tiles in
@@ -417,6 +418,11 @@ def test_aot_specs_well_formed():
     assert covered(False, rotary=True, grouped=True) == sorted(
         str((tags[dtype], "ieee", hd, mask) + tile) for dtype in half for mask in (True, False)
         for hd, tiles in ((64, EXPECTED_ROTARY_TILES_HD64), (128, EXPECTED_ROTARY_TILES_HD128)) for tile in tiles)
+    assert covered(False, rotary=True, grouped=True, causal=True) == sorted(
+        str((tags[dtype], "ieee", 128, mask) + tile) for dtype in half for mask in (True, False)
+        for tile in EXPECTED_ROTARY_TILES_HD128)
+    assert all(s["constexprs"]["HAS_ROTARY"] and "kv_group" in s["signature"] for s in specs
+               if s["constexprs"]["CAUSAL"])
     for spec in specs:  # the variants off: their arguments are the constant 1 the launcher passes
         constexprs = spec["constexprs"]
         assert constexprs["HAS_WINDOW"] or constexprs["window"] == 1, spec["name"]
