@@ -246,16 +246,20 @@ def hf_config(model: str):
 def flop_ceiling(config, lengths: list[int]) -> dict:
     """The FLOP ratio of a ragged batch: the work HF does on it padded over the work of the padding-free forward.
 
-    Per layer, the linear work is 2 (H q + 2 H kv + q H + 3 H I) FLOP a token (q, k, v, o and a gated MLP's gate, up
-    and down; q = heads x head_dim, kv = key/value heads x head_dim) and the attention 4 q FLOP per (query, key)
+    Per layer, the linear work is 2 (H q + 2 H kv + q H + m H I) FLOP a token (q, k, v, o and the MLP: m = 3 for a
+    gated one's gate, up and down, 2 for a plain one's up and down; q = heads x head_dim, kv = key/value heads x
+    head_dim; the family's own field names, DistilBERT's hidden_dim for I) and the attention 4 q FLOP per (query, key)
     pair (QK^T and PV). HF pads every row to the longest, S, and computes all S^2 pairs of every row under its mask.
     `padding`: the padding-free forward on each sequence's own L^2 pairs (GTE's and EuroBERT's ceilings in
     RESULTS.md); `useful`: only the pairs the model reads, i <= j for a causal model, |i - j| <= window on sliding
     layers, the most any attention that skips masked pairs could gain."""
-    H, I = config.hidden_size, config.intermediate_size
+    from fastbert import families
+
+    family = families.of(config)
+    H, I = config.hidden_size, family.get(config, "intermediate_size")
     hd = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q, kv = config.num_attention_heads * hd, getattr(config, "num_key_value_heads", config.num_attention_heads) * hd
-    linear = 2 * (H * q + 2 * H * kv + q * H + 3 * H * I)
+    linear = 2 * (H * q + 2 * H * kv + q * H + (3 if family.mlp == "gated" else 2) * H * I)
     causal = not getattr(config, "use_bidirectional_attention", config.model_type != "qwen3")
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)

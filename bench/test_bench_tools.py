@@ -158,8 +158,9 @@ def test_decoder_embedder_configs_have_the_real_layer_geometry():
 
 
 def test_flop_ceiling_counts_by_hand():
-    """flop_ceiling on lengths small enough to count: linear 2 (H q + 2 H kv + q H + 3 H I) a token, 4 q a pair; HF
-    pads to the longest and computes every pair; causal reads j <= i, a window |i - j| <= w."""
+    """flop_ceiling on lengths small enough to count: linear 2 (H q + 2 H kv + q H + 3 H I) a token for a gated MLP
+    (2 H I for a plain one), 4 q a pair; HF pads to the longest and computes every pair; causal reads j <= i, a
+    window |i - j| <= w."""
     import types
 
     base = dict(hidden_size=4, intermediate_size=8, num_attention_heads=2, head_dim=2, num_key_value_heads=1,
@@ -175,6 +176,11 @@ def test_flop_ceiling_counts_by_hand():
                                                         model_type="gemma3_text", use_bidirectional_attention=True),
                                   [2, 3])
     assert window["useful_flops"] == 5 * linear + 4 * 4 * (4 + 7)  # L = 3, w = 1: 2 + 3 + 2 pairs
+    plain = harness.flop_ceiling(types.SimpleNamespace(**base, model_type="bert"), [2, 3])
+    assert plain["padding_free_flops"] == 5 * (linear - 2 * 4 * 8) + 4 * 4 * (4 + 9)
+    # DistilBERT names the sizes its own way (dim, n_heads, hidden_dim): a plain MLP of H 768 and I 3072
+    distil = harness.flop_ceiling(harness.hf_config("distilbert-base"), [1])
+    assert distil["padding_free_flops"] == 6 * (2 * (4 * 768 * 768 + 2 * 768 * 3072) + 4 * 768)
     # GTE's cell in bench/RESULTS.md: 1.83x
     assert harness.flop_ceiling(harness.hf_config("gte-base"), harness._varlen(16, 64, 2048).lengths())[
         "ceiling_padding"] == pytest.approx(1.83, abs=0.005)
