@@ -14,6 +14,13 @@ pooling) stays fp32. docs/formats.md has the bars, the measured cost and when to
            (dynamic, so a text's vector never depends on its batch). The int32 products are scaled back to fp32
            per token and channel, then the bias is added. CPU: oneDNN's int8 linear (torch.ops.onednn, the path
            Inductor's x86 lowering takes); CUDA: torch._int_mm.
+           Outlier channels: a few input channels of each GEMM carry values tens of times larger than the rest
+           ([CLS] / [SEP] and LayerNorm's large-gain dimensions), and one token's scale is set by its largest
+           value, so they flatten every other channel of that token into a few levels. `calibrate` finds, once,
+           from a fixed set of texts run in fp32, the 1% of each GEMM's input channels with the largest |x|; those
+           channels are left out of the int8 product (their weight columns and activations zeroed there) and
+           added back by an fp32 GEMM of their own (T x 1% of K x N). The channels are fixed at calibration, so
+           this too never depends on the batch.
 
 On x86 CPUs without VNNI the int8 dot product (vpmaddubsw) adds pairs of u8 x s8 products into a saturating int16:
 full-range weights would overflow it, so there the weights take 7 bits (|q| <= 63); with VNNI they take 8.
@@ -82,7 +89,7 @@ class Format:
                                    f"copy of the weights, which autograd cannot reach): train the fp32 model, or run "
                                    f"under torch.no_grad() / inference_mode()")
             with torch.no_grad():
-                entry = self._prepared[id(weight)] = (weight, _version(weight), self.prepare(weight.detach()))
+                entry = self._prepared[id(weight)] = (weight, _version(weight), self.prepare(weight))
         return entry[2]
 
     def prepare(self, weight: torch.Tensor):
@@ -119,12 +126,14 @@ class BF16(Format):
 
 
 class Int8Weight:
-    """A weight in int8: the device's packed form, one fp32 scale per output channel."""
+    """A weight in int8: the device's packed form, one fp32 scale per output channel, and the calibrated outlier
+    channels (`outliers`: input column indices, or None) with their fp32 columns (`outlier_weight` [k, N])."""
 
-    __slots__ = ("packed", "scale", "zero_point", "columns")
+    __slots__ = ("packed", "scale", "zero_point", "columns", "outliers", "outlier_weight")
 
-    def __init__(self, packed, scale, zero_point, columns):
+    def __init__(self, packed, scale, zero_point, columns, outliers=None, outlier_weight=None):
         self.packed, self.scale, self.zero_point, self.columns = packed, scale, zero_point, columns
+        self.outliers, self.outlier_weight = outliers, outlier_weight
 
 
 def weight_levels(device: torch.device) -> int:
@@ -166,29 +175,85 @@ def quantize_tokens(x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, tor
     return (q.add_(offset).to(torch.uint8) if offset else q.to(torch.int8)), scale
 
 
+OUTLIER_SHARE = 96  # one input channel in 96 (4 of MiniLM's 384, 16 of its 1,536) is kept out of int8
+
+
+def outlier_count(columns: int) -> int:
+    return -(-columns // OUTLIER_SHARE)
+
+
 class Int8(Format):
     name = "int8"
 
+    def __init__(self):
+        super().__init__()
+        self.outliers: dict = {}  # id(weight) -> (weight, its calibrated outlier input channels [k] int64)
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.outliers)
+
+    def set_outliers(self, channels: dict) -> None:
+        """channels: {weight tensor: its outlier input channels}; the prepared weights are made again."""
+        self.outliers = {id(w): (w, torch.as_tensor(c, dtype=torch.int64, device=w.device))
+                         for w, c in channels.items()}
+        self._prepared.clear()
+
     def prepare(self, weight):
-        q, scale = quantize_rows(weight.float(), weight_levels(weight.device))
+        w = weight.float()
+        entry = self.outliers.get(id(weight))
+        outliers = entry[1] if entry is not None and entry[0] is weight else None
+        outlier_weight = None
+        if outliers is not None:
+            outlier_weight = w.index_select(1, outliers).t().contiguous()  # [k, N]: x[:, outliers] @ it
+            w = w.index_fill(1, outliers, 0.0)  # those channels leave the int8 product and its scales
+        q, scale = quantize_rows(w, weight_levels(weight.device))
         if weight.device.type == "cpu":
             packed = torch.ops.onednn.qlinear_prepack(q, None)
-            return Int8Weight(packed, scale.view(-1), torch.zeros(q.shape[0], dtype=torch.int64), q.shape[1])
-        return Int8Weight(q, scale.view(1, -1), None, q.shape[1])  # q.t(): the column-major [K, N] _int_mm takes
+            return Int8Weight(packed, scale.view(-1), torch.zeros(q.shape[0], dtype=torch.int64), q.shape[1],
+                              outliers, outlier_weight)
+        # q.t(): the column-major [K, N] _int_mm takes
+        return Int8Weight(q, scale.view(1, -1), None, q.shape[1], outliers, outlier_weight)
 
     def linear(self, x, weight, bias):
         w = self.prepared(weight)
+        x = x.contiguous()
+        inliers = x if w.outliers is None else x.index_fill(1, w.outliers, 0.0)
         if x.device.type == "cpu":
-            qx, sx = quantize_tokens(x.contiguous(), ZERO_POINT)
+            qx, sx = quantize_tokens(inliers, ZERO_POINT)
             acc = torch.ops.onednn.qlinear_pointwise(qx, 1.0, ZERO_POINT, w.packed, w.scale, w.zero_point, None,
                                                      1.0, 0, torch.float32, "none", [], "")
-            return acc.mul_(sx) if bias is None else torch.addcmul(bias, acc, sx, out=acc)
-        qx, sx = quantize_tokens(x.contiguous())
-        rows = qx.shape[0]
-        if rows <= 16:  # cuBLASLt's int8 GEMM takes more than 16 rows
-            qx = F.pad(qx, (0, 0, 0, 17 - rows))
-        acc = torch._int_mm(qx, w.packed.t())[:rows].float().mul_(sx).mul_(w.scale)
-        return acc if bias is None else acc.add_(bias)
+            out = acc.mul_(sx) if bias is None else torch.addcmul(bias, acc, sx, out=acc)
+        else:
+            qx, sx = quantize_tokens(inliers)
+            rows = qx.shape[0]
+            if rows <= 16:  # cuBLASLt's int8 GEMM takes more than 16 rows
+                qx = F.pad(qx, (0, 0, 0, 17 - rows))
+            out = torch._int_mm(qx, w.packed.t())[:rows].float().mul_(sx).mul_(w.scale)
+            out = out if bias is None else out.add_(bias)
+        if w.outliers is not None:
+            out.addmm_(x.index_select(1, w.outliers), w.outlier_weight)
+        return out
+
+
+class ChannelRecorder(Format):
+    """fp32 GEMMs that record, per weight, the largest |x| each input channel met (calibration)."""
+
+    name = "calibration"
+
+    def __init__(self):
+        super().__init__()
+        self.largest: dict = {}  # id(weight) -> (weight, max |x| per input channel [K])
+
+    def linear(self, x, weight, bias):
+        seen = x.detach().abs().amax(0).float()
+        entry = self.largest.get(id(weight))
+        self.largest[id(weight)] = (weight, seen if entry is None else torch.maximum(entry[1], seen))
+        return F.linear(x, weight, bias)
+
+    def outliers(self) -> dict:
+        """{weight: the outlier_count(K) input channels with the largest |x|}."""
+        return {w: m.topk(outlier_count(m.numel())).indices for w, m in self.largest.values()}
 
 
 _WARNED: set = set()

@@ -396,7 +396,8 @@ def measure_encoder(model, folder: str, quality_texts=None) -> None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as error:
         warnings.warn(f"fastbert: quantize={model.quantize!r}: {folder} has no tokenizer to measure the format's "
-                      f"cost with ({type(error).__name__}); measure it with fastbert.SentenceEncoder or "
+                      f"cost with ({type(error).__name__}), nor to calibrate int8's outlier channels on (int8 runs "
+                      f"without them); load it with fastbert.SentenceEncoder or measure it with "
                       f"`python -m fastbert quality`", stacklevel=3)
         return
     device = model.embeddings.word_embeddings.weight.device

@@ -308,7 +308,9 @@ class BertModel(TransformersModelMixin, nn.Module):
     def set_format(self, quantize) -> "BertModel":
         """Run the GEMMs of the three ops that hold one in `quantize` ("fp32", "bf16", "int8"), for inference; the
         parameters stay as they are (state_dict, save_pretrained: the checkpoint's). The weights are prepared on the
-        first forward. fastbert.quality measures what a format costs against the model's own weights."""
+        first forward. fastbert.quality measures what a format costs against the model's own weights. int8 set
+        here runs without outlier channels until `quality.calibrate` (or `quality.measure`) finds them; every
+        loading surface (quantize=) does both."""
         fmt = formats.format_of(quantize)
         if fmt is not None and self.dtype != torch.float32:
             raise ValueError(f"quantize={quantize!r} takes a float32 model (its GEMMs round the fp32 weights); this "

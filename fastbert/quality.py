@@ -33,7 +33,7 @@ log = logging.getLogger("fastbert")
 # built-in sample and well above what a format with one wrong scale gives.
 BARS = {
     "bf16": dict(min_cos=0.9999, neighbours=0.99, labels=0.99, top1=0.95, order=0.99),
-    "int8": dict(min_cos=0.95, neighbours=0.88, labels=0.97, top1=0.90, order=0.97),
+    "int8": dict(min_cos=0.99, neighbours=0.95, labels=0.97, top1=0.90, order=0.97),
 }
 
 
@@ -127,18 +127,39 @@ def mrr_at_10(queries: torch.Tensor, documents: torch.Tensor, relevant: Sequence
 
 
 @contextlib.contextmanager
-def fp32_gemms(model):
-    """Within the block, every fastbert encoder inside `model` runs its GEMMs on its own weights (no format)."""
+def gemms_in(model, fmt):
+    """Within the block, every fastbert encoder inside `model` runs its GEMMs in `fmt` (a formats.Format; None:
+    on its own weights)."""
     from .modeling import BertModel
     encoders = [m for m in model.modules() if isinstance(m, BertModel)] if hasattr(model, "modules") else []
     saved = [m.__dict__.get("number_format") for m in encoders]
     try:
         for m in encoders:
-            m.__dict__["number_format"] = None
+            m.__dict__["number_format"] = fmt
         yield
     finally:
         for m, fmt in zip(encoders, saved):
             m.__dict__["number_format"] = fmt
+
+
+def fp32_gemms(model):
+    """Within the block, every fastbert encoder inside `model` runs its GEMMs on its own weights (no format)."""
+    return gemms_in(model, None)
+
+
+def calibrate(model, run: Callable[[list], torch.Tensor]) -> None:
+    """The int8 format's outlier channels (formats.Int8), found once from the built-in sample run in fp32
+    (`run`, as measure takes it): fixed texts, so the model's numbers never depend on the texts a user measures
+    with. Formats without calibration are left as they are."""
+    from . import formats
+    from .modeling import BertModel
+    for m in model.modules():
+        fmt = m.__dict__.get("number_format") if isinstance(m, BertModel) else None
+        if isinstance(fmt, formats.Int8) and not fmt.calibrated:
+            recorder = formats.ChannelRecorder()
+            with torch.inference_mode(), gemms_in(m, recorder):
+                run(sample_texts())
+            fmt.set_outliers(recorder.outliers())
 
 
 def measure(model, run: Callable[[list], torch.Tensor], kind: str, texts: Sequence[str] | None = None,
@@ -152,6 +173,7 @@ def measure(model, run: Callable[[list], torch.Tensor], kind: str, texts: Sequen
         texts, source = sample_texts(), "built-in sample"
     texts = list(texts)
     started = time.perf_counter()
+    calibrate(model, run)
     with torch.inference_mode():
         got = run(texts).float().cpu()
         with fp32_gemms(model):

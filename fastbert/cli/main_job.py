@@ -176,6 +176,7 @@ def formats_table(model, tokenizer, encodings, args, device, max_length) -> bool
     base, under = None, False
     for name in formats.FORMATS:
         model.set_format(name)
+        quality.calibrate(model, pooled)  # int8's outlier channels, before it is timed
         with torch.inference_mode():
             _, tps = run(model, encodings, args.repeats)
             cost = None if name == "fp32" else quality.measure(model, pooled, "embedding", texts, "built-in sample")

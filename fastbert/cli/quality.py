@@ -53,11 +53,14 @@ def quality_command(args) -> int:
     if args.quantize not in (None, "fp32"):
         dtype = formats.load_dtype(args.quantize, dtype)
     candidate = SentenceEncoder.from_pretrained(model, device=device, dtype=dtype, kernels=args.kernels)
-    candidate.model.set_format(args.quantize)  # measured below, on the same texts
     asked = " ".join(f"--{k} {v}" for k, v in (("dtype", args.dtype), ("quantize", args.quantize)) if v)
 
     def encode(encoder, rows):
         return torch.from_numpy(encoder.encode(rows, progress=False))
+
+    # measured below, on the same texts; calibrated first (int8's outlier channels) as every loading surface does
+    candidate.model.set_format(args.quantize)
+    quality.calibrate(candidate.model, lambda rows: encode(candidate, rows))
 
     started = time.perf_counter()
     ref, got = encode(reference, texts), encode(candidate, texts)
