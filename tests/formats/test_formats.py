@@ -54,24 +54,30 @@ def test_linear_against_float64(fmt, shape):
 
 
 @pytest.mark.parametrize("offset", [0, formats.ZERO_POINT])
-def test_token_quantization_paths_agree(offset):
-    """The fused quantization (torch.quantize_per_channel) and the eager one give the same integers and scales, as
-    int8 and as the u8 form (q + 128) oneDNN takes; each is round(x / scale) computed in float64 here."""
+def test_token_quantization_paths_agree(offset, monkeypatch):
+    """quantize_tokens in blocks of a few rows (the last one short) gives the integers and scales of one block over
+    the whole tensor, as int8 and as the u8 form (q + 128) oneDNN takes; each is round(x / scale) computed in float64
+    here. Skipped channels are out of the scale and 0 in q."""
     x = torch.randn(50, 70) * 3
     x[3] = 0.0  # an all-zero token: scale clamped, q = 0
-    fused = formats.quantize_tokens(x, offset)
-    saved = formats._FUSED_QUANTIZE[0]
-    try:
-        formats._FUSED_QUANTIZE[0] = False
-        eager = formats.quantize_tokens(x, offset)
-    finally:
-        formats._FUSED_QUANTIZE[0] = saved
-    assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
-    q = fused[0].long() - offset
-    want = torch.round(x.double() / (x.double().abs().amax(1, keepdim=True).clamp_min(1e-12) / 127))
-    assert (q - want).abs().max() <= 1  # a tie may round either way between float32 and float64
-    assert q.abs().max() == 127 and not q[3].any()
-    assert fused[0].dtype == (torch.uint8 if offset else torch.int8)
+    x[:, 11] *= 40  # an outlier channel
+    whole = formats.quantize_tokens(x, offset)
+    monkeypatch.setattr(formats, "TOKEN_BLOCK_ELEMENTS", 70 * 8)  # 8 rows a block: 6 blocks and one of 2
+    blocked = formats.quantize_tokens(x, offset)
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+    for skip in (None, [11]):
+        q, scale = formats.quantize_tokens(x, offset, None if skip is None else torch.tensor(skip))
+        q = q.long() - offset
+        inl = x.double().clone()
+        if skip:
+            inl[:, skip] = 0.0
+        want_scale = inl.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+        assert torch.allclose(scale.double(), want_scale, rtol=1e-6, atol=0)
+        want = torch.round(inl / want_scale)
+        assert (q - want).abs().max() <= 1  # a tie may round either way between float32 and float64
+        assert q.abs().max() == 127 and not q[3].any()
+        assert not skip or not q[:, skip].any()
+        assert (formats.quantize_tokens(x, offset)[0].dtype == (torch.uint8 if offset else torch.int8))
 
 
 def _int8_reference(x, w, b, outliers, levels):
