@@ -119,8 +119,9 @@ class BF16(Format):
     def linear(self, x, weight, bias):
         w = self.prepared(weight)
         if w.dtype == torch.bfloat16:  # oneDNN / cuBLAS: bf16 operands, fp32 accumulation
-            out = F.linear(x.to(torch.bfloat16), w).float()
-            return out if bias is None else out.add_(bias)
+            out = F.linear(x.to(torch.bfloat16), w)
+            # widened and biased in one pass: bf16 + fp32 promotes to fp32, each bf16 exact in it
+            return out.float() if bias is None else torch.add(bias, out)
         xr = x.to(torch.bfloat16).float()
         return torch.mm(xr, w.t()) if bias is None else torch.addmm(bias, xr, w.t())
 
