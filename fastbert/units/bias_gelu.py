@@ -21,9 +21,13 @@ def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activ
     W is [2I, H] (HF's Wi: the input half, then the gate half) and the result act(a) * g [T, I] for
     [a, g] = x @ W^T + b (GeGLU; SwiGLU with "silu"). `workspace`: see twins.Workspace. `fmt`: the GEMM's number
     format (a formats.Format; None: F.linear on the weights as they are)."""
-    if fmt is not None:  # the GEMM in a number format (fastbert/formats.py)
+    if fmt is not None:  # the GEMM in a number format (fastbert/formats.py); its fresh output takes the activation
         h = fmt.linear(x, weight, bias)
-    elif workspace is None:
+        if not gated:
+            return activate_into(h, activation, h)
+        a, g = h.chunk(2, dim=-1)
+        return activate_into(a, activation, a).mul_(g)
+    if workspace is None:
         h = F.linear(x, weight, bias)
     else:
         h = linear_into(x, weight, bias, workspace, "ffn")
