@@ -160,6 +160,8 @@ class Ops(NamedTuple):
     triton: frozenset
     traced: bool = False
     grad: bool = False
+    fmt: object = None  # the GEMMs' number format (formats.Format), or None; the ops hold it already (functools.
+                        # partial), and a layer's linears that no op holds take it from here (twins.linear)
 
 
 # While a forward is traced for inference, the four ops are recorded as torch custom ops (each unit's),
@@ -225,7 +227,7 @@ def plan(situation: Situation) -> Ops:
         table_key = None if situation.shapes is None else table_key_of(op, situation, training[op])
         return net_callable(op, kernel, unit.twin, situation.device, table_key)
 
-    return Ops(*map(chosen, OPS), triton=triton, traced=tracing(), grad=situation.needs_grad)
+    return Ops(*map(chosen, OPS), triton=triton, traced=tracing(), grad=situation.needs_grad, fmt=fmt)
 
 
 def _measure():

@@ -98,6 +98,11 @@ class Format:
     def linear(self, x, weight, bias):
         return F.linear(x, weight, bias)
 
+    def hidden(self, x, weight, bias):
+        """`linear` for a GEMM whose output only an elementwise activation reads before the format's next GEMM
+        (bias_gelu): a format may keep that output in its own working dtype. Here: `linear`."""
+        return self.linear(x, weight, bias)
+
     def __repr__(self):
         return f"Format({self.name!r})"
 
@@ -119,11 +124,23 @@ class BF16(Format):
     def linear(self, x, weight, bias):
         w = self.prepared(weight)
         if w.dtype == torch.bfloat16:  # oneDNN / cuBLAS: bf16 operands, fp32 accumulation
-            out = F.linear(x.to(torch.bfloat16), w)
-            # widened and biased in one pass: bf16 + fp32 promotes to fp32, each bf16 exact in it
-            return out.float() if bias is None else torch.add(bias, out)
+            out = F.linear(x.to(torch.bfloat16), w).float()  # each bf16 exact in fp32
+            # widened, then biased in fp32: the same numbers as one mixed-dtype add (bf16 + fp32 promotes), which
+            # takes TensorIterator's casting loop, ~2x slower than the two plain passes on CPU
+            return out if bias is None else out.add_(bias)
         xr = x.to(torch.bfloat16).float()
         return torch.mm(xr, w.t()) if bias is None else torch.addmm(bias, xr, w.t())
+
+    def hidden(self, x, weight, bias):
+        """The GEMM whose output only an elementwise activation reads before the next GEMM of the format (the
+        FFN's first): kept in bf16, the bias added in the GEMM's fp32 accumulator (the bias rounded to bf16), so
+        the [T, I] activation is read and written in bf16 and reaches the next GEMM without a conversion. The
+        activation itself computes in fp32 and rounds its result to bf16, the rounding the next GEMM's input takes
+        anyway. Where the CPU has no bf16 dot products: `linear` (fp32)."""
+        w = self.prepared(weight)
+        if w.dtype != torch.bfloat16:
+            return self.linear(x, weight, bias)
+        return F.linear(x.to(torch.bfloat16), w, None if bias is None else self.prepared(bias))
 
 
 class Int8Weight:

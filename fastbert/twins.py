@@ -50,6 +50,22 @@ class Workspace:
         return buf
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt=None) -> torch.Tensor:
+    """A layer's linear that no fused op holds (a pre-norm layer's output GEMMs): F.linear, or the GEMM in number
+    format `fmt` (formats.Format; fp32 out). x may be in the format's working dtype (bias_gelu's output is bf16 in
+    the bf16 format: Format.hidden)."""
+    return F.linear(x, weight, bias) if fmt is None else fmt.linear(x, weight, bias)
+
+
+def add_linear(stream: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               fmt=None) -> torch.Tensor:
+    """stream + (x @ W^T + b), a pre-norm layer's output linear added to the stream: without a bias one addmm that
+    adds the stream; in a format, its GEMM (fp32 out) and then the stream added to that fresh output."""
+    if fmt is not None:
+        return fmt.linear(x, weight, bias).add_(stream)
+    return torch.addmm(stream, x, weight.t()) if bias is None else stream + F.linear(x, weight, bias)
+
+
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, workspace: Workspace,
                  name: str) -> torch.Tensor:
     """F.linear(x [T, K], W [N, K], b) into the workspace's buffer `name` (the same GEMM F.linear calls: addmm with a

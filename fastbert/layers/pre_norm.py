@@ -85,6 +85,6 @@ class PreNormLayer(EncoderLayer):
             g = twins.activate(a, self.activation) * gate
         if p_mlp > 0:
             g = twins.dropout(g, p_mlp)
-        if plain(wo) and wo.bias is None:
-            return torch.addmm(x, g, wo.weight.t()), probs  # one GEMM that adds the stream: x + g @ Wo^T
-        return x + wo(g), probs
+        if plain(wo):
+            return twins.add_linear(x, g, wo.weight, wo.bias, run.fmt), probs  # x + g @ Wo^T: one GEMM (no bias)
+        return x + wo(g.to(x.dtype)), probs  # g: bf16 where the bf16 format keeps bias_gelu's output so

@@ -109,7 +109,7 @@ class RMSPreNormLayer(EncoderLayer):
             x, h = run.residual_layernorm(ctx, out.weight, out.bias, x, ln2.weight, None, ln2.variance_epsilon,
                                           pre_norm=True, rms=True, workspace=workspace)          # [T, H] each
         else:  # an adapter on W_o, or another module in the norm's place: each called as the module it is
-            x = torch.addmm(x, ctx, out.weight.t()) if plain(out) and out.bias is None else x + out(ctx)
+            x = twins.add_linear(x, ctx, out.weight, out.bias, run.fmt) if plain(out) else x + out(ctx)
             h = ln2(x)
         gate, up = self.module("ffn_gate"), self.module("ffn_up")
         if plain(gate) and plain(up):
@@ -117,9 +117,9 @@ class RMSPreNormLayer(EncoderLayer):
             g = run.bias_gelu(h, weight, bias, self.activation, gated=True)                      # [T, I]
         else:
             g = twins.activate(gate(h), self.activation) * up(h)
-        if plain(wo) and wo.bias is None:
-            return torch.addmm(x, g, wo.weight.t()), probs  # x + g @ W_down^T
-        return x + wo(g), probs
+        if plain(wo):
+            return twins.add_linear(x, g, wo.weight, wo.bias, run.fmt), probs  # x + g @ W_down^T (+ b)
+        return x + wo(g.to(x.dtype)), probs  # g: bf16 where the bf16 format keeps bias_gelu's output so
 
 
 def _mlp_bias(config) -> bool:

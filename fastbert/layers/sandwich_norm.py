@@ -55,12 +55,13 @@ class SandwichNormLayer(RMSPreNormLayer):
         kv_heads = self.kv_heads if self.kv_heads < self.num_heads else None
         ctx, probs = run.attention(qkv, attn, self.scale, p_attn, output_attentions,
                                    Extras(window=self.window, rotary=rotary, kv_heads=kv_heads))   # [T, nh*hd]
-        x = x + n_attn(out(ctx))                                                                 # [T, H]
+        plain = adapters.is_plain_linear
+        x = x + n_attn(twins.linear(ctx, out.weight, out.bias, run.fmt) if plain(out) else out(ctx))  # [T, H]
         h = n_ffn(x)
         gate, up = self.module("ffn_gate"), self.module("ffn_up")
-        if adapters.is_plain_linear(gate) and adapters.is_plain_linear(up):
+        if plain(gate) and plain(up):
             weight, bias = self.gate_up(run)
             g = run.bias_gelu(h, weight, bias, self.activation, gated=True)                      # [T, I]
         else:
             g = twins.activate(gate(h), self.activation) * up(h)
-        return x + n_after(wo(g)), probs
+        return x + n_after(twins.linear(g, wo.weight, wo.bias, run.fmt) if plain(wo) else wo(g.to(x.dtype))), probs

@@ -22,7 +22,7 @@ def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activ
     [a, g] = x @ W^T + b (GeGLU; SwiGLU with "silu"). `workspace`: see twins.Workspace. `fmt`: the GEMM's number
     format (a formats.Format; None: F.linear on the weights as they are)."""
     if fmt is not None:  # the GEMM in a number format (fastbert/formats.py); its fresh output takes the activation
-        h = fmt.linear(x, weight, bias)
+        h = fmt.hidden(x, weight, bias)  # in the format's working dtype (bf16: bf16)
         if not gated:
             return activate_into(h, activation, h)
         a, g = h.chunk(2, dim=-1)

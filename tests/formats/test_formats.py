@@ -53,6 +53,36 @@ def test_linear_against_float64(fmt, shape):
     assert err >= bound / 1000, "the format changed nothing: its GEMM did not run"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_hidden_against_float64(fmt):
+    """`hidden`, the GEMM an activation alone reads before the next GEMM (bias_gelu): bf16 keeps it in bf16 where
+    the CPU has bf16 dot products (the bias added in the GEMM, one more rounding of the result), int8 in fp32 as
+    `linear`. Both within their bound against float64, and the bf16 form feeds the next GEMM unconverted."""
+    T, K, N = 300, 384, 1536
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, K, generator=g) * torch.linspace(0.1, 3.0, K)
+    w, b = torch.randn(N, K, generator=g) * K ** -0.5, torch.randn(N, generator=g)
+    fmt_ = formats.format_of(fmt)
+    got = fmt_.hidden(x, w, b)
+    native = fmt == "bf16" and fmt_.native(x.device)
+    assert got.dtype == (torch.bfloat16 if native else torch.float32) and got.shape == (T, N)
+    want = F.linear(x.double(), w.double(), b.double())
+    scale = x.double().abs() @ w.double().abs().t() + b.double().abs()
+    err = float(((got.double() - want).abs() / scale).max())
+    bound = {"bf16": 3 * 2 ** -8, "int8": 2 * (1 / 127 + 1 / formats.weight_levels(x.device))}[fmt]
+    assert bound / 1000 <= err <= bound, (fmt, err, bound)
+    if fmt == "int8":
+        assert torch.equal(got, fmt_.linear(x, w, b))
+    # the activation in place and the next GEMM of the format, as bias_gelu and residual_layernorm call them
+    from fastbert.units import bias_gelu
+    h = bias_gelu.twin(x, w, b, "gelu", fmt=fmt_)
+    assert h.dtype == got.dtype
+    want_h = F.gelu(want)
+    assert float((h.double() - want_h).abs().max() / want_h.abs().max()) <= 4 * bound
+    out = fmt_.linear(h, torch.randn(K, N, generator=g) * N ** -0.5, None)
+    assert out.dtype == torch.float32 and out.shape == (T, K)
+
+
 @pytest.mark.parametrize("offset", [0, formats.ZERO_POINT])
 def test_token_quantization_paths_agree(offset, monkeypatch):
     """quantize_tokens in blocks of a few rows (the last one short) gives the integers and scales of one block over
@@ -159,6 +189,41 @@ def test_every_family_in_each_format(arch, fmt):
     assert 1e-6 < err <= BARS[fmt], (arch, fmt, err)
     assert torch.equal(back, want)
     assert all(torch.equal(v, state[k]) for k, v in fb.state_dict().items())
+
+
+class WeightsSeen(formats.BF16):
+    """bf16, recording every matrix its GEMMs prepare (a fused group's weight is one matrix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def prepared(self, weight):
+        if weight.dim() == 2:
+            self.seen.add(id(weight))
+        return super().prepared(weight)
+
+
+@pytest.mark.parametrize("family", [*ARCHS, "qwen3", "gemma3_text"])
+def test_every_layer_linear_runs_in_the_format(family):
+    """A layer's four GEMMs (QKV, attention output, the FFN's first and second) all run in the format, the output
+    GEMMs that pre-norm layers compute outside the fused ops included: the format prepares 4 matrices a layer."""
+    if family in ("qwen3", "gemma3_text"):
+        if not has_decoder_embedders():
+            pytest.skip("fastbert runs these families from transformers 5 on")
+        hf = qwen3_model() if family == "qwen3" else gemma3_model()
+        ids = torch.randint(5, 100, (2, 9))
+        mask, kwargs = torch.ones_like(ids), {}
+    else:
+        hf = random_arch_model(family)
+        ids, tt, mask = arch_inputs(hf, "right")
+        kwargs = type_kwargs(tt)
+    fb = fastbert.BertModel.from_hf(hf, kernels="torch")
+    fmt = WeightsSeen()
+    with torch.inference_mode():
+        fb.set_format(fmt)
+        fb(ids, attention_mask=mask, **kwargs)
+    assert len(fmt.seen) == 4 * len(fb.layers), (family, len(fmt.seen), len(fb.layers))
 
 
 @pytest.mark.skipif(not has_decoder_embedders(), reason="fastbert runs these families from transformers 5 on")
