@@ -60,7 +60,7 @@ def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_
     if reason:
         pytest.skip(reason)
     import fastbert
-    from fastbert.encode import DEFAULT_MAX_TOKENS_PER_BATCH, plan_batches
+    from fastbert.encode import default_max_tokens_per_batch, plan_batches
     sentence_transformers = pytest.importorskip("sentence_transformers")
 
     torch_dtype = harness.DTYPES[dtype]
@@ -131,9 +131,9 @@ def test_encode_corpus(device, dtype, size, model, benchmark, request, tmp_path_
         texts=len(texts), real_tokens=sum(lengths), max_seq_length=encoder.pipeline.max_seq_length,
         rounds=len(timed["fastbert"]), round_s=timed, first_call_s=first_call_s, max_one_minus_cosine=error,
         bound=bound, sentence_transformers_batch_size=ST_BATCH_SIZE,
-        fastbert_max_tokens_per_batch=DEFAULT_MAX_TOKENS_PER_BATCH,
+        fastbert_max_tokens_per_batch=default_max_tokens_per_batch(device),
         computed_tokens={
-            "fastbert": computed_tokens(lengths, plan_batches(lengths, DEFAULT_MAX_TOKENS_PER_BATCH,
+            "fastbert": computed_tokens(lengths, plan_batches(lengths, default_max_tokens_per_batch(device),
                                                               count_padding=False), padding=False),
             "sentence-transformers": computed_tokens(lengths, [by_chars[i:i + ST_BATCH_SIZE]
                                                               for i in range(0, len(texts), ST_BATCH_SIZE)])},

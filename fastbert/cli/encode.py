@@ -235,7 +235,7 @@ error (one line on stderr)."""
 
 
 def encode_parser() -> Parser:
-    from ..encode import DEFAULT_MAX_TOKENS_PER_BATCH
+    from ..encode import CPU_MAX_TOKENS_PER_BATCH, DEFAULT_MAX_TOKENS_PER_BATCH
 
     parser = Parser(prog="python -m fastbert encode", description="Sentence embeddings of a corpus, as "
                      "sentence-transformers computes them, written to a .npy file.", epilog=ENCODE_EPILOG,
@@ -284,9 +284,10 @@ def encode_parser() -> Parser:
     pipe.add_argument("--prompt-name", metavar="NAME", help="one of the model's prompts (config_sentence_"
                       "transformers.json), e.g. query or document")
     work = parser.add_argument_group("batching")
-    work.add_argument("--max-tokens-per-batch", type=count(1), default=DEFAULT_MAX_TOKENS_PER_BATCH, metavar="N",
+    work.add_argument("--max-tokens-per-batch", type=count(1), metavar="N",
                       help=f"texts are sorted by length and packed up to N real tokens per forward (the forward "
-                           f"computes no padding; default {DEFAULT_MAX_TOKENS_PER_BATCH})")
+                           f"computes no padding; default {CPU_MAX_TOKENS_PER_BATCH:,} on a CPU, "
+                           f"{DEFAULT_MAX_TOKENS_PER_BATCH:,} on a GPU)")
     work.add_argument("--batch-size", type=count(1), metavar="N",
                       help="at most N texts per forward (default: the token budget alone decides)")
     work.add_argument("--no-progress", action="store_true",

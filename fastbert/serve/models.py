@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .. import formats
-from ..encode import SentenceEncoder, padded, plan_batches
+from ..encode import SentenceEncoder, default_max_tokens_per_batch, padded, plan_batches
 from ..loading import looks_like_a_path, resolve_folder
 from .errors import Invalid, TooLarge
 
@@ -281,7 +281,19 @@ class Embedder:
 
     def run(self, payloads: Sequence[EmbedPayload]) -> list:
         """EmbedPayloads -> per input, its pooled vector (a float32 numpy row), or its token vectors [tokens,
-        hidden] where it asks for them; one packed forward."""
+        hidden] where it asks for them: one packed forward, or on a CPU forwards of encode's CPU budget
+        (default_max_tokens_per_batch: beyond it a CPU forward is slower per token), length-sorted."""
+        budget = default_max_tokens_per_batch(self.encoder.device)
+        lengths = [len(p.ids) for p in payloads]
+        if sum(lengths) <= budget:
+            return self._forward(payloads)
+        out: list = [None] * len(payloads)
+        for chunk in plan_batches(lengths, budget, count_padding=False):
+            for i, result in zip(chunk, self._forward([payloads[i] for i in chunk])):
+                out[i] = result
+        return out
+
+    def _forward(self, payloads: Sequence[EmbedPayload]) -> list:
         tokens = any(p.tokens for p in payloads)
         out = self.encoder.embed_tokenized([p.ids for p in payloads], prompts=[p.prompt for p in payloads],
                                            tasks=[p.task for p in payloads], **({"token_vectors": True} if tokens
@@ -350,11 +362,13 @@ class Scorer:
 
     def run(self, payloads: Sequence[ScorePayload]) -> list:
         """ScorePayloads -> logits (float32 numpy rows): the head over chunks whose padded rows stay within the
-        token budget; its fastbert encoder computes the real tokens only."""
+        token budget (on a CPU at most encode's CPU budget, default_max_tokens_per_batch); its fastbert encoder
+        computes the real tokens only."""
         lengths = [len(p.ids) for p in payloads]
         out: list = [None] * len(payloads)
+        budget = min(self.max_batch_tokens, default_max_tokens_per_batch(self.device))
         with torch.inference_mode():
-            for chunk in plan_batches(lengths, self.max_batch_tokens, count_padding=True):
+            for chunk in plan_batches(lengths, budget, count_padding=True):
                 input_ids, mask = padded([payloads[i].ids for i in chunk], self.pad_id)
                 kwargs = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
                 if payloads[chunk[0]].types is not None:

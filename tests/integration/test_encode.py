@@ -135,6 +135,22 @@ def test_input_order_is_kept(minilm_path, texts):
     np.testing.assert_allclose(singles, forward[:12], atol=1e-6)
 
 
+def test_a_cpu_forward_takes_the_cpu_budget_by_default(minilm_path, texts):
+    """Without max_tokens_per_batch a CPU forward holds at most CPU_MAX_TOKENS_PER_BATCH real tokens (past it a
+    CPU forward is slower per token), and the vectors are those of one 16,384-token budget."""
+    from fastbert.encode import CPU_MAX_TOKENS_PER_BATCH
+    encoder = SentenceEncoder.from_pretrained(minilm_path, **CPU)
+    long = [" ".join([t] * 4) for t in texts] * 4  # > 16,384 real tokens in all
+    seen, forward = [], encoder._forward
+    encoder._forward = lambda **kw: seen.append(int(kw["attention_mask"].sum())) or forward(**kw)
+    got = encoder.encode(long)
+    assert len(seen) > 4 and max(seen) <= CPU_MAX_TOKENS_PER_BATCH < sum(seen), seen
+    seen.clear()
+    whole = encoder.encode(long, max_tokens_per_batch=16384)
+    assert max(seen) > CPU_MAX_TOKENS_PER_BATCH
+    np.testing.assert_allclose(got, whole, atol=1e-6)
+
+
 # ---- every pooling mode and config style ---------------------------------------------------------------------------
 @pytest.mark.parametrize("pooling", [
     legacy_pooling("max"),

@@ -132,3 +132,32 @@ def test_a_vector_against_what_shares_its_batch_on_the_cpu_twins(encoder, minilm
     worst = max(d for ds in deltas.values() for d in ds)
     assert served_error <= 2 * hf_error, (served_error, hf_error)
     assert worst <= 1e-6, worst  # measured: 1.4e-7 (a unit vector of 384 fp32 components)
+
+
+def test_a_cpu_batch_runs_in_forwards_of_the_cpu_budget(encoder, minilm_path, texts, monkeypatch):
+    """On a CPU the server's batch is cut into forwards of encode's CPU budget (past it a CPU forward is slower per
+    token): each input still gets sentence-transformers' vector, or its own token vectors, in input order, however
+    the batch was cut."""
+    st = optional("sentence_transformers", "sentence-transformers is a test extra")
+    import sys
+
+    from fastbert.serve.models import Embedder
+    model = st.SentenceTransformer(minilm_path, device="cpu")
+    embedder = Embedder(encoder)
+    payloads = embedder.prepare(texts, "", None, True, "right", "inputs")
+    payloads[3] = payloads[3]._replace(tokens=True)  # one input asks for its token vectors (/embed_all)
+    whole = embedder.run(payloads)  # 24 texts: under 4,096 tokens, one forward
+    calls = []
+    forward = embedder._forward
+    monkeypatch.setattr(embedder, "_forward", lambda chunk: calls.append(len(chunk)) or forward(chunk))
+    monkeypatch.setattr(sys.modules["fastbert.encode"], "CPU_MAX_TOKENS_PER_BATCH", 200)
+    cut = embedder.run(payloads)
+    assert len(calls) > 2 and sum(calls) == len(texts)
+    want = model.encode(texts)  # the folder normalises; the worker's vectors come before Normalize
+    tokens = model.encode(texts[3:4], output_value="token_embeddings")[0].numpy()
+    unit = (lambda v: v / np.linalg.norm(v)) if embedder.normalize else (lambda v: v)  # noqa: E731
+    for i, (a, b) in enumerate(zip(whole, cut)):
+        reference = tokens if i == 3 else want[i]
+        a, b = (a, b) if i == 3 else (unit(a), unit(b))
+        assert a.shape == b.shape == reference.shape
+        assert max_delta(b, reference) <= FP32_TOL and max_delta(a, reference) <= FP32_TOL
