@@ -13,6 +13,7 @@ written out on CPU, and sdpa on CUDA under a mask (`_sdpa`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -285,6 +286,8 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
     if workspace is not None:
         return _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads,
                                       causal)
+    if plain and rotary is None and qkv.device.type == "cpu" and not torch.is_grad_enabled():
+        return _attention_runs(qkv, layout.lengths, scale, parts, causal)
     contexts, start = [], 0
     for piece in qkv.split(layout.lengths):  # views; under autograd one SplitBackward, not a zeroed [T, ...] each
         length = piece.shape[0]
@@ -300,6 +303,25 @@ def attention_varlen_torch(qkv: torch.Tensor, layout: TokenLayout, scale: float,
         contexts.append(ctx[0].transpose(0, 1))  # [L, nh, hd], a strided view
         start += length
     return torch.cat(contexts).view(T, nh * hd)  # cat reads the strided views: the one copy
+
+
+def _attention_runs(qkv, lengths, scale: float, parts, causal: bool) -> torch.Tensor:
+    """attention_varlen_torch's plain inference on CPU: each run of equal lengths (encode sorts its texts by length,
+    so a batch holds many) as one dense [n, nh, L, hd] sdpa, written into one [T, nh*hd] output. The same bits as one
+    sdpa per sequence: sdpa's CPU kernel computes each (sequence, head) on its own, blocked by L alone (a test holds
+    them equal); fewer calls (MiniLM's forward of 4,096 tokens: ~20% less attention time, measured)."""
+    T, nh, kv, hd = heads(qkv, None if parts is None else parts[1])
+    out, start = qkv.new_empty(T, nh, hd), 0
+    for length, run in itertools.groupby(lengths):
+        n = sum(1 for _ in run)
+        if length == 0:
+            continue
+        rows = slice(start, start + n * length)
+        q, k, v = split_heads(qkv[rows], n, length, parts)  # [n, nh, L, hd], k and v [n, kv, L, hd]
+        ctx = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=kv < nh, is_causal=causal)
+        out[rows].view(n, length, nh, hd).copy_(ctx.transpose(1, 2))
+        start += n * length
+    return out.view(T, nh * hd)
 
 
 def _attention_varlen_into(qkv, layout, scale, dropout_p, bias, window, rotary, workspace, kv_heads,

@@ -687,3 +687,28 @@ def test_autotuner_keeps_its_choice_across_processes(tmp_path):
     first, second = tuning_in_fresh_processes(call, tmp_path)
     assert first["benchmarks"] > 0, first
     assert second == {"benchmarks": 0, "choice": first["choice"]}, (first, second)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads, causal", [(None, False), (2, False), (2, True)])
+def test_runs_of_equal_lengths_give_the_per_sequence_bits(dtype, kv_heads, causal):
+    """The CPU twin's inference runs each run of equal lengths as one dense sdpa: bit for bit what one sdpa per
+    sequence gives (the loop autograd takes), so a text's context never depends on the texts beside it."""
+    from fastbert.layout import TokenLayout
+    lengths = [40, 40, 40, 17, 17, 9, 40, 1, 1, 0]
+    nh, hd = 4, 32
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(3)
+    width = (3, nh) if kv_heads is None else (nh + 2 * kv_heads,)
+    qkv = torch.randn(T, *width, hd, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    layout = TokenLayout(cu, max(lengths), T, tuple(lengths), None, len(lengths), max(lengths))
+    call = lambda: ops.attention_varlen_torch(qkv, layout, hd ** -0.5, kv_heads=kv_heads, causal=causal)  # noqa: E731
+    per_sequence = call()  # autograd on: one sdpa per sequence
+    with torch.inference_mode():
+        runs = call()
+    assert runs.shape == per_sequence.shape == (T, nh * hd) and runs.dtype == dtype
+    assert torch.equal(runs, per_sequence)
+    one = TokenLayout(torch.tensor([0, 17], dtype=torch.int32), 17, 17, (17,), None, 1, 17)
+    alone = ops.attention_varlen_torch(qkv[120:137], one, hd ** -0.5, kv_heads=kv_heads, causal=causal)
+    assert torch.equal(runs[120:137], alone)  # the first 17-token text, alone in its batch
