@@ -178,8 +178,10 @@ TOKEN_BLOCK_ELEMENTS = 1 << 19
 
 def quantize_tokens(x: torch.Tensor, offset: int = 0, skip: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of x [T, K] fp32: (q [T, K], scale fp32 [T, 1]), q = round(x / scale) with
-    scale = max |x_t| / 127 (round half to even, as torch.round). offset=ZERO_POINT gives q + 128 as uint8 (the
+    """Symmetric int8 per row of x [T, K] fp32: (q [T, K], scale fp32 [T, 1]), q = round(x * (1 / scale)) with
+    scale = max |x_t| / 127 (round half to even, as torch.round; the reciprocal's product, 4x cheaper than the
+    division on CPU, can differ from x / scale in the last bit, so a value within an ulp of a half may round the
+    other way). offset=ZERO_POINT gives q + 128 as uint8 (the
     form oneDNN's fast x86 kernels take), else q is int8. skip: input channels (int64 [k]) left out, of the scale
     and of q (0 there: q + offset in the u8 form)."""
     rows, columns = x.shape
@@ -194,7 +196,7 @@ def quantize_tokens(x: torch.Tensor, offset: int = 0, skip: torch.Tensor | None 
             b.index_fill_(1, skip, 0.0)
         torch.maximum(b.amax(1, keepdim=True), b.amin(1, keepdim=True).neg_(), out=s)
         s.clamp_min_(1e-12).div_(127)
-        b.div_(s).round_()
+        b.mul_(s.reciprocal()).round_()
         if offset:
             b.add_(offset)
         q[start:start + step].copy_(b)  # exact: whole numbers in [-127, 127] (+ offset)
