@@ -45,6 +45,8 @@ EPILOG = """examples:
 
 
 def serve_parser() -> Parser:
+    from ..serve.options import DEFAULT_TARGET_ONGOING_REQUESTS, default
+
     parser = Parser(prog="python -m fastbert serve", description="An embedding, reranking and classification "
                     "server (TEI's and OpenAI's HTTP APIs) that batches every client's texts padding-free.",
                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,24 +73,27 @@ def serve_parser() -> Parser:
     model.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the model's dtype (default: what the "
                        "folder says, else the checkpoint's own); pooling runs in fp32")
-    model.add_argument("--kernels", type=parse_kernels, default="auto",
-                       help="auto (default), torch, triton, or op=backend,...")
+    model.add_argument("--kernels", type=parse_kernels, default=default("kernels"),
+                       help=f"auto, torch, triton, or op=backend,... (default: {default('kernels')})")
     add_format_options(model)
     model.add_argument("--no-cuda-graphs", action="store_true",
                        help="run the model eagerly on CUDA too (by default it replays CUDA graphs over token buckets)")
     limits = parser.add_argument_group("batching and limits")
-    limits.add_argument("--max-batch-tokens", type=count(1), default=16384, metavar="N",
-                        help="real tokens per batch the model worker runs (no padding is computed; default: 16384)")
-    limits.add_argument("--max-concurrent-requests", type=count(1), default=512, metavar="N",
-                        help="requests in flight; the next one is refused at once with 429 (default: 512)")
-    limits.add_argument("--max-client-batch-size", type=count(1), default=32, metavar="N",
-                        help="inputs per request; more is a 413 (default: 32)")
+    limits.add_argument("--max-batch-tokens", type=count(1), default=default("max_batch_tokens"), metavar="N",
+                        help=f"real tokens per batch the model worker runs (no padding is computed; on a CPU in "
+                             f"forwards of at most 4,096; default: {default('max_batch_tokens')})")
+    limits.add_argument("--max-concurrent-requests", type=count(1), default=default("max_concurrent_requests"),
+                        metavar="N", help=f"requests in flight; the next one is refused at once with 429 (default: "
+                                          f"{default('max_concurrent_requests')})")
+    limits.add_argument("--max-client-batch-size", type=count(1), default=default("max_client_batch_size"),
+                        metavar="N", help=f"inputs per request; more is a 413 (default: "
+                                          f"{default('max_client_batch_size')})")
     limits.add_argument("--auto-truncate", action="store_true",
                         help="cut an input past the model's limit (at the end a request's truncation_direction names) "
                         "when the request does not say (/v1/embeddings has no say); without it, such an input is a 413")
-    limits.add_argument("--payload-limit", type=count(1), default=2_000_000, metavar="BYTES",
-                        help="request body size; more is a 413 (default: 2000000)")
-    limits.add_argument("--tokenization-workers", type=count(1), default=None, metavar="N",
+    limits.add_argument("--payload-limit", type=count(1), default=default("payload_limit"), metavar="BYTES",
+                        help=f"request body size; more is a 413 (default: {default('payload_limit')})")
+    limits.add_argument("--tokenization-workers", type=count(1), default=default("tokenization_workers"), metavar="N",
                         help="threads that tokenize (default: min(4, CPUs))")
     ray = parser.add_argument_group(
         "Ray: replicas behind one endpoint (pip install 'fastbert-triton[ray,serve]')",
@@ -104,7 +109,7 @@ def serve_parser() -> Parser:
     ray.add_argument("--max-replicas", type=count(1), metavar="N", help="see --min-replicas")
     ray.add_argument("--target-ongoing-requests", type=fraction, metavar="N", default=None,
                      help="with --min/--max-replicas: the requests in flight per replica the autoscaler aims at "
-                          "(default: 32, which keeps a replica's batches full)")
+                          f"(default: {DEFAULT_TARGET_ONGOING_REQUESTS}, which keeps a replica's batches full)")
     ray.add_argument("--gpus-per-replica", type=fraction, metavar="X",
                      help="GPUs per replica (default 1 where the cluster has GPUs; 0.5 puts two replicas on a GPU)")
     ray.add_argument("--cpus-per-replica", type=fraction, metavar="X",
@@ -116,7 +121,7 @@ def app_options(args, device) -> dict:
     """fastbert.serve.Options' fields from the parsed flags: each flag is named as its field (--max-batch-tokens:
     max_batch_tokens), but --no-cuda-graphs (cuda_graphs) and the device, given. The one place the command maps its
     flags onto the app, for one process and for every Ray replica alike."""
-    from ..serve.server import Options
+    from ..serve.options import Options
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Options)
               if f.name not in ("device", "cuda_graphs")}
     return {**values, "device": device, "cuda_graphs": not args.no_cuda_graphs}

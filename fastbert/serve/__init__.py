@@ -10,6 +10,14 @@ gathers every client's texts into padding-free batches.
 Needs the `serve` extra (FastAPI, uvicorn): pip install "fastbert-triton[serve]". The rest of
 fastbert never imports this package. docs/serve.md: the routes, the options, the scheduler, the numbers.
 """
-from .server import Options, app
+from .options import Options
 
 __all__ = ["app", "Options"]
+
+
+def __getattr__(name):
+    """`app` imports the server (FastAPI) when first asked for; Options needs none of it (the command's parser)."""
+    if name == "app":
+        from .server import app
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

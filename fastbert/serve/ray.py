@@ -23,14 +23,10 @@ from typing import Optional
 import ray
 from ray import serve
 
-from .server import Options
+from .options import DEFAULT_TARGET_ONGOING_REQUESTS, Options
 from .server import app as build_app
 
 APP_NAME = "fastbert"
-# A replica's batches stay full while about this many requests of a few texts each are in flight on it (the serving
-# benchmark's requests carry ~460 real tokens: 32 of them fill ~14,700 of the 16,384-token budget); fewer starve its
-# batching, more only queue. The autoscaler adds replicas when the average per replica passes it.
-DEFAULT_TARGET_ONGOING_REQUESTS = 32
 # How long a stopping replica may take to answer the requests it holds before Ray Serve kills it (the single process
 # waits without a limit; a full one-thread CPU replica holds 512 requests of up to 16 texts: ~100 s at ~11 ms a
 # text).

@@ -307,6 +307,22 @@ def test_the_command_takes_teis_options_with_teis_defaults(capsys):
         assert name in help_text
 
 
+def test_the_commands_parser_needs_neither_fastapi_nor_ray():
+    """The flags' defaults come from fastbert.serve.options, which imports nothing of the server: the parser (and
+    --help) builds in a process where importing FastAPI or Ray fails, and fastbert.serve.app still names the app."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['fastapi'] = sys.modules['ray'] = None\n"
+            "from fastbert.cli.serve import serve_parser\n"
+            "args = serve_parser().parse_args([])\n"
+            "import fastbert.serve\n"
+            "assert 'fastbert.serve.server' not in sys.modules\n"
+            "print(args.max_batch_tokens, fastbert.serve.Options().max_batch_tokens)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["16384", "16384"], done.stderr[-2000:]
+    assert serve.app.__module__ == "fastbert.serve.server"
+
+
 def test_the_commands_flags_are_the_apps_options_with_their_defaults(monkeypatch):
     """`python -m fastbert serve`'s flags map onto fastbert.serve.Options field by field (app_options: what one
     process and every Ray replica are built with), and a flag left out gives the field's own default."""
