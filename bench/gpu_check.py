@@ -399,10 +399,13 @@ def append_record(path: str, record: dict) -> None:
 
 
 def read_records(path: str) -> list[dict]:
+    """The complete lines of a records file. A line without its newline yet is another process's append caught
+    mid-write (a read may see part of a concurrent write): it is left out, and read whole next time."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        *complete, _partial = f.read().split("\n")
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def faults() -> dict:

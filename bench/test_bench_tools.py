@@ -830,3 +830,17 @@ def test_gpu_check_cold_start_fits_and_records_compiles(tmp_path):
     assert all(r["status"] == "ok" for r in workers)
     assert sum(r["compiles"] for r in workers if r["check"] == "smoke:bf16") == len(smoke)
     assert "### Timeline (a simulated cold machine, 0.2 s a compile)" in (out / "summary.md").read_text()
+
+
+def test_records_read_mid_append_leave_the_partial_line_out(tmp_path):
+    """A background worker reads compiled.jsonl while another process appends to it: a line caught without its
+    newline is left out (and read whole once written), never a JSON error that fails the worker's job."""
+    path = str(tmp_path / "compiled.jsonl")
+    gpu_check.append_record(path, {"key": "a"})
+    with open(path, "a") as f:
+        f.write('{"key": "b", "at": 17')  # an append in flight
+    assert gpu_check.read_records(path) == [{"key": "a"}]
+    with open(path, "a") as f:
+        f.write("}\n")
+    assert [r["key"] for r in gpu_check.read_records(path)] == ["a", "b"]
+    assert gpu_check.ColdMachine(str(tmp_path)).compiled() == {"a", "b"}
