@@ -76,6 +76,14 @@ def default_max_tokens_per_batch(device) -> int:
     """The token budget of one forward when the caller gives none: CPU_MAX_TOKENS_PER_BATCH on a CPU, else
     DEFAULT_MAX_TOKENS_PER_BATCH."""
     return CPU_MAX_TOKENS_PER_BATCH if torch.device(device).type == "cpu" else DEFAULT_MAX_TOKENS_PER_BATCH
+
+
+def forward_budget(device, budget: int) -> int:
+    """The tokens one forward of a `budget`-token batch takes: all of them, but on a CPU at most
+    CPU_MAX_TOKENS_PER_BATCH (the server's batches: a GPU runs its batch as one forward)."""
+    return min(budget, CPU_MAX_TOKENS_PER_BATCH) if torch.device(device).type == "cpu" else budget
+
+
 WINDOW = 32768  # texts tokenized and sorted together: bounds host memory on a large corpus, sorts well enough
 
 

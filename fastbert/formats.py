@@ -181,9 +181,8 @@ def quantize_tokens(x: torch.Tensor, offset: int = 0, skip: torch.Tensor | None 
     """Symmetric int8 per row of x [T, K] fp32: (q [T, K], scale fp32 [T, 1]), q = round(x * (1 / scale)) with
     scale = max |x_t| / 127 (round half to even, as torch.round; the reciprocal's product, 4x cheaper than the
     division on CPU, can differ from x / scale in the last bit, so a value within an ulp of a half may round the
-    other way). offset=ZERO_POINT gives q + 128 as uint8 (the
-    form oneDNN's fast x86 kernels take), else q is int8. skip: input channels (int64 [k]) left out, of the scale
-    and of q (0 there: q + offset in the u8 form)."""
+    other way). offset=ZERO_POINT gives q + 128 as uint8 (the form oneDNN's fast x86 kernels take), else q is int8.
+    skip: input channels (int64 [k]) left out, of the scale and of q (0 there: q + offset in the u8 form)."""
     rows, columns = x.shape
     q = torch.empty(rows, columns, dtype=torch.uint8 if offset else torch.int8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)

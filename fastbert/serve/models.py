@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .. import formats
-from ..encode import SentenceEncoder, default_max_tokens_per_batch, padded, plan_batches
+from ..encode import SentenceEncoder, forward_budget, padded, plan_batches
 from ..loading import looks_like_a_path, resolve_folder
 from .errors import Invalid, TooLarge
 
@@ -282,10 +282,11 @@ class Embedder:
     def run(self, payloads: Sequence[EmbedPayload]) -> list:
         """EmbedPayloads -> per input, its pooled vector (a float32 numpy row), or its token vectors [tokens,
         hidden] where it asks for them: one packed forward, or on a CPU forwards of encode's CPU budget
-        (default_max_tokens_per_batch: beyond it a CPU forward is slower per token), length-sorted."""
-        budget = default_max_tokens_per_batch(self.encoder.device)
+        (forward_budget: beyond it a CPU forward is slower per token), length-sorted."""
         lengths = [len(p.ids) for p in payloads]
-        if sum(lengths) <= budget:
+        total = sum(lengths)
+        budget = forward_budget(self.encoder.device, total)
+        if total <= budget:
             return self._forward(payloads)
         out: list = [None] * len(payloads)
         for chunk in plan_batches(lengths, budget, count_padding=False):
@@ -362,11 +363,11 @@ class Scorer:
 
     def run(self, payloads: Sequence[ScorePayload]) -> list:
         """ScorePayloads -> logits (float32 numpy rows): the head over chunks whose padded rows stay within the
-        token budget (on a CPU at most encode's CPU budget, default_max_tokens_per_batch); its fastbert encoder
-        computes the real tokens only."""
+        token budget (on a CPU at most encode's CPU budget: forward_budget); its fastbert encoder computes the real
+        tokens only."""
         lengths = [len(p.ids) for p in payloads]
         out: list = [None] * len(payloads)
-        budget = min(self.max_batch_tokens, default_max_tokens_per_batch(self.device))
+        budget = forward_budget(self.device, self.max_batch_tokens)
         with torch.inference_mode():
             for chunk in plan_batches(lengths, budget, count_padding=True):
                 input_ids, mask = padded([payloads[i].ids for i in chunk], self.pad_id)
